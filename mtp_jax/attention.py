@@ -1,0 +1,65 @@
+"""Attention of T new queries per row against a KV cache with per-row lengths.
+
+`attention_reference` is the plain-jnp oracle: the Pallas kernel in `pallas_kernels` is tested
+against this same function, and the model uses it wherever the kernel is not selected.
+
+Convention (shared with the kernel): `lengths[b]` counts the valid cache entries of row b
+*including* the T new tokens already written, so new query t of row b sits at absolute position
+`lengths[b] - T + t` and sees cache positions `< lengths[b] - T + t + 1` (the causal mask is
+aligned to the end of each row). Entries at or past `lengths[b]` are stale: they are masked in the
+scores and zeroed in the values, so even NaN there cannot leak. A query with nothing to attend to
+returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def attention_mask(lengths: Int[Array, "B"], num_queries: int, cache_len: int) -> jax.Array:
+    """Boolean mask of shape [B, T, S]: query t of row b may attend to cache position s."""
+    t = jnp.arange(num_queries)[None, :, None]  # [1, T, 1]
+    s = jnp.arange(cache_len)[None, None, :]  # [1, 1, S]
+    limit = lengths[:, None, None] - num_queries + t + 1  # [B, T, 1]
+    return s < limit
+
+
+def attention_reference(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G D"],
+    lengths: Int[Array, "B"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T H D"]:
+    """Causal grouped-query attention of T new queries against a cache.
+
+    Args:
+      q: queries of shape [B, T, H, D].
+      k, v: caches of shape [B, S, G, D], H a multiple of G (query head h reads KV head h // (H/G)).
+      lengths: int32 [B], valid entries per row including the T new tokens.
+      scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+      [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    cache_len, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    mask = attention_mask(lengths, num_queries, cache_len)  # [B, T, S]
+    valid = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
+    k = jnp.where(valid, k, 0).astype(jnp.float32)
+    v = jnp.where(valid, v, 0).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
+    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k) * scale  # [B, G, H/G, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)  # masked entries are exactly 0
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v)  # [B, T, G, H/G, D]
+    return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)

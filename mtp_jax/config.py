@@ -1,0 +1,187 @@
+"""Model configuration: a frozen, validated dataclass for Llama/Qwen2-family decoders.
+
+The fields follow Hugging Face's `LlamaConfig` / `Qwen2Config` names so that `config.json`
+maps onto them one to one (see `mtp_jax.checkpoint`). Invalid combinations raise a
+`ValueError` that names the field.
+
+Room for later architectures: `attention_type` selects the attention and cache layout
+("gqa" today; DeepSeek-V3's "mla" with a compressed latent cache comes later) and
+`ffn_type` the feed-forward block ("dense" today; "moe" later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's `rope_scaling` / `rope_parameters` define it.
+
+    rope_type: "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1's
+    wavelength-banded scaling) or "yarn" (Peng et al. 2023, arXiv 2309.00071, with its
+    attention temperature `attention_factor`).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn (DeepSeek-V3)
+    mscale_all_dim: float | None = None  # yarn (DeepSeek-V3)
+    attention_factor: float | None = None  # yarn; derived from factor when None
+    truncate: bool = True  # yarn
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings is required for {self.rope_type!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("rope_scaling.high_freq_factor must be > low_freq_factor for 'llama3'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer of the Llama/Qwen2 family.
+
+    RMSNorm, RoPE (rotate-half layout, as in Hugging Face), grouped-query attention with optional
+    q/k/v bias, SwiGLU MLP, tied or untied embeddings. Sizes are in elements; `dtype` is the
+    compute dtype and `param_dtype` the storage dtype of the weights ("float32", "bfloat16" or
+    "float16").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2: True)
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_type: str = "gqa"
+    ffn_type: str = "dense"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    initializer_range: float = 0.02
+    # Token ids the tokenizer defines; generation stops at eos_token_id unless told otherwise.
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) unless head_dim is given")
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
+        if self.head_dim is None and self.resolved_head_dim % 2:
+            raise ValueError(f"head_dim (hidden_size / num_attention_heads = {self.resolved_head_dim}) must be even")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling, got {type(self.rope_scaling).__name__}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
+        if self.attention_type != "gqa":
+            raise ValueError(f"attention_type must be 'gqa' (MLA is not implemented yet), got {self.attention_type!r}")
+        if self.ffn_type != "dense":
+            raise ValueError(f"ffn_type must be 'dense' (MoE is not implemented yet), got {self.ffn_type!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {tuple(_DTYPES)}, got {getattr(self, name)!r}")
+        for name in ("bos_token_id",):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} must be in [0, vocab_size={self.vocab_size}), got {value}")
+        for token in self.eos_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"eos_token_id must be in [0, vocab_size={self.vocab_size}), got {token}")
+
+    # Derived values.
+    @property
+    def resolved_head_dim(self) -> int:
+        """D, the per-head size."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (H / G)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @property
+    def compute_dtype(self) -> Any:
+        return _DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> Any:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale 1/sqrt(D) (YaRN's attention factor is folded into cos/sin, as in HF)."""
+        return 1.0 / math.sqrt(self.resolved_head_dim)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> ModelConfig:
+        """A named preset (see `PRESETS`), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # For tests: every code path, in milliseconds.
+    "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # Qwen2-style tiny: q/k/v bias, tied embeddings.
+    "tiny-qwen2": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                              attention_bias=True, tie_word_embeddings=True, rope_theta=1e6),
+    # The benchmark's small model: a few layers of width 512.
+    "small": ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+    # About 200M parameters (0.8 GB in fp32): far larger than CPU caches.
+    "medium": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096),
+}

@@ -1,0 +1,148 @@
+"""The main model: a Llama/Qwen2-family decoder in Flax NNX with an explicit KV cache.
+
+Module and parameter names follow Hugging Face's `LlamaForCausalLM` (`embed_tokens`,
+`layers[i].self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `norm`, `lm_head`), which are
+also DeepSeek-V3's names, so checkpoint import is a rename-free walk (`mtp_jax.checkpoint`).
+
+`Transformer.__call__` runs T >= 1 new tokens per row at per-row positions against a cache and
+returns the logits, the final hidden states (which the MTP modules consume) and the new cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from mtp_jax.attention import attention_reference
+from mtp_jax.cache import KVCache, write_at
+from mtp_jax.config import ModelConfig
+from mtp_jax.rope import apply_rope
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, then scaled in the input dtype (as in HF)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def _linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = _linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
+        self.k_proj = _linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.v_proj = _linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.o_proj = _linear(config, h * d, config.hidden_size, rngs)
+
+    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], k_cache: jax.Array,
+                 v_cache: jax.Array, start: Int[Array, "B"]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        c = self.config
+        batch, num_new, _ = x.shape
+        d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
+        q = self.q_proj(x).reshape(batch, num_new, h, d)  # [B, T, H, D]
+        k = self.k_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
+        v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
+        q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
+        k_cache, v_cache = write_at(k_cache, k, start), write_at(v_cache, v, start)
+        out = attention_reference(q, k_cache, v_cache, start + num_new, scale=c.attention_scale)  # [B, T, H, D]
+        return self.o_proj(out.reshape(batch, num_new, h * d)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.gate_proj = _linear(config, config.hidden_size, config.intermediate_size, rngs)
+        self.up_proj = _linear(config, config.hidden_size, config.intermediate_size, rngs)
+        self.down_proj = _linear(config, config.intermediate_size, config.hidden_size, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, positions, k_cache, v_cache, start):
+        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, start)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model (HF `LlamaForCausalLM` / `Qwen2ForCausalLM` layout)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.compute_dtype,
+                                      param_dtype=config.weight_dtype,
+                                      embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.lm_head = None if config.tie_word_embeddings else _linear(config, config.hidden_size, config.vocab_size, rngs)
+
+    def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+        return self.embed_tokens(tokens)
+
+    def head(self, x: Float[Array, "B T E"]) -> Float[Array, "B T V"]:
+        """Output head (shared with the MTP modules): logits in float32. Apply after the final norm."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(x).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "B T"], cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Forward of T new tokens per row, at positions `cache.lengths[b] + t`.
+
+        Args:
+          tokens: int32 [B, T]; ids must lie in [0, V) (not checked inside jit).
+          cache: a `KVCache` with `lengths[b] + T <= S` (writes past S are dropped, so rows that
+            would overflow give wrong results rather than corrupt others; callers bound T).
+
+        Returns:
+          logits float32 [B, T, V]; hidden states [B, T, E] *before* the final norm (the input of
+          `norm` and `head`); the cache with the T new entries written and `lengths + T`. Rolling
+          back to fewer committed tokens is `cache.replace(lengths=...)`.
+        """
+        start = cache.lengths
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+        x = self.embed(tokens)
+        new_k, new_v = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, start)
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        logits = self.head(self.norm(x))
+        return logits, x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=start + tokens.shape[1])
+
+    def forward_full(self, tokens: Int[Array, "B T"]) -> tuple[jax.Array, jax.Array]:
+        """Forward over whole sequences from position 0 with no prior cache: (logits, hidden states)."""
+        cache = KVCache.init(self.config, tokens.shape[0], tokens.shape[1])
+        logits, hidden, _ = self(tokens, cache)
+        return logits, hidden
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised `Transformer` (weights ~ N(0, initializer_range), norms at 1)."""
+    return Transformer(config, rngs=nnx.Rngs(seed))
