@@ -1,7 +1,8 @@
 """Attention of T new queries per row against a KV cache with per-row lengths.
 
 `attention_reference` is the plain-jnp oracle: the Pallas kernel in `pallas_kernels` is tested
-against this same function, and the model uses it wherever the kernel is not selected.
+against this same function, and the model uses it wherever the kernel is not selected. `attend`
+picks between them (`ModelConfig.attention_impl`).
 
 Convention (shared with the kernel): `lengths[b]` counts the valid cache entries of row b
 *including* the T new tokens already written, so new query t of row b sits at absolute position
@@ -9,6 +10,9 @@ Convention (shared with the kernel): `lengths[b]` counts the valid cache entries
 aligned to the end of each row). Entries at or past `lengths[b]` are stale: they are masked in the
 scores and zeroed in the values, so even NaN there cannot leak. A query with nothing to attend to
 returns zeros.
+
+`segment_attention_reference` is the training variant: whole packed sequences with no cache, each
+token attending only to earlier tokens of its own segment (document).
 """
 
 from __future__ import annotations
@@ -62,4 +66,78 @@ def attention_reference(
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bgjts,bsgd->btgjd", weights, v)  # [B, T, G, H/G, D]
+    return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
+
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def attend(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G D"],
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> Float[Array, "B T H D"]:
+    """`attention_reference`'s attention, computed by the implementation `impl` names.
+
+    impl: "reference" (plain jnp, any backend); "pallas" (`pallas_kernels.verify_attention`, the
+    Triton kernel, GPU only); "pallas_interpret" (the same kernel in Pallas' interpreter, any
+    backend: tests); "auto" (the kernel when `jax.default_backend()` is "gpu" and it supports the
+    shapes and dtypes, else the reference). Raises ValueError for an unknown `impl`, or for
+    operands the kernel does not support when "pallas" is asked for explicitly.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "reference"
+        if jax.default_backend() == "gpu":
+            from pallas_kernels.verify_attention import supports  # lazily: Pallas is only needed here
+
+            impl = "pallas" if supports(q, k, v, lengths) else "reference"
+    if impl == "reference":
+        return attention_reference(q, k, v, lengths, scale=scale)
+    from pallas_kernels.verify_attention import verify_attention
+
+    return verify_attention(q, k, v, lengths, scale=scale, interpret=impl == "pallas_interpret")
+
+
+def segment_attention_reference(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B T G D"],
+    v: Float[Array, "B T G D"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T H D"]:
+    """Causal attention within packed segments, over whole sequences with no cache (training).
+
+    Query t of row b attends key s iff `s <= t` and `segment_ids[b, s] == segment_ids[b, t]`, so
+    documents packed into one row never see each other (padding, segment 0, attends only to
+    padding, which keeps it finite). Every query sees at least itself, so no row is empty.
+
+    Args:
+      q: queries of shape [B, T, H, D].
+      k, v: keys and values of the same T tokens, shape [B, T, G, D], H a multiple of G.
+      segment_ids: int32 [B, T], equal ids for tokens of one document.
+      scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+      [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    t = jnp.arange(num_queries)
+    causal = t[None, :, None] >= t[None, None, :]  # [1, T, T]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+    mask = causal & same_segment  # [B, T, T]
+    qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
+    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(jnp.float32)) * scale  # [B, G, H/G, T, T]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)  # the diagonal is always unmasked
+    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v.astype(jnp.float32))  # [B, T, G, H/G, D]
     return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)

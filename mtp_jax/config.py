@@ -17,7 +17,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mtp_jax.attention import ATTENTION_IMPLS
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MTP_STYLES = ("deepseek", "parallel")
+MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -81,10 +85,25 @@ class ModelConfig:
     ffn_type: str = "dense"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Cache attention (`mtp_jax.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
+    attention_impl: str = "auto"
     initializer_range: float = 0.02
     # Token ids the tokenizer defines; generation stops at eos_token_id unless told otherwise.
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Multi-Token Prediction modules (`mtp_jax.mtp`; MTP_SPEC.md "MTP modules"). D = 0: none.
+    num_nextn_predict_layers: int = 0  # D, as in DeepSeek-V3's config.json
+    # "deepseek": DeepSeek-V3's sequential modules (arXiv 2412.19437 §2.2); "parallel": Gloeckle et al.
+    # 2024 (arXiv 2404.19737) independent heads, each one block over the trunk's hidden state.
+    mtp_style: str = "deepseek"
+    # Checkpoint conventions (defaults: DeepSeek-V3 as vLLM, SGLang and TRT-LLM load it).
+    # eh_proj input: concat(enorm(embed), hnorm(h)) ("embedding_first") or the reverse ("hidden_first", MiMo).
+    mtp_concat_order: str = "embedding_first"
+    # h^0 is the main model's hidden state after its final norm (True: serving engines) or before it.
+    mtp_hidden_after_norm: bool = True
+    # The h^k handed to depth k + 1 (and to the next draft step) is taken after shared_head.norm
+    # (True: TRT-LLM, SGLang) or before it, straight from the block (False: vLLM).
+    mtp_chain_after_shared_head_norm: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -119,6 +138,8 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {tuple(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("bos_token_id",):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -126,6 +147,16 @@ class ModelConfig:
         for token in self.eos_token_ids:
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"eos_token_id must be in [0, vocab_size={self.vocab_size}), got {token}")
+        d = self.num_nextn_predict_layers
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"num_nextn_predict_layers must be an int >= 0, got {d!r}")
+        if self.mtp_style not in MTP_STYLES:
+            raise ValueError(f"mtp_style must be one of {MTP_STYLES}, got {self.mtp_style!r}")
+        if self.mtp_concat_order not in MTP_CONCAT_ORDERS:
+            raise ValueError(f"mtp_concat_order must be one of {MTP_CONCAT_ORDERS}, got {self.mtp_concat_order!r}")
+        for name in ("mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     # Derived values.
     @property

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.attention import attention_reference
+from mtp_jax.attention import attend, segment_attention_reference
 from mtp_jax.cache import KVCache, write_at
 from mtp_jax.config import ModelConfig
 from mtp_jax.rope import apply_rope
@@ -31,7 +31,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * xf.astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
 def _linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
@@ -51,7 +51,8 @@ class Attention(nnx.Module):
         self.o_proj = _linear(config, h * d, config.hidden_size, rngs)
 
     def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], k_cache: jax.Array,
-                 v_cache: jax.Array, start: Int[Array, "B"]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 v_cache: jax.Array, start: Int[Array, "B"],
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         c = self.config
         batch, num_new, _ = x.shape
         d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -60,7 +61,11 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
         q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
         k_cache, v_cache = write_at(k_cache, k, start), write_at(v_cache, v, start)
-        out = attention_reference(q, k_cache, v_cache, start + num_new, scale=c.attention_scale)  # [B, T, H, D]
+        if segment_ids is None:
+            out = attend(q, k_cache, v_cache, start + num_new, scale=c.attention_scale,
+                         impl=c.attention_impl)  # [B, T, H, D]
+        else:  # whole packed sequences from an empty cache (training): attend within each segment only
+            out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, num_new, h * d)), k_cache, v_cache
 
 
@@ -85,8 +90,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions, k_cache, v_cache, start):
-        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, start)
+    def __call__(self, x, positions, k_cache, v_cache, start, segment_ids=None):
+        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, start,
+                                                segment_ids)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
@@ -102,6 +108,10 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = None if config.tie_word_embeddings else _linear(config, config.hidden_size, config.vocab_size, rngs)
+        from mtp_jax.mtp import make_mtp_modules  # mtp.py builds on this module's DecoderLayer
+
+        # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
+        self.mtp = make_mtp_modules(config, rngs)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         return self.embed_tokens(tokens)
@@ -112,13 +122,16 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
 
-    def __call__(self, tokens: Int[Array, "B T"], cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+    def __call__(self, tokens: Int[Array, "B T"], cache: KVCache,
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
         """Forward of T new tokens per row, at positions `cache.lengths[b] + t`.
 
         Args:
           tokens: int32 [B, T]; ids must lie in [0, V) (not checked inside jit).
           cache: a `KVCache` with `lengths[b] + T <= S` (writes past S are dropped, so rows that
             would overflow give wrong results rather than corrupt others; callers bound T).
+          segment_ids: optional int32 [B, T] document ids of packed rows (training). When given, the
+            cache must be empty: token t attends only to new tokens s <= t of its own segment.
 
         Returns:
           logits float32 [B, T, V]; hidden states [B, T, E] *before* the final norm (the input of
@@ -130,16 +143,20 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, start)
+            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, start, segment_ids)
             new_k.append(k_cache)
             new_v.append(v_cache)
         logits = self.head(self.norm(x))
         return logits, x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=start + tokens.shape[1])
 
-    def forward_full(self, tokens: Int[Array, "B T"]) -> tuple[jax.Array, jax.Array]:
-        """Forward over whole sequences from position 0 with no prior cache: (logits, hidden states)."""
+    def forward_full(self, tokens: Int[Array, "B T"],
+                     segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array]:
+        """Forward over whole sequences from position 0 with no prior cache: (logits, hidden states).
+
+        With `segment_ids` (int32 [B, T]), packed documents do not attend to each other.
+        """
         cache = KVCache.init(self.config, tokens.shape[0], tokens.shape[1])
-        logits, hidden, _ = self(tokens, cache)
+        logits, hidden, _ = self(tokens, cache, segment_ids)
         return logits, hidden
 
 

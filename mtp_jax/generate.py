@@ -1,0 +1,289 @@
+"""Baseline (non-speculative) generation: prefill, then one token per step, on device.
+
+`generate` runs the whole decode loop as one jitted `lax.while_loop` with the state donated;
+`stream` runs the same jitted step once per call and yields the tokens each row committed, for
+streaming. Both compile once per (B, S, prompt bucket, model): generation length, sampling
+parameters, stop tokens and prompt contents are data, never shapes.
+
+State at every step boundary (`MTP_SPEC.md`): `lengths[b]` = L_b committed tokens in
+`tokens[b, :L_b]`; the main cache holds positions 0 .. L_b - 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from mtp_jax.cache import KVCache
+from mtp_jax.model import Transformer
+from mtp_jax.sampling import SamplingParams, SamplingState, sample
+
+MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
+_PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, all device arrays (B rows, capacity S tokens)."""
+
+    tokens: jax.Array  # int32 [B, S]: committed tokens, prompt first
+    lengths: jax.Array  # int32 [B]: L_b, committed tokens per row
+    prompt_lengths: jax.Array  # int32 [B]
+    max_new_tokens: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B]
+    cache: KVCache  # cache.lengths == max(lengths - 1, 0)
+    sampling: SamplingState
+    stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 = unused slot
+    logprobs: jax.Array  # float32 [B, S]: log-softmax of the raw logits at each generated token
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What `generate` returns.
+
+    tokens: per prompt, the generated token ids (prompt excluded; a stop token that ended the
+      row is kept as its last token).
+    logprobs: per prompt, the model's log-softmax (raw logits, before temperature) at each
+      generated token.
+    finish_reasons: per prompt, "stop" (EOS or a stop token), "length" (max_new_tokens) or
+      "capacity" (the cache was full).
+    num_steps: decode steps run, prefill excluded.
+    seconds: wall time of prefill plus decode, compile excluded only if already warm.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    num_steps: int
+    seconds: float
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_length: int) -> list[list[int]]:
+    """Checks prompt token ids on the host; raises ValueError naming the prompt and the problem."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if len(ids) >= max_length:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
+                             "must exceed the prompt length to leave room for generated tokens")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={vocab_size})")
+        out.append(ids)
+    return out
+
+
+def _per_row(value, num_rows: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_rows:
+            raise ValueError(f"{name} has {len(value)} entries for {num_rows} prompts")
+        return list(value)
+    return [value] * num_rows
+
+
+def _stop_array(stop_tokens: Sequence[int], vocab_size: int) -> jax.Array:
+    stop = sorted(set(int(t) for t in stop_tokens))
+    if len(stop) > MAX_STOP_TOKENS:
+        raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens are supported, got {len(stop)}")
+    for t in stop:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop token {t} is outside [0, vocab_size={vocab_size})")
+    return jnp.asarray(stop + [-1] * (MAX_STOP_TOKENS - len(stop)), jnp.int32)
+
+
+def commit_tokens(state: DecodeState, new_tokens: jax.Array, new_logprobs: jax.Array) -> DecodeState:
+    """Appends one token (int32 [B]) to every unfinished row and applies the stop conditions."""
+    batch, capacity = state.tokens.shape
+    active = ~state.done
+    rows = jnp.arange(batch)
+    position = jnp.where(active, state.lengths, capacity)  # finished rows write nowhere (dropped)
+    tokens = state.tokens.at[rows, position].set(new_tokens, mode="drop")
+    logprobs = state.logprobs.at[rows, position].set(new_logprobs, mode="drop")
+    lengths = state.lengths + active
+    is_stop = jnp.any(new_tokens[:, None] == state.stop_tokens[None, :], axis=-1)
+    done = state.done | (active & (is_stop | (lengths - state.prompt_lengths >= state.max_new_tokens)
+                                   | (lengths >= capacity)))
+    return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done)
+
+
+def _pick(logits: jax.Array, state: DecodeState) -> tuple[jax.Array, jax.Array]:
+    """Next token per row from logits [B, V] for the token at position `state.lengths`."""
+    token = sample(logits, state.sampling, state.lengths)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+    return token, logprob
+
+
+def prefill(model: Transformer, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
+    """Runs the prompts [B, P] (right-padded) through the model and commits the first token."""
+    logits, _, cache = model(padded_prompts, state.cache)
+    last = state.prompt_lengths - 1
+    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    state = state.replace(cache=cache.replace(lengths=state.prompt_lengths))
+    token, logprob = _pick(last_logits, state)
+    return commit_tokens(state, token, logprob)
+
+
+def decode_step(model: Transformer, state: DecodeState) -> DecodeState:
+    """One token for every unfinished row: forward the last committed token, sample, commit."""
+    batch = state.tokens.shape[0]
+    last = jnp.take_along_axis(state.tokens, jnp.maximum(state.lengths - 1, 0)[:, None], axis=1)  # [B, 1]
+    cache_lengths = state.cache.lengths
+    logits, _, cache = model(last, state.cache)
+    # Finished rows keep their cache length: their write was past it, hence stale.
+    cache = cache.replace(lengths=jnp.where(state.done, cache_lengths, cache.lengths))
+    state = state.replace(cache=cache)
+    token, logprob = _pick(logits.reshape(batch, -1), state)
+    return commit_tokens(state, token, logprob)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _prefill_jit(graphdef, params, state, padded_prompts):
+    return prefill(nnx.merge(graphdef, params), state, padded_prompts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _step_jit(graphdef, params, state):
+    return decode_step(nnx.merge(graphdef, params), state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def _loop_jit(graphdef, params, state):
+    model = nnx.merge(graphdef, params)
+
+    def body(carry):
+        state, steps = carry
+        return decode_step(model, state), steps + 1
+
+    return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, jnp.int32(0)))
+
+
+def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+               sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
+               stop_tokens: Sequence[int] | None = None) -> tuple[DecodeState, jax.Array]:
+    """Validates the request and builds the initial state and the padded prompt array [B, P].
+
+    Raises ValueError for an empty prompt list or prompt, a prompt longer than `max_length`, a token
+    id outside the vocabulary, max_new_tokens < 1, invalid sampling parameters, or bad stop tokens.
+    """
+    config = model.config
+    max_length = config.max_position_embeddings if max_length is None else max_length
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
+    prompts = validate_prompts(prompts, config.vocab_size, max_length)
+    batch = len(prompts)
+    new_tokens = _per_row(max_new_tokens, batch, "max_new_tokens")
+    for n in new_tokens:
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+    params = _per_row(SamplingParams() if sampling is None else sampling, batch, "sampling")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(p).__name__}")
+    stop = config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
+    prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
+    bucket = min(-(-int(prompt_lengths.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET, max_length)
+    padded = np.zeros((batch, bucket), np.int32)
+    tokens = np.zeros((batch, max_length), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        tokens[b, : len(p)] = p
+    state = DecodeState(
+        tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
+        max_new_tokens=jnp.asarray(np.minimum(new_tokens, 2**31 - 1), jnp.int32),
+        done=jnp.zeros((batch,), bool), cache=KVCache.init(config, batch, max_length),
+        sampling=SamplingState.from_params(params), stop_tokens=_stop_array(stop, config.vocab_size),
+        logprobs=jnp.zeros((batch, max_length), jnp.float32))
+    return state, jnp.asarray(padded)
+
+
+def _finish_reason(state_row_tokens: np.ndarray, length: int, prompt_length: int, max_new: int,
+                   capacity: int, stop: set[int]) -> str:
+    if length > prompt_length and int(state_row_tokens[length - 1]) in stop:
+        return "stop"
+    if length - prompt_length >= max_new:
+        return "length"
+    return "capacity" if length >= capacity else "length"
+
+
+def results_from_state(state: DecodeState, num_steps: int, seconds: float) -> GenerationResult:
+    """Host-side view of a finished state."""
+    tokens, lengths, prompt_lengths, logprobs, max_new, stop = jax.device_get(
+        (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens))
+    stop_set = {int(t) for t in stop if t >= 0}
+    capacity = tokens.shape[1]
+    rows = range(tokens.shape[0])
+    return GenerationResult(
+        tokens=[tokens[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
+        logprobs=[logprobs[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
+        finish_reasons=[_finish_reason(tokens[b], int(lengths[b]), int(prompt_lengths[b]), int(max_new[b]),
+                                       capacity, stop_set) for b in rows],
+        num_steps=num_steps, seconds=seconds)
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
+             stop_tokens: Sequence[int] | None = None) -> GenerationResult:
+    """Generates up to `max_new_tokens` tokens for each prompt, the whole loop on device.
+
+    Args:
+      model: the main model.
+      prompts: B lists of token ids (different lengths allowed).
+      max_new_tokens: one int for all rows, or one per row.
+      sampling: `SamplingParams` for all rows or one per row; default greedy.
+      max_length: S, the cache capacity in tokens (prompt + generated); default
+        `config.max_position_embeddings`.
+      stop_tokens: token ids that end a row (kept in its output); default the config's EOS ids.
+
+    Returns:
+      A `GenerationResult`. Raises ValueError on invalid input (see `init_state`).
+    """
+    state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                               max_length=max_length, stop_tokens=stop_tokens)
+    graphdef, params = nnx.split(model)
+    start = time.perf_counter()
+    state = _prefill_jit(graphdef, params, state, padded)
+    state, steps = _loop_jit(graphdef, params, state)
+    jax.block_until_ready(state.lengths)
+    seconds = time.perf_counter() - start
+    return results_from_state(state, int(steps), seconds)
+
+
+def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
+           sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
+           stop_tokens: Sequence[int] | None = None) -> Iterator[list[list[int]]]:
+    """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
+
+    A finished row yields empty lists. The concatenation of everything yielded for a row equals
+    `generate(...).tokens` for that row with the same arguments.
+    """
+    state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                               max_length=max_length, stop_tokens=stop_tokens)
+    graphdef, params = nnx.split(model)
+    before = np.asarray(state.lengths)
+    state = _prefill_jit(graphdef, params, state, padded)
+    while True:
+        tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
+        yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
+        if done.all():
+            return
+        before = lengths
+        state = _step_jit(graphdef, params, state)

@@ -1,0 +1,176 @@
+"""Multi-Token Prediction (MTP) modules, attached to the main model as `Transformer.mtp`.
+
+DeepSeek-V3 style (`mtp_style="deepseek"`, arXiv 2412.19437 §2.2; MTP_SPEC.md "MTP modules").
+Module k = 1..D at sequence index i combines the previous depth's hidden state h_i^{k-1} with the
+embedding of token t_{i+k} and predicts t_{i+k+1}:
+
+    h'_i  = eh_proj(concat(enorm(embed(t_{i+k})), hnorm(h_i^{k-1})))    # [B, T, 2E] -> [B, T, E]
+    o_i   = Block_k(h'_i)                                                # causal over indices <= i
+    logits_i = head(shared_head.norm(o_i))                               # float32 [B, T, V]
+    h_i^k = shared_head.norm(o_i) or o_i                                 # the hidden chained onward
+
+h^0 is the main model's hidden state, after its final norm or before it; the concat order and
+the chained hidden are checkpoint conventions, all set in `ModelConfig` (`mtp_concat_order`,
+`mtp_hidden_after_norm`, `mtp_chain_after_shared_head_norm`). `embed` and `head` are the main
+model's, passed in at call time, never copied.
+
+Parallel heads (`mtp_style="parallel"`, Gloeckle et al. 2024, arXiv 2404.19737 §2): head k is one
+transformer block over the trunk's hidden state h^0 with no token input, and predicts t_{i+1+k}
+through `shared_head.norm` and the shared head: `logits_i = head(shared_head.norm(Block_k(h_i^0)))`.
+
+Parameter names follow DeepSeek-V3's README_WEIGHTS.md: module k holds `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm` and the block's own `input_layernorm`, `self_attn.*`,
+`post_attention_layernorm`, `mlp.*` directly (the modules subclass `DecoderLayer`), so checkpoint
+key `model.layers.{L + k - 1}.<name>` maps onto `mtp[k - 1].<name>`.
+
+Positions: a module call runs its T rows at positions `cache.lengths[b] + t` of its own one-layer
+cache, like the main model: row i of a depth sits at position i, the position of h_i^{k-1}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from mtp_jax.cache import KVCache
+from mtp_jax.config import ModelConfig
+from mtp_jax.model import DecoderLayer, RMSNorm, Transformer, _linear
+
+# Filters for `nnx.state`, `nnx.Optimizer(..., wrt=...)` and `nnx.DiffState`: the MTP modules'
+# parameters, and the main model's. Training only the MTP modules (frozen main model) is an
+# optimizer with `wrt=MTP_PARAMS`, or gradients taken with `nnx.DiffState(0, MTP_PARAMS)`.
+MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+MAIN_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))
+
+Embed = Callable[[Int[Array, "B T"]], Float[Array, "B T E"]]
+Head = Callable[[Float[Array, "B T E"]], Float[Array, "B T V"]]
+
+
+class SharedHead(nnx.Module):
+    """DeepSeek-V3's `shared_head`, holding only `norm`: the projection is the main model's head, shared."""
+
+    def __init__(self, config: ModelConfig):
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+
+
+class _MTPBlock(DecoderLayer):
+    """A `DecoderLayer` with `shared_head.norm`, run against its own one-layer cache."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        super().__init__(config, rngs)
+        self.config = config
+        self.shared_head = SharedHead(config)
+
+    def _block_and_head(self, x: Float[Array, "B T E"], cache: KVCache, head: Head,
+                        segment_ids: Int[Array, "B T"] | None) -> tuple[jax.Array, jax.Array, KVCache]:
+        if len(cache.k) != 1:
+            raise ValueError(f"an MTP module takes a one-layer KVCache, got {len(cache.k)} layers")
+        start = cache.lengths
+        num_new = x.shape[1]
+        positions = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]  # [B, T]
+        out, k, v = DecoderLayer.__call__(self, x, positions, cache.k[0], cache.v[0], start, segment_ids)
+        normed = self.shared_head.norm(out)
+        chained = normed if self.config.mtp_chain_after_shared_head_norm else out
+        return head(normed), chained, KVCache(k=(k,), v=(v,), lengths=start + num_new)
+
+
+class MTPModule(_MTPBlock):
+    """DeepSeek-V3 MTP module: `enorm`, `hnorm`, `eh_proj`, one transformer block, `shared_head.norm`.
+
+    A `DecoderLayer` subclass so the block's parameters sit at the module's top level, as in the
+    checkpoint; `__call__` is the whole module (the block alone is `DecoderLayer.__call__`).
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        super().__init__(config, rngs)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.eh_proj = _linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
+
+    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
+                 embed: Embed, head: Head,
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """One depth over T rows per batch row.
+
+        Args:
+          hidden: h^{k-1} of shape [B, T, E] (h^0 for k = 1, see `initial_hidden`).
+          tokens: int32 [B, T], t_{i+k} for row i.
+          cache: this module's one-layer `KVCache` (`KVCache.init(config, B, S, num_layers=1)`);
+            rows run at positions `cache.lengths + t`.
+          embed, head: the main model's `embed` and `head` (shared, not copied).
+          segment_ids: optional int32 [B, T] packed-document ids; needs an empty cache (training).
+
+        Returns:
+          logits float32 [B, T, V] (row i predicts t_{i+k+1}); h^k of shape [B, T, E], as chained to
+          depth k + 1 (`config.mtp_chain_after_shared_head_norm`); the cache with `lengths + T`.
+        """
+        e, h = self.enorm(embed(tokens)), self.hnorm(hidden)  # [B, T, E] each
+        parts = (e, h) if self.config.mtp_concat_order == "embedding_first" else (h, e)
+        x = self.eh_proj(jnp.concatenate(parts, axis=-1))  # [B, T, 2E] -> [B, T, E]
+        return self._block_and_head(x, cache, head, segment_ids)
+
+
+class ParallelMTPHead(_MTPBlock):
+    """Gloeckle et al. 2024 head: one transformer block over the trunk's h^0, then `shared_head.norm`."""
+
+    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
+                 embed: Embed, head: Head,
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Same interface as `MTPModule.__call__`; `hidden` is always h^0 and `tokens`, `embed` are unused.
+
+        Returns logits float32 [B, T, V] (head k's row i predicts t_{i+1+k}), the head's hidden
+        [B, T, E] (after or before `shared_head.norm`, as configured; nothing is chained: every head
+        reads h^0) and the cache with `lengths + T`.
+        """
+        del tokens, embed  # no token input: every head reads the shared trunk only
+        return self._block_and_head(hidden, cache, head, segment_ids)
+
+
+def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
+    """The D = `config.num_nextn_predict_layers` modules of `config.mtp_style` (empty when D = 0)."""
+    cls = MTPModule if config.mtp_style == "deepseek" else ParallelMTPHead
+    return nnx.List([cls(config, rngs) for _ in range(config.num_nextn_predict_layers)])
+
+
+def initial_hidden(model: Transformer, main_hidden: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+    """h^0 from the main model's hidden state (as `Transformer.__call__` returns it, before the final
+    norm): `model.norm(main_hidden)` when `config.mtp_hidden_after_norm`, else unchanged."""
+    return model.norm(main_hidden) if model.config.mtp_hidden_after_norm else main_hidden
+
+
+def shift_left(tokens: Int[Array, "B T"], n: int, fill: int = 0) -> Int[Array, "B T"]:
+    """`out[:, i] = tokens[:, i + n]`, and `fill` where `i + n >= T`."""
+    num = tokens.shape[1]
+    n = min(n, num)
+    return jnp.concatenate([tokens[:, n:], jnp.full((tokens.shape[0], n), fill, tokens.dtype)], axis=1)
+
+
+def mtp_forward_full(model: Transformer, main_hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"],
+                     segment_ids: Int[Array, "B T"] | None = None) -> list[Float[Array, "B T V"]]:
+    """All D depths over whole sequences from position 0, no prior cache (training; the decoding oracle).
+
+    Args:
+      model: the main `Transformer`, holding the modules in `model.mtp`.
+      main_hidden: the main model's hidden states [B, T, E] before its final norm (as returned by
+        `Transformer.__call__` / `forward_full` on the same tokens).
+      tokens: int32 [B, T], the sequence t_0 .. t_{T-1}.
+      segment_ids: optional int32 [B, T] packed-document ids: attention stays within a document.
+
+    Returns:
+      D arrays of logits float32 [B, T, V]; depth k's row i predicts t_{i+k+1}. Its token input
+      t_{i+k} is 0 where i + k >= T: those rows have no label and the loss masks them.
+    """
+    batch, num = tokens.shape
+    h0 = initial_hidden(model, main_hidden)
+    hidden, all_logits = h0, []
+    for k, module in enumerate(model.mtp, start=1):
+        cache = KVCache.init(model.config, batch, num, num_layers=1)
+        source = h0 if model.config.mtp_style == "parallel" else hidden
+        logits, hidden, _ = module(source, shift_left(tokens, k), cache, embed=model.embed, head=model.head,
+                                   segment_ids=segment_ids)
+        all_logits.append(logits)
+    return all_logits

@@ -1,0 +1,121 @@
+"""Per-row sampling: temperature, top-k, top-p (nucleus), greedy; reproducible per-row seeds.
+
+One function, `target_probs`, turns logits into the distribution a row samples from. The plain
+sampler draws from it and the speculative acceptance uses the very same function for its target p,
+which is what makes rejection sampling lossless (`MTP_SPEC.md`, "Acceptance").
+
+Order of the filters, as in Hugging Face's and vLLM's samplers: temperature, then top-k, then
+top-p. Greedy rows (temperature 0) get a one-hot distribution at the argmax (lowest index on ties).
+Randomness: row b's draw for the token at absolute position i uses
+`fold_in(fold_in(key(seed_b), i), stream)`, so a row's output does not depend on which other rows
+share its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one row samples.
+
+    temperature: 0 for greedy decoding, else > 0 (logits are divided by it).
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 disables.
+    seed: the row's random seed (any int in [0, 2**31)).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@struct.dataclass
+class SamplingState:
+    """Device arrays of per-row sampling parameters, each of shape [B]."""
+
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    seed: jax.Array  # uint32
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams]) -> SamplingState:
+        return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                   seed=jnp.asarray([p.seed for p in params], jnp.uint32))
+
+
+def _expand(x: jax.Array, ndim: int) -> jax.Array:
+    """Per-row values [B] broadcast against [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
+    """The distribution each row samples from: float32 probabilities, same shape as `logits`.
+
+    Temperature, then top-k, then top-p; greedy rows (temperature 0) are one-hot at the argmax.
+    Tokens outside the top-k / top-p set have probability exactly 0.
+    """
+    logits = logits.astype(jnp.float32)
+    ndim = logits.ndim
+    vocab = logits.shape[-1]
+    temperature = _expand(sampling.temperature, ndim)
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    ordered = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending [B, *T, V]
+    # top-k: threshold at the k-th largest value (ties with it are kept).
+    k = _expand(jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab), ndim)
+    kth = jnp.take_along_axis(ordered, k - 1, axis=-1)  # [B, *T, 1]
+    scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    ordered = jnp.where(jnp.arange(vocab) < k, ordered, -jnp.inf)
+    # top-p on what top-k left: keep the sorted prefix whose mass before it is < top_p.
+    sorted_probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = mass_before < _expand(sampling.top_p, ndim)
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
+    pth = jnp.take_along_axis(ordered, num_keep - 1, axis=-1)
+    scaled = jnp.where(scaled >= pth, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def row_keys(sampling: SamplingState, positions: Int[Array, "B"], stream: int = 0) -> jax.Array:
+    """One PRNG key per row for the token at absolute position `positions[b]`."""
+
+    def key(seed, position):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), stream)
+
+    return jax.vmap(key)(sampling.seed, positions)
+
+
+def sample(logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, "B"]) -> jax.Array:
+    """Draw one token per row (int32 [B]) from `target_probs`; greedy rows take the argmax exactly."""
+    probs = target_probs(logits, sampling)
+    keys = row_keys(sampling, positions)
+    drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs)
+    return jnp.where(sampling.temperature == 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

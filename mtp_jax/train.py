@@ -1,0 +1,748 @@
+"""Training: AdamW with warm-up and cosine decay, orbax checkpoints, exact resume, held-out evaluation.
+
+The objective is `mtp_jax.loss.compute_loss` (main next-token loss + `mtp_lambda` times the mean
+MTP loss). One jitted step takes the trainable parameters and the optimizer state as a donated
+`TrainState`, the rest of the model (`frozen`) as a plain argument, and merges them with the
+static graph definition inside (`nnx.split` outside jit, `nnx.merge` inside, as in flax's
+`examples/gemma`).
+
+Two modes:
+  - full training: every `nnx.Param` is trained;
+  - `mtp_only`: the main model is frozen and only the MTP modules (`mtp.MTP_PARAMS`) are trained.
+    The main parameters travel in `frozen`, get no gradient and no optimizer state, and come out
+    bit-identical (for adding MTP heads to an existing model, e.g. one imported from Hugging Face).
+
+A run lives in a run dir:
+  run.json          model config, train config, corpus fingerprint (written once, at the start)
+  checkpoints/<n>/  orbax: TrainState + frozen state + JSON metadata after step n
+  log.jsonl         one line per logged training step and per evaluation
+  tokenizer.json    the corpus tokenizer
+  export/           the final model (`save_pretrained`: safetensors + config.json + tokenizer.json)
+
+Resume is exact: the batch of step n is a pure function of (corpus, seed, n) (`data.PackedBatches`)
+and the checkpoint holds the whole optimizer state, so 2N steps in one go equal N steps, a restart
+and N more. Checkpoints are written every `checkpoint_every` steps, at the end, and when the run is
+stopped by SIGINT (Ctrl-C) or SIGTERM: the signal ends the loop after the current step (a second
+Ctrl-C aborts at once). A fresh run refuses a non-empty run dir unless `overwrite` (or `resume`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx, struct
+from safetensors.numpy import load_file, save_file
+from tqdm.auto import tqdm
+
+from mtp_jax import checkpoint, data
+from mtp_jax.config import PRESETS, ModelConfig, RopeScaling
+from mtp_jax.loss import compute_loss, label_mask
+from mtp_jax.model import Transformer, init_model
+from mtp_jax.mtp import MTP_PARAMS, shift_left
+
+# The demo model (proposed for config.PRESETS["demo"]): 6 layers of width 192, 3 heads of 64,
+# vocab 4096 (the stdlib tokenizer), D = 3 MTP modules; about 5.8M parameters.
+DEMO_MODEL = ModelConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=6,
+                         num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=1024,
+                         num_nextn_predict_layers=3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation and bookkeeping settings of a run (sizes in tokens, steps and rows).
+
+    The learning rate warms up linearly from 0 to `learning_rate` over `warmup_steps`, then
+    decays along a cosine to `learning_rate * min_lr_ratio` at `num_steps`. AdamW decays only
+    matrices (kernels, embeddings), not norms or biases. Gradients are clipped to global norm
+    `grad_clip_norm` (0: no clipping).
+    """
+
+    batch_size: int = 16
+    seq_len: int = 256
+    num_steps: int = 1000
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip_norm: float = 1.0
+    mtp_lambda: float = 0.1
+    mtp_only: bool = False  # freeze the main model, train the MTP modules only
+    seed: int = 0  # model initialisation and data order
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: evaluate at the end only
+    eval_batches: int | None = None  # None: the whole held-out split
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("batch_size", "num_steps", "checkpoint_every", "keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if not 0 <= self.warmup_steps <= self.num_steps:
+            raise ValueError(f"warmup_steps must be in [0, num_steps={self.num_steps}], got {self.warmup_steps}")
+        if not self.learning_rate > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need learning_rate > 0 and min_lr_ratio in [0, 1], got {self.learning_rate}, "
+                             f"{self.min_lr_ratio}")
+        for name in ("weight_decay", "grad_clip_norm", "mtp_lambda", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer, state and the jitted steps.
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio * learning_rate`."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=config.num_steps, end_value=config.learning_rate * config.min_lr_ratio)
+
+
+@jax.tree_util.register_static
+class _StaticOptimizer:
+    """A hashable handle on an optax transformation, so that equal configs share one jit cache entry."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
+        self.tx = optax.chain(*clip, optax.adamw(
+            learning_rate_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+    def _key(self) -> tuple:
+        c = self.config
+        return (c.learning_rate, c.warmup_steps, c.num_steps, c.min_lr_ratio, c.weight_decay, c.b1, c.b2,
+                c.grad_clip_norm, c.mtp_lambda)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, _StaticOptimizer) and other._key() == self._key()
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on `learning_rate_schedule(config)`; weight decay on matrices only."""
+    return _StaticOptimizer(config).tx
+
+
+def trainable_filter(config: TrainConfig):
+    """The nnx filter of the trained parameters: the MTP modules' (`mtp_only`) or all `nnx.Param`s."""
+    return MTP_PARAMS if config.mtp_only else nnx.Param
+
+
+@struct.dataclass
+class TrainState:
+    """What one step updates: `step` (int32 scalar, steps done), trainable `params`, `opt_state`."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+
+
+def split_model(model: Transformer, config: TrainConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, trainable params, frozen rest of the state) of `model` for `config`'s mode."""
+    return nnx.split(model, trainable_filter(config), ...)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "optimizer"), donate_argnames=("state",))
+def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
+                graphdef: nnx.GraphDef, optimizer: _StaticOptimizer) -> tuple[TrainState, dict[str, jax.Array]]:
+    def loss_fn(params):
+        return compute_loss(nnx.merge(graphdef, params, frozen), tokens, segment_ids,
+                            mtp_lambda=optimizer.config.mtp_lambda)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                      opt_state=opt_state), metrics
+
+
+def train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
+               graphdef: nnx.GraphDef, config: TrainConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a batch (tokens, segment_ids int32 [B, T]); `state` is donated.
+
+    Returns the new state and `compute_loss`'s metrics (before the update) plus "grad_norm"
+    (global norm before clipping).
+    """
+    return _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=_StaticOptimizer(config))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "mtp_lambda"))
+def _eval_step(params: nnx.State, tokens: jax.Array, segment_ids: jax.Array, token_bytes: jax.Array, *,
+               graphdef: nnx.GraphDef, mtp_lambda: float) -> dict[str, jax.Array]:
+    model = nnx.merge(graphdef, params)
+    _, metrics = compute_loss(model, tokens, segment_ids, mtp_lambda=mtp_lambda)
+    counts = {"num_tokens": jnp.sum(label_mask(segment_ids, 1)),
+              "num_bytes": jnp.sum(jnp.where(label_mask(segment_ids, 1), token_bytes[shift_left(tokens, 1)], 0))}
+    for k in range(1, model.config.num_nextn_predict_layers + 1):
+        counts[f"num_tokens_{k}"] = jnp.sum(label_mask(segment_ids, k + 1))
+    return {**metrics, **counts}
+
+
+def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.ndarray, *, batch_size: int,
+             seq_len: int, mtp_lambda: float = 0.1, max_batches: int | None = None) -> dict[str, float]:
+    """Held-out metrics over `split` (one pass, `data.heldout_batches`), pooled over tokens.
+
+    Returns floats: "main_loss" (nats per predicted token), "bits_per_byte" (the main loss summed
+    over predicted tokens, in bits, over the UTF-8 bytes of those tokens; `<|endoftext|>` counts
+    0 bytes), "loss" (main + mtp_lambda * mean MTP loss), per depth k "mtp_loss_{k}" (nats) and
+    "mtp_agreement_{k}" (fraction of depth k's predictions whose argmax equals the main model's
+    argmax for the same token), "num_tokens" and "num_bytes".
+    """
+    graphdef, params = nnx.split(model)
+    token_bytes = jnp.asarray(token_bytes)
+    sums: dict[str, float] = {}
+    depths = range(1, model.config.num_nextn_predict_layers + 1)
+    for tokens, segment_ids in data.heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
+        m = jax.device_get(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef,
+                                      mtp_lambda=mtp_lambda))
+        weights = {"main_loss": m["num_tokens"]}
+        weights.update({f"{name}_{k}": m[f"num_tokens_{k}"] for k in depths for name in ("mtp_loss", "mtp_agreement")})
+        for name, weight in weights.items():
+            sums[name] = sums.get(name, 0.0) + float(m[name]) * float(weight)
+        for name in ("num_tokens", "num_bytes", *(f"num_tokens_{k}" for k in depths)):
+            sums[name] = sums.get(name, 0.0) + float(m[name])
+    out = {"main_loss": sums["main_loss"] / max(sums["num_tokens"], 1)}
+    out["bits_per_byte"] = sums["main_loss"] / math.log(2) / max(sums["num_bytes"], 1)
+    for k in depths:
+        for name in ("mtp_loss", "mtp_agreement"):
+            out[f"{name}_{k}"] = sums[f"{name}_{k}"] / max(sums[f"num_tokens_{k}"], 1)
+    mtp = [out[f"mtp_loss_{k}"] for k in depths]
+    out["loss"] = out["main_loss"] + (mtp_lambda * sum(mtp) / len(mtp) if mtp else 0.0)
+    out["num_tokens"], out["num_bytes"] = int(sums["num_tokens"]), int(sums["num_bytes"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Run dir: config files, checkpoints, interrupts.
+
+
+def config_to_dict(config: ModelConfig | TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d, rope_scaling=RopeScaling(**d["rope_scaling"]))
+    if isinstance(d.get("eos_token_id"), list):
+        d["eos_token_id"] = tuple(d["eos_token_id"])
+    return ModelConfig(**d)
+
+
+def _prepare_run_dir(run_dir: pathlib.Path, overwrite: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"run dir {run_dir} exists and is not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
+                                  "its run or overwrite=True (--overwrite) to delete it and start again")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
+                                           enable_async_checkpointing=False)  # the state is donated next step
+    return ocp.CheckpointManager((run_dir / "checkpoints").resolve(), options=options)
+
+
+def _save(manager: ocp.CheckpointManager, state: TrainState, frozen: nnx.State, meta: dict) -> None:
+    step = int(state.step)
+    if manager.latest_step() == step:
+        return
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"train": state, "frozen": frozen}),
+                                               meta=ocp.args.JsonSave({**meta, "step": step})), force=True)
+    manager.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[threading.Event]:
+    """An event set by SIGTERM or a first SIGINT (a second SIGINT raises KeyboardInterrupt at once)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT and stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        tqdm.write(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
+                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""))
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """The model after the run, the steps done, whether it stopped early, the last metrics."""
+
+    model: Transformer
+    step: int
+    stopped_early: bool
+    train_metrics: dict[str, float]
+    eval_metrics: dict[str, float] | None
+
+
+def _log(run_dir: pathlib.Path, record: dict) -> None:
+    with open(run_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: ModelConfig | None = None,
+          train_config: TrainConfig | None = None, model: Transformer | None = None, resume: bool = False,
+          overwrite: bool = False, stop_at_step: int | None = None, progress: bool = True,
+          export: bool = True) -> TrainResult:
+    """Trains (or resumes) the run in `run_dir` on `corpus` and returns the model.
+
+    Args:
+      run_dir: the run's directory (layout in the module docstring).
+      corpus: from `data.prepare_corpus`; on resume it must be the one the run started with.
+      model_config: the model to initialise (seed `train_config.seed`) for a fresh run without
+        `model`; ignored (if equal) on resume.
+      train_config: the settings; on resume default to the saved ones and must equal them.
+      model: a fresh run's initial model instead of a random one (e.g. a Hugging Face import with
+        MTP modules added, for `mtp_only`).
+      resume: continue from the latest checkpoint in run_dir.
+      overwrite: for a fresh run, delete a non-empty run_dir first.
+      stop_at_step: stop (and checkpoint) after this step, as an interruption would; resume later.
+      progress: show a tqdm bar (loss, tokens/s, ETA).
+      export: after the last step, write `run_dir/export` with `save_pretrained`.
+
+    Raises:
+      FileExistsError: a fresh run in a non-empty run_dir without `overwrite`.
+      FileNotFoundError: `resume` without a run or a checkpoint in run_dir.
+      ValueError: configs that differ from the saved run's, a corpus other than the run's, a
+        vocabulary that does not fit the model, or `mtp_only` with no MTP modules.
+    """
+    run_dir = pathlib.Path(run_dir)
+    if resume:
+        model_config, train_config = _load_run(run_dir, corpus, model_config, train_config, model)
+    else:
+        if model is not None:
+            if model_config is not None and model_config != model.config:
+                raise ValueError("model_config differs from model.config; pass one of them")
+            model_config = model.config
+        if model_config is None or train_config is None:
+            raise ValueError("a fresh run needs model_config (or model) and train_config")
+        _check_compatible(model_config, train_config, corpus)
+        _prepare_run_dir(run_dir, overwrite)
+        corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction", "tokenizer_source")
+        run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
+               "corpus": {"work_dir": str(corpus.work_dir.resolve()),
+                          **{k: corpus.metadata.get(k) for k in corpus_keys}}}
+        (run_dir / "run.json").write_text(json.dumps(run, indent=1))
+        shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
+
+    optimizer = _StaticOptimizer(train_config)
+    manager = _checkpoint_manager(run_dir, train_config)
+    if resume:
+        if manager.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
+        graphdef, state, frozen = _restore(manager, manager.latest_step(), model_config, train_config)
+    else:
+        model = model if model is not None else init_model(model_config, train_config.seed)
+        graphdef, params, frozen = split_model(model, train_config)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params))
+
+    step = int(state.step)
+    end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
+    batches = data.PackedBatches(corpus.train, train_config.batch_size, train_config.seq_len, train_config.seed)
+    token_bytes = data.token_byte_lengths(corpus.tokenizer)
+    schedule = learning_rate_schedule(train_config)
+    meta = {"tokens_per_step": train_config.tokens_per_step}
+    train_metrics: dict[str, float] = {}
+    eval_metrics = None
+    stopped_early = False
+
+    def run_eval() -> dict[str, float]:
+        merged = nnx.merge(graphdef, state.params, frozen)
+        result = evaluate(merged, corpus.heldout, token_bytes, batch_size=train_config.batch_size,
+                          seq_len=train_config.seq_len, mtp_lambda=train_config.mtp_lambda,
+                          max_batches=train_config.eval_batches)
+        _log(run_dir, {"kind": "eval", "step": step, **result})
+        tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+        return result
+
+    bar = tqdm(total=train_config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
+    with _stop_requests() as stop, bar:
+        last_time, last_step = time.perf_counter(), step
+        while step < end:
+            tokens, segment_ids = batches.batch(step)
+            state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=optimizer)
+            step += 1
+            bar.update(1)
+            if step % train_config.log_every == 0 or step == end:
+                train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                tokens_per_s = (step - last_step) * train_config.tokens_per_step / (now - last_time)
+                last_time, last_step = now, step
+                train_metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s)
+                _log(run_dir, {"kind": "train", "step": step, "tokens": step * train_config.tokens_per_step,
+                               **train_metrics})
+                bar.set_postfix(loss=f"{train_metrics['loss']:.3f}", main=f"{train_metrics['main_loss']:.3f}",
+                                tok_s=f"{tokens_per_s:.0f}")
+            if train_config.eval_every and step % train_config.eval_every == 0 and step < train_config.num_steps:
+                eval_metrics = run_eval()
+                last_time = time.perf_counter()  # keep evaluation out of tokens/s
+            if step % train_config.checkpoint_every == 0 or step == end:
+                _save(manager, state, frozen, meta)
+            if stop.is_set() and step < end:
+                _save(manager, state, frozen, meta)
+                stopped_early = True
+                break
+    manager.close()
+    stopped_early = stopped_early or step < train_config.num_steps
+    model = nnx.merge(graphdef, state.params, frozen)
+    if not stopped_early:
+        eval_metrics = run_eval()
+        if export:
+            save_pretrained(model, run_dir / "export", tokenizer_path=run_dir / "tokenizer.json", overwrite=True)
+    return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
+                       eval_metrics=eval_metrics)
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, model_config: ModelConfig,
+             train_config: TrainConfig) -> tuple[nnx.GraphDef, TrainState, nnx.State]:
+    abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
+    graphdef, params, frozen = split_model(abstract, train_config)
+    target = {"train": TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                                  opt_state=jax.eval_shape(_StaticOptimizer(train_config).tx.init, params)),
+              "frozen": frozen}
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return graphdef, restored.state["train"], restored.state["frozen"]
+
+
+def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, dict]:
+    """The model at checkpoint `step` (default the latest) of a run, and the run's `run.json` dict.
+
+    Raises FileNotFoundError if run_dir holds no run or no such checkpoint.
+    """
+    run_dir = pathlib.Path(run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise FileNotFoundError(f"no run in {run_dir} (run.json is missing)")
+    run = json.loads((run_dir / "run.json").read_text())
+    model_config = model_config_from_dict(run["model_config"])
+    train_config = TrainConfig(**run["train_config"])
+    manager = _checkpoint_manager(run_dir, train_config)
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+        raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {run_dir / 'checkpoints'}")
+    graphdef, state, frozen = _restore(manager, step, model_config, train_config)
+    manager.close()
+    return nnx.merge(graphdef, state.params, frozen), run
+
+
+def _check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
+    if corpus.vocab_size > model_config.vocab_size:
+        raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is "
+                         f"{model_config.vocab_size}")
+    if train_config.mtp_only and model_config.num_nextn_predict_layers == 0:
+        raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0")
+    if train_config.seq_len > model_config.max_position_embeddings:
+        raise ValueError(f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings "
+                         f"({model_config.max_position_embeddings})")
+
+
+def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelConfig | None,
+              train_config: TrainConfig | None, model: Transformer | None) -> tuple[ModelConfig, TrainConfig]:
+    if model is not None:
+        raise ValueError("resume restores the model from the checkpoint; do not pass model")
+    if not (run_dir / "run.json").is_file():
+        raise FileNotFoundError(f"no run to resume in {run_dir} (run.json is missing)")
+    run = json.loads((run_dir / "run.json").read_text())
+    saved_model = model_config_from_dict(run["model_config"])
+    saved_train = TrainConfig(**run["train_config"])
+    for given, saved, what in ((model_config, saved_model, "model_config"),
+                               (train_config, saved_train, "train_config")):
+        if given is not None and given != saved:
+            diff = {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
+            raise ValueError(f"{what} differs from the run's in {run_dir} (field: (saved, given)): {diff}")
+    if run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]:
+        raise ValueError(f"the corpus differs from the one the run in {run_dir} started with (data order would change)")
+    return saved_model, saved_train
+
+
+# ----------------------------------------------------------------------------------------------
+# Export and import.
+
+_MTP_HF_FIELDS = ("num_nextn_predict_layers", "mtp_style", "mtp_concat_order", "mtp_hidden_after_norm",
+                  "mtp_chain_after_shared_head_norm")
+
+
+def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
+                    overwrite: bool = False) -> None:
+    """Writes `model` as a Hugging Face-format directory: config.json, model.safetensors, tokenizer.json.
+
+    Uses `checkpoint.save_hf_checkpoint` (weights in `param_dtype`; the compute dtype is a runtime
+    choice, so config.json stores `param_dtype`). MTP modules, which that function does not export
+    yet, are written the DeepSeek-V3 way: tensors `model.layers.{L + j}.<name>` in the same
+    safetensors file and `num_nextn_predict_layers` plus the `mtp_*` convention fields in
+    config.json (`transformers` ignores both when loading the main model). `load_pretrained` reads
+    the directory back.
+
+    Raises FileExistsError if out_dir is not empty and overwrite is False.
+    """
+    out_dir = pathlib.Path(out_dir)
+    config = model.config.replace(dtype=model.config.param_dtype)
+    main_config = config.replace(num_nextn_predict_layers=0)
+    main = nnx.eval_shape(lambda: Transformer(main_config, rngs=nnx.Rngs(0)))
+    nnx.update(main, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))))
+    checkpoint.save_hf_checkpoint(main, out_dir, overwrite=overwrite)
+    if config.num_nextn_predict_layers:
+        weights_path = out_dir / checkpoint.WEIGHTS_FILE
+        if not weights_path.is_file():
+            raise NotImplementedError("MTP export into a sharded checkpoint is not supported")
+        tensors = load_file(weights_path)
+        for path, variable in nnx.to_flat_state(nnx.state(model, MTP_PARAMS)):
+            name, transposed = checkpoint.hf_name(path, config)
+            array = np.asarray(jax.device_get(variable.get_value()))
+            tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+        save_file(tensors, weights_path, metadata={"format": "pt"})
+        hf = json.loads((out_dir / checkpoint.CONFIG_FILE).read_text())
+        hf.update({name: getattr(config, name) for name in _MTP_HF_FIELDS})
+        (out_dir / checkpoint.CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
+
+
+def load_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None,
+                    seed: int = 0, dtype: str | None = None) -> Transformer:
+    """A model from a Hugging Face-format directory (`checkpoint.load_hf_checkpoint`), with MTP modules.
+
+    MTP tensors written by `save_pretrained` are loaded. `num_nextn_predict_layers`, if given and
+    different from the checkpoint's D, sets D: modules the checkpoint lacks are initialised at
+    random (seed `seed`), extra ones are dropped; this is how `--mtp-only --init-from` adds MTP
+    heads to an existing model.
+    """
+    path = pathlib.Path(path)
+    hf = json.loads((path / checkpoint.CONFIG_FILE).read_text())
+    mtp_fields = {name: hf.pop(name) for name in _MTP_HF_FIELDS if name in hf}
+    saved_d = mtp_fields.get("num_nextn_predict_layers") or 0
+    if saved_d:  # checkpoint.load_hf_checkpoint refuses MTP configs: load the main model from a stripped copy
+        main_config = checkpoint.config_from_hf(hf)
+        main = nnx.eval_shape(lambda: Transformer(main_config, rngs=nnx.Rngs(0)))
+        tensors = load_file(path / checkpoint.WEIGHTS_FILE)
+        flat = []
+        for p, variable in nnx.to_flat_state(nnx.state(main, nnx.Param)):
+            name, transposed = checkpoint.hf_name(p, main_config)
+            flat.append((p, variable.replace(jnp.asarray(tensors[name].T if transposed else tensors[name],
+                                                         main_config.weight_dtype))))
+        nnx.update(main, nnx.from_flat_state(flat))
+    else:
+        main = checkpoint.load_hf_checkpoint(path)
+    d = saved_d if num_nextn_predict_layers is None else num_nextn_predict_layers
+    config = main.config.replace(**{**mtp_fields, "num_nextn_predict_layers": d})
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    model = init_model(config, seed)
+    nnx.update(model, nnx.state(main, nnx.Param))
+    if saved_d and d:
+        flat = []
+        for p, variable in nnx.to_flat_state(nnx.state(model, MTP_PARAMS)):
+            name, transposed = checkpoint.hf_name(p, config)
+            if int(p[1]) < saved_d:
+                flat.append((p, variable.replace(jnp.asarray(tensors[name].T if transposed else tensors[name],
+                                                             config.weight_dtype))))
+        nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: `mtp-jax train` and `mtp-jax eval`.
+
+
+def default_data_dir(*, vocab_size: int | None = None, tokenizer_path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The corpus cache for this interpreter: `$MTP_JAX_CACHE` (default ~/.cache/mtp_jax) /
+    `stdlib-py3.X-v<vocab>` for a trained tokenizer, `stdlib-py3.X-tok<sha256[:12]>` for a given one."""
+    root = pathlib.Path(os.environ.get("MTP_JAX_CACHE", pathlib.Path.home() / ".cache" / "mtp_jax"))
+    tag = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if tokenizer_path is not None:
+        return root / f"stdlib-{tag}-tok{hashlib.sha256(pathlib.Path(tokenizer_path).read_bytes()).hexdigest()[:12]}"
+    return root / f"stdlib-{tag}-v{vocab_size}"
+
+
+def _corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> data.Corpus:
+    c = run["corpus"]
+    if c.get("source") != "stdlib":
+        raise ValueError(f"the run in {run_dir} was trained on in-memory documents, not the stdlib corpus")
+    given = c.get("tokenizer_source") == "given"
+    return data.prepare_corpus(data_dir or c["work_dir"], vocab_size=c["vocab_size"],
+                               heldout_fraction=c["heldout_fraction"],
+                               tokenizer_path=run_dir / "tokenizer.json" if given else None, verbose=True)
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `train` (from scratch, `--resume`, `--mtp-only --init-from DIR`) on an argparse subparsers."""
+    p = subparsers.add_parser("train", help="train a model with MTP modules on the Python stdlib corpus",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
+    mode = p.add_argument_group("mode")
+    mode.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
+    mode.add_argument("--overwrite", action="store_true", help="delete a non-empty run_dir and start again")
+    mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
+    mode.add_argument("--init-from", metavar="DIR",
+                      help="initialise from a Hugging Face-format dir (config.json, model.safetensors, "
+                           "tokenizer.json); its tokenizer is used for the corpus")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default="demo", help="preset name (config.PRESETS, or 'demo'); default demo")
+    model.add_argument("--mtp-layers", type=int, help="D, the number of MTP modules (default: the preset's / 3)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (weights stay float32)")
+    corpus = p.add_argument_group("corpus")
+    corpus.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
+    corpus.add_argument("--heldout-fraction", type=float, default=data.DEFAULT_HELDOUT_FRACTION)
+    corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
+    opt = p.add_argument_group("training")
+    d = TrainConfig()
+    for flag, field, kind in (("--steps", "num_steps", int), ("--batch-size", "batch_size", int),
+                              ("--seq-len", "seq_len", int), ("--lr", "learning_rate", float),
+                              ("--warmup", "warmup_steps", int), ("--min-lr-ratio", "min_lr_ratio", float),
+                              ("--weight-decay", "weight_decay", float), ("--grad-clip", "grad_clip_norm", float),
+                              ("--mtp-lambda", "mtp_lambda", float), ("--seed", "seed", int),
+                              ("--checkpoint-every", "checkpoint_every", int), ("--eval-every", "eval_every", int),
+                              ("--eval-batches", "eval_batches", int), ("--log-every", "log_every", int)):
+        opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def _train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return TrainConfig(**given)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    run_dir = pathlib.Path(args.run_dir)
+    if args.resume:
+        if not (run_dir / "run.json").is_file():
+            raise SystemExit(f"--resume: no run in {run_dir}")
+        run = json.loads((run_dir / "run.json").read_text())
+        corpus = _corpus_of_run(run_dir, run, args.data_dir)
+        result = train(run_dir, corpus, resume=True, progress=not args.no_progress, export=not args.no_export)
+    else:
+        tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json" if args.init_from else None
+        if tokenizer_path is not None and not tokenizer_path.is_file():
+            raise SystemExit(f"--init-from: no tokenizer.json in {args.init_from}")
+        data_dir = args.data_dir or default_data_dir(vocab_size=args.vocab_size, tokenizer_path=tokenizer_path)
+        corpus = data.prepare_corpus(data_dir, vocab_size=args.vocab_size, heldout_fraction=args.heldout_fraction,
+                                     tokenizer_path=tokenizer_path, verbose=True)
+        train_config = _train_config_from_args(args)
+        model = None
+        if args.init_from:
+            model = load_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers, seed=train_config.seed,
+                                    dtype=args.dtype)
+            model_config = model.config
+        else:
+            base = PRESETS.get(args.model, DEMO_MODEL if args.model == "demo" else None)
+            if base is None:
+                raise SystemExit(f"unknown --model {args.model!r}; known: {sorted({*PRESETS, 'demo'})}")
+            changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
+            if args.mtp_layers is not None:
+                changes["num_nextn_predict_layers"] = args.mtp_layers
+            if args.dtype is not None:
+                changes["dtype"] = args.dtype
+            model_config = base.replace(**changes)
+        if train_config.mtp_only and not args.init_from:
+            print("warning: --mtp-only without --init-from trains MTP modules on a random main model")
+        try:
+            result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
+                           overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
+        except FileExistsError as e:
+            raise SystemExit(str(e)) from None
+    print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
+                      "heldout": result.eval_metrics}, indent=1))
+    return 0
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `eval` (held-out loss, bits/byte, per-depth MTP loss and agreement) on argparse subparsers."""
+    p = subparsers.add_parser("eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model")
+    p.add_argument("path", help="a run dir (latest checkpoint) or a Hugging Face-format dir with tokenizer.json")
+    p.add_argument("--step", type=int, help="checkpoint step of a run dir (default the latest)")
+    p.add_argument("--data-dir", help="corpus cache (default: the run's, or one keyed by the tokenizer)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, help="default: the run's, else 256")
+    p.add_argument("--max-batches", type=int, help="evaluate only the first batches")
+    p.add_argument("--mtp-lambda", type=float, default=0.1)
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    path = pathlib.Path(args.path)
+    seq_len = args.seq_len
+    if (path / "run.json").is_file():
+        model, run = load_run(path, args.step)
+        corpus = _corpus_of_run(path, run, args.data_dir)
+        seq_len = seq_len or run["train_config"]["seq_len"]
+    else:
+        tokenizer_path = path / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise SystemExit(f"no run.json or tokenizer.json in {path}")
+        model = load_pretrained(path)
+        corpus = data.prepare_corpus(args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
+                                     tokenizer_path=tokenizer_path, verbose=True)
+    result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=args.batch_size,
+                      seq_len=seq_len or 256, mtp_lambda=args.mtp_lambda, max_batches=args.max_batches)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _main(add_parser, argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="mtp-jax")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    name = add_parser(subparsers).prog.split()[-1]
+    args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """`mtp-jax train ...` without the subcommand name: `train_main(["runs/demo", "--steps", "100"])`."""
+    return _main(add_train_parser, argv)
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """`mtp-jax eval ...` without the subcommand name: `eval_main(["runs/demo"])`."""
+    return _main(add_eval_parser, argv)

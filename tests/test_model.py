@@ -1,0 +1,88 @@
+"""The main model: cached decode equals a full forward; batching and stale cache entries change nothing."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax.cache import KVCache, write_at
+from mtp_jax.config import ModelConfig
+from mtp_jax.model import init_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(ModelConfig.from_name("tiny"), seed=1)
+
+
+@nnx.jit
+def _step(model, tokens, cache):
+    return model(tokens, cache)
+
+
+@nnx.jit
+def _full(model, tokens):
+    return model.forward_full(tokens)
+
+
+def _tokens(shape, seed=0):
+    return jnp.asarray(np.random.RandomState(seed).randint(0, 128, shape), jnp.int32)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
+def test_cached_decode_equals_full_forward(model, step):
+    """Rows of different lengths, fed T = step tokens per call, give the full forward's logits."""
+    seqs = _tokens((3, 20), seed=step)
+    full, _ = _full(model, seqs)
+    prompt_lengths = jnp.asarray([3, 7, 1], jnp.int32)
+    # Prefill the three rows to different lengths (right-padded), then step.
+    cache = KVCache.init(model.config, 3, 32)
+    _, _, cache = _step(model, seqs[:, :7], cache)
+    cache = cache.replace(lengths=prompt_lengths)
+    for _ in range(2):
+        start = np.asarray(cache.lengths)
+        chunk = jnp.stack([seqs[b, start[b]: start[b] + step] for b in range(3)])  # [B, T]
+        logits, _, cache = _step(model, chunk, cache)
+        for b in range(3):
+            np.testing.assert_allclose(logits[b], full[b, start[b]: start[b] + step], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, prompt_lengths + 2 * step)
+
+
+def test_batch_equals_rows_alone(model):
+    seqs = _tokens((3, 9), seed=3)
+    batch_logits, batch_hidden = _full(model, seqs)
+    for b in range(3):
+        logits, hidden = _full(model, seqs[b: b + 1])
+        np.testing.assert_allclose(batch_logits[b], logits[0], atol=1e-6)
+        np.testing.assert_allclose(batch_hidden[b], hidden[0], atol=1e-6)
+
+
+def test_nan_past_lengths_changes_nothing(model):
+    seqs = _tokens((2, 12), seed=4)
+    cache = KVCache.init(model.config, 2, 24)
+    _, _, cache = _step(model, seqs[:, :8], cache)
+    cache = cache.replace(lengths=jnp.asarray([5, 8], jnp.int32))  # row 0 rolled back by 3
+    chunk = jnp.stack([seqs[0, 5:8], seqs[1, 8:11]])
+    clean, _, _ = _step(model, chunk, cache)
+    poisoned, _, _ = _step(model, chunk, cache.fill_stale(jnp.nan))
+    assert np.isfinite(np.asarray(poisoned)).all()
+    np.testing.assert_array_equal(clean, poisoned)
+
+
+def test_write_at_never_lands_outside_the_cache():
+    cache = jnp.zeros((2, 4, 1, 1))
+    new = jnp.ones((2, 3, 1, 1))
+    out = write_at(cache, new, jnp.asarray([2, -2], jnp.int32))
+    # Row 0: positions 2, 3 written, 4 dropped (not clamped back onto 1..3). Row 1: -2, -1 dropped, 0 written.
+    np.testing.assert_array_equal(out[:, :, 0, 0], [[0, 0, 1, 1], [1, 0, 0, 0]])
+
+
+def test_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_name("tiny", num_key_value_heads=3)
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_name("tiny", hidden_size=0)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        ModelConfig.from_name("tiny", eos_token_id=128)
+    with pytest.raises(ValueError, match="unknown preset"):
+        ModelConfig.from_name("huge")

@@ -1,0 +1,56 @@
+"""Sampling filters on hand examples, and the sampler's empirical distribution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.sampling import SamplingParams, SamplingState, sample, target_probs
+
+LOGITS = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]]))
+
+
+def _state(**kwargs):
+    return SamplingState.from_params([SamplingParams(**kwargs)])
+
+
+def test_greedy_is_one_hot_at_argmax():
+    np.testing.assert_array_equal(target_probs(LOGITS, _state()), [[0, 1, 0, 0]])
+
+
+def test_temperature_one_is_softmax():
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0)), [[0.1, 0.4, 0.2, 0.3]], rtol=1e-6)
+
+
+def test_temperature_sharpens():
+    probs = np.array([0.1, 0.4, 0.2, 0.3]) ** 2
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=0.5)), [probs / probs.sum()], rtol=1e-5)
+
+
+def test_top_k_keeps_k_most_likely():
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_k=2)), [[0, 4 / 7, 0, 3 / 7]],
+                               rtol=1e-6)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # Sorted: 0.4, 0.3, 0.2, 0.1; mass before each: 0, 0.4, 0.7, 0.9. top_p = 0.65 keeps 0.4 and 0.3.
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_p=0.65)), [[0, 4 / 7, 0, 3 / 7]],
+                               rtol=1e-6)
+    # top_p below the first token's mass keeps exactly one token.
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_p=0.1)), [[0, 1, 0, 0]])
+
+
+def test_top_k_then_top_p():
+    # top_k = 3 leaves 0.4, 0.3, 0.2 (renormalised 4/9, 3/9, 2/9); top_p = 0.5 then keeps 4/9 and 3/9.
+    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_k=3, top_p=0.5)),
+                               [[0, 4 / 7, 0, 3 / 7]], rtol=1e-6)
+
+
+def test_empirical_distribution_matches_target():
+    """20,000 draws at distinct positions: every frequency within 4.5 standard errors of its probability."""
+    n = 20_000
+    state = SamplingState.from_params([SamplingParams(temperature=1.0, seed=7)] * n)
+    logits = jnp.broadcast_to(LOGITS, (n, 4))
+    draws = np.asarray(jax.jit(sample)(logits, state, jnp.arange(n, dtype=jnp.int32)))
+    freq = np.bincount(draws, minlength=4) / n
+    p = np.array([0.1, 0.4, 0.2, 0.3])
+    assert np.all(np.abs(freq - p) < 4.5 * np.sqrt(p * (1 - p) / n)), freq
