@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def attention_mask(lengths: Int[Array, "B"], num_queries: int, cache_len: int) -> jax.Array:
+def attention_mask(lengths: Int[Array, " B"], num_queries: int, cache_len: int) -> jax.Array:
     """Boolean mask of shape [B, T, S]: query t of row b may attend to cache position s."""
     t = jnp.arange(num_queries)[None, :, None]  # [1, T, 1]
     s = jnp.arange(cache_len)[None, None, :]  # [1, 1, S]
@@ -34,7 +34,7 @@ def attention_reference(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S G D"],
     v: Float[Array, "B S G D"],
-    lengths: Int[Array, "B"],
+    lengths: Int[Array, " B"],
     *,
     scale: float | None = None,
 ) -> Float[Array, "B T H D"]:

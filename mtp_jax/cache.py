@@ -56,7 +56,7 @@ class KVCache:
                             v=tuple(jnp.where(stale, value, x) for x in self.v))
 
 
-def write_at(cache: Float[Array, "B S G D"], new: Float[Array, "B T G D"], start: Int[Array, "B"]) -> jax.Array:
+def write_at(cache: Float[Array, "B S G D"], new: Float[Array, "B T G D"], start: Int[Array, " B"]) -> jax.Array:
     """`cache` with row b's new entries written at positions start[b] .. start[b] + T - 1.
 
     Positions outside [0, S) are dropped, never clamped or wrapped.

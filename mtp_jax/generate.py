@@ -110,26 +110,43 @@ def _stop_array(stop_tokens: Sequence[int], vocab_size: int) -> jax.Array:
     return jnp.asarray(stop + [-1] * (MAX_STOP_TOKENS - len(stop)), jnp.int32)
 
 
-def commit_tokens(state: DecodeState, new_tokens: jax.Array, new_logprobs: jax.Array) -> DecodeState:
-    """Appends one token (int32 [B]) to every unfinished row and applies the stop conditions."""
+def commit_tokens(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
+                  candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
+    """Appends up to N candidate tokens per unfinished row and applies the stop conditions.
+
+    Row b offers `candidates[b, :num_candidates[b]]` (int32 [B, N]). The block is cut after the
+    first stop token (kept), at `max_new_tokens` and at the capacity S; finished rows take nothing.
+    Returns the new state and the number of tokens each row committed (int32 [B]).
+    """
     batch, capacity = state.tokens.shape
-    active = ~state.done
-    rows = jnp.arange(batch)
-    position = jnp.where(active, state.lengths, capacity)  # finished rows write nowhere (dropped)
-    tokens = state.tokens.at[rows, position].set(new_tokens, mode="drop")
-    logprobs = state.logprobs.at[rows, position].set(new_logprobs, mode="drop")
-    lengths = state.lengths + active
-    is_stop = jnp.any(new_tokens[:, None] == state.stop_tokens[None, :], axis=-1)
-    done = state.done | (active & (is_stop | (lengths - state.prompt_lengths >= state.max_new_tokens)
-                                   | (lengths >= capacity)))
-    return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done)
+    index = jnp.arange(candidates.shape[1])[None, :]  # [1, N]
+    offered = index < num_candidates[:, None]  # [B, N]
+    is_stop = offered & jnp.any(candidates[:, :, None] == state.stop_tokens[None, None, :], axis=-1)  # [B, N]
+    through_stop = jnp.where(jnp.any(is_stop, axis=-1), jnp.argmax(is_stop, axis=-1) + 1, num_candidates)
+    room = jnp.minimum(state.max_new_tokens - (state.lengths - state.prompt_lengths), capacity - state.lengths)
+    num = jnp.where(state.done, 0, jnp.clip(jnp.minimum(through_stop, room), 0, None))  # [B]
+    taken = index < num[:, None]  # [B, N]
+    positions = jnp.where(taken, state.lengths[:, None] + index, capacity)  # untaken: past the end, dropped
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)
+    tokens = state.tokens.at[rows, positions].set(candidates, mode="drop")
+    logprobs = state.logprobs.at[rows, positions].set(candidate_logprobs, mode="drop")
+    lengths = state.lengths + num
+    done = (state.done | jnp.any(is_stop & taken, axis=-1) | (lengths - state.prompt_lengths >= state.max_new_tokens)
+            | (lengths >= capacity))
+    return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done), num
 
 
-def _pick(logits: jax.Array, state: DecodeState) -> tuple[jax.Array, jax.Array]:
-    """Next token per row from logits [B, V] for the token at position `state.lengths`."""
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log-softmax of `logits` [..., V] at `tokens` [...] (float32 [...])."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[..., None],
+                               axis=-1)[..., 0]
+
+
+def _commit_sampled(state: DecodeState, logits: jax.Array) -> DecodeState:
+    """Samples the token at position `state.lengths` from logits [B, V] and commits it."""
     token = sample(logits, state.sampling, state.lengths)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-    return token, logprob
+    ones = jnp.ones_like(token)
+    return commit_tokens(state, token[:, None], ones, token_logprobs(logits, token)[:, None])[0]
 
 
 def prefill(model: Transformer, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
@@ -138,8 +155,7 @@ def prefill(model: Transformer, state: DecodeState, padded_prompts: jax.Array) -
     last = state.prompt_lengths - 1
     last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     state = state.replace(cache=cache.replace(lengths=state.prompt_lengths))
-    token, logprob = _pick(last_logits, state)
-    return commit_tokens(state, token, logprob)
+    return _commit_sampled(state, last_logits)
 
 
 def decode_step(model: Transformer, state: DecodeState) -> DecodeState:
@@ -150,9 +166,7 @@ def decode_step(model: Transformer, state: DecodeState) -> DecodeState:
     logits, _, cache = model(last, state.cache)
     # Finished rows keep their cache length: their write was past it, hence stale.
     cache = cache.replace(lengths=jnp.where(state.done, cache_lengths, cache.lengths))
-    state = state.replace(cache=cache)
-    token, logprob = _pick(logits.reshape(batch, -1), state)
-    return commit_tokens(state, token, logprob)
+    return _commit_sampled(state.replace(cache=cache), logits.reshape(batch, -1))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))

@@ -51,7 +51,7 @@ class Attention(nnx.Module):
         self.o_proj = _linear(config, h * d, config.hidden_size, rngs)
 
     def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], k_cache: jax.Array,
-                 v_cache: jax.Array, start: Int[Array, "B"],
+                 v_cache: jax.Array, start: Int[Array, " B"],
                  segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         c = self.config
         batch, num_new, _ = x.shape

@@ -104,7 +104,7 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     return jnp.where(greedy, one_hot, probs)
 
 
-def row_keys(sampling: SamplingState, positions: Int[Array, "B"], stream: int = 0) -> jax.Array:
+def row_keys(sampling: SamplingState, positions: Int[Array, " B"], stream: int = 0) -> jax.Array:
     """One PRNG key per row for the token at absolute position `positions[b]`."""
 
     def key(seed, position):
@@ -113,9 +113,18 @@ def row_keys(sampling: SamplingState, positions: Int[Array, "B"], stream: int = 
     return jax.vmap(key)(sampling.seed, positions)
 
 
-def sample(logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, "B"]) -> jax.Array:
-    """Draw one token per row (int32 [B]) from `target_probs`; greedy rows take the argmax exactly."""
-    probs = target_probs(logits, sampling)
-    keys = row_keys(sampling, positions)
+def sample_from(probs: Float[Array, "B V"], logits: Float[Array, "B V"], sampling: SamplingState,
+                positions: Int[Array, " B"], stream: int = 0) -> jax.Array:
+    """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly."""
+    keys = row_keys(sampling, positions, stream)
     drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs)
     return jnp.where(sampling.temperature == 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def sample(logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, " B"],
+           stream: int = 0) -> jax.Array:
+    """Draw one token per row (int32 [B]) from `target_probs(logits)`; greedy rows take the argmax exactly.
+
+    `positions[b]` is the absolute position of the token drawn (it selects the random key, with
+    `stream` separating independent uses at the same position)."""
+    return sample_from(target_probs(logits, sampling), logits, sampling, positions, stream)

@@ -51,13 +51,14 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx, struct
 from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from mtp_jax import checkpoint, data
 from mtp_jax.config import PRESETS, ModelConfig, RopeScaling
 from mtp_jax.loss import compute_loss, label_mask
 from mtp_jax.model import Transformer, init_model
-from mtp_jax.mtp import MTP_PARAMS, shift_left
+from mtp_jax.mtp import MTP_PARAMS, make_mtp_modules, shift_left
 
 # The demo model (proposed for config.PRESETS["demo"]): 6 layers of width 192, 3 heads of 64,
 # vocab 4096 (the stdlib tokenizer), D = 3 MTP modules; about 5.8M parameters.
@@ -497,8 +498,9 @@ def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelCon
         if given is not None and given != saved:
             diff = {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
             raise ValueError(f"{what} differs from the run's in {run_dir} (field: (saved, given)): {diff}")
-    if run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]:
-        raise ValueError(f"the corpus differs from the one the run in {run_dir} started with (data order would change)")
+    if (run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
+            or corpus.tokenizer_path.read_bytes() != (run_dir / "tokenizer.json").read_bytes()):
+        raise ValueError(f"the corpus or tokenizer differs from the one the run in {run_dir} started with")
     return saved_model, saved_train
 
 
@@ -574,8 +576,10 @@ def load_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | 
     config = main.config.replace(**{**mtp_fields, "num_nextn_predict_layers": d})
     if dtype is not None:
         config = config.replace(dtype=dtype)
-    model = init_model(config, seed)
+    # The main weights are the checkpoint's: initialise only the MTP modules (no full random model).
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     nnx.update(model, nnx.state(main, nnx.Param))
+    model.mtp = make_mtp_modules(config, nnx.Rngs(seed))
     if saved_d and d:
         flat = []
         for p, variable in nnx.to_flat_state(nnx.state(model, MTP_PARAMS)):
@@ -662,19 +666,21 @@ def run_train(args: argparse.Namespace) -> int:
         corpus = _corpus_of_run(run_dir, run, args.data_dir)
         result = train(run_dir, corpus, resume=True, progress=not args.no_progress, export=not args.no_export)
     else:
-        tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json" if args.init_from else None
-        if tokenizer_path is not None and not tokenizer_path.is_file():
-            raise SystemExit(f"--init-from: no tokenizer.json in {args.init_from}")
-        data_dir = args.data_dir or default_data_dir(vocab_size=args.vocab_size, tokenizer_path=tokenizer_path)
-        corpus = data.prepare_corpus(data_dir, vocab_size=args.vocab_size, heldout_fraction=args.heldout_fraction,
-                                     tokenizer_path=tokenizer_path, verbose=True)
         train_config = _train_config_from_args(args)
-        model = None
+        model, tokenizer_path, eos_token = None, None, data.EOS_TOKEN
         if args.init_from:
+            tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
+            if not tokenizer_path.is_file():
+                raise SystemExit(f"--init-from: no tokenizer.json in {args.init_from}")
             model = load_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers, seed=train_config.seed,
                                     dtype=args.dtype)
             model_config = model.config
-        else:
+            if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
+                eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
+        data_dir = args.data_dir or default_data_dir(vocab_size=args.vocab_size, tokenizer_path=tokenizer_path)
+        corpus = data.prepare_corpus(data_dir, vocab_size=args.vocab_size, heldout_fraction=args.heldout_fraction,
+                                     tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
+        if not args.init_from:
             base = PRESETS.get(args.model, DEMO_MODEL if args.model == "demo" else None)
             if base is None:
                 raise SystemExit(f"unknown --model {args.model!r}; known: {sorted({*PRESETS, 'demo'})}")

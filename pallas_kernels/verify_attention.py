@@ -100,7 +100,7 @@ class VerifyAttentionConfig:
 PRESETS: dict[str, VerifyAttentionConfig] = {
     # Any recent NVIDIA GPU: 2 x 16 KiB K/V blocks in flight per stage at D = 128, bf16.
     "default": VerifyAttentionConfig(),
-    # Hopper (H100/H200, 132 SMs, 227 KiB shared memory): a deeper pipeline, 8 programs per SM.
+    # Hopper (H100/H200, 132 SMs, 227 KiB shared memory): a deeper pipeline, 8 x 132 programs.
     "hopper": VerifyAttentionConfig(block_s=64, max_splits=64, target_programs=1056, min_split_len=256,
                                     num_warps=4, num_stages=3),
     # Bigger blocks, 8 warps: fewer loop trips on long caches.

@@ -98,7 +98,7 @@ def test_stale_nan_changes_nothing():
 
 def test_nothing_to_attend_gives_zeros():
     # Row 0 holds no entries at all; in row 1 (length 1 < T = 3) only the last query sees anything.
-    q, k, v, lengths = make_inputs(2, 2, 3, 4, 2, 16, 20, [0, 1], jnp.bfloat16)
+    q, k, v, lengths = make_inputs(2, 2, 3, 4, 2, 16, 10, [0, 1], jnp.bfloat16)  # S = 10 < block_s
     k, v = k.at[:, 1:].set(jnp.nan), v.at[:, 1:].set(jnp.nan)
     out = np.asarray(kernel(q, k, v, lengths)).astype(np.float32)
     assert np.isfinite(out).all()
@@ -164,6 +164,10 @@ def test_config_validation_and_presets():
     assert config.num_splits(32, 8, 32768) == 4
     assert config.num_splits(1, 8, 100) == 1
     assert dataclasses.replace(config, max_splits=1).num_splits(1, 1, 1 << 20) == 1
+    # Pipeline depth: lowered where the K and V blocks of every stage would not fit in shared memory.
+    hopper = PRESETS["hopper"]
+    assert hopper.pipeline_stages(128, 2) == 3 and hopper.pipeline_stages(128, 4) == 2
+    assert hopper.pipeline_stages(256, 4) == 1
 
 
 def test_unsupported_operands_raise():

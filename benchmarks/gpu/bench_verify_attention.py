@@ -198,13 +198,35 @@ def benchmark(args) -> dict:
                       f"({row['speedup_vs_decode_attention']:.2f}x)", flush=True)
                 del q, k, v, expected
     rows.sort(key=lambda r: (r["B"], r["S"], r["T"]))
+    presets = sweep_presets(args, interpret, (8, cache_lens[-1], 4, heads, kv_heads, head_dim), copy_bw, began)
     return dict(
         device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__, smoke=args.smoke,
         preset=preset, config=dataclasses.asdict(PRESETS[preset]), date=datetime.date.today().isoformat(),
         shape=dict(H=heads, G=kv_heads, D=head_dim, dtype="bfloat16", lengths="S (full cache)"),
         copy_GBps=copy_bw / 1e9, checks=checks, checks_ok=all(c["ok"] for c in checks), rows=rows,
-        seconds=time.perf_counter() - began, targets=targets(rows),
+        presets=presets, seconds=time.perf_counter() - began, targets=targets(rows),
     )
+
+
+def sweep_presets(args, interpret, sizes, copy_bw, began) -> list[dict]:
+    """Kernel time of every tuning preset at one long-cache shape (B, S, T = 4), within the time budget."""
+    batch, cache_len, num_queries, heads, kv_heads, head_dim = sizes
+    kv_bytes = 2 * batch * cache_len * kv_heads * head_dim * jnp.dtype(jnp.bfloat16).itemsize
+    rows = []
+    for name in sorted(PRESETS):
+        if (name == "interpret") != interpret or time.perf_counter() - began > args.budget_s:
+            continue
+        q, k, v = random_inputs(jax.random.key(7), batch, num_queries, heads, kv_heads, head_dim, cache_len,
+                                jnp.bfloat16)
+        lengths = jnp.full((batch,), cache_len, jnp.int32)
+        kernel = functools.partial(verify_attention, config=name, interpret=interpret)
+        seconds, k, v = time_per_step(make_loop(kernel), q, k, v, lengths, trial_s=args.trial_s, trials=args.trials)
+        rows.append(dict(preset=name, B=batch, S=cache_len, T=num_queries, kernel_us=seconds * 1e6,
+                         kernel_fraction_of_copy=kv_bytes / seconds / copy_bw))
+        print(f"preset {name:13s} B={batch} S={cache_len} T={num_queries}: {seconds * 1e6:8.1f} us "
+              f"({rows[-1]['kernel_fraction_of_copy']:.0%} of copy)", flush=True)
+        del q, k, v
+    return rows
 
 
 def targets(rows) -> dict:
@@ -236,6 +258,10 @@ def markdown(result: dict) -> str:
                      f"{r['kernel_fraction_of_copy']:.0%} | {r['reference_us']:.1f} | "
                      f"{r['speedup_vs_reference']:.2f}x | "
                      f"{r['decode_attention_us']:.1f} | {r['speedup_vs_decode_attention']:.2f}x |")
+    if result["presets"]:
+        lines += ["", "| preset | B | S | T | kernel us | of copy |", "|---|---|---|---|---|---|"]
+        lines += [f"| `{r['preset']}` | {r['B']} | {r['S']} | {r['T']} | {r['kernel_us']:.1f} | "
+                  f"{r['kernel_fraction_of_copy']:.0%} |" for r in result["presets"]]
     t = result["targets"]
     lines += ["", f"Targets at S >= 8k: min fraction of copy bandwidth {t['min_fraction_of_copy_S_ge_8k']} "
                   f"(>= 0.8: {t['fraction_target_met']}); min speedup vs reference at T = 4 "
