@@ -36,6 +36,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mtp_jax.config import ModelConfig, RopeScaling
+
+# mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
+# (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
+MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
 from mtp_jax.model import Transformer
 
 CONFIG_FILE = "config.json"
@@ -148,7 +152,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
       ValueError naming the field for anything this model cannot reproduce: another model_type,
       hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings, a
       sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or mlp_bias,
-      quantization_config, MTP modules (num_nextn_predict_layers > 0), a missing size field.
+      quantization_config, a missing size field.
     """
     hf = dict(hf_config)
     model_type = hf.get("model_type")
@@ -159,8 +163,6 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
             raise ValueError(f"{name} is missing from the config")
     if hf.get("quantization_config") is not None:
         raise ValueError("quantization_config: quantized checkpoints are not supported")
-    if hf.get("num_nextn_predict_layers"):
-        raise ValueError("num_nextn_predict_layers > 0: MTP weights import is not supported yet")
     if hf.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
     if model_type in ("llama", "mistral") and hf.get("attention_bias", False):
@@ -184,7 +186,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=model_type == "qwen2",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), hidden_act=hf.get("hidden_act", "silu"),
         dtype=dtype, param_dtype=dtype, initializer_range=float(hf.get("initializer_range", 0.02)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        **{name: hf[name] for name in MTP_CONVENTION_FIELDS if name in hf})
 
 
 def _rope_to_hf(s: RopeScaling) -> dict[str, Any] | None:
@@ -217,15 +221,13 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
 
     Raises:
       ValueError when the chosen model_type cannot express the config (attention_bias must be True
-      for qwen2 and False otherwise) or the config has MTP modules (not exportable yet).
+      for qwen2 and False otherwise).
     """
     model_type = model_type or ("qwen2" if config.attention_bias else "llama")
     if model_type not in _ARCHITECTURES:
         raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
     if config.attention_bias != (model_type == "qwen2"):
         raise ValueError(f"attention_bias={config.attention_bias} cannot be expressed as model_type {model_type!r}")
-    if config.num_nextn_predict_layers:
-        raise ValueError("num_nextn_predict_layers > 0: MTP weights export is not supported yet")
     scaling = _rope_to_hf(config.rope_scaling)
     eos = config.eos_token_id
     hf: dict[str, Any] = {
@@ -250,6 +252,9 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
         "dtype": config.param_dtype,
     }
+    if config.num_nextn_predict_layers:  # DeepSeek-V3's field, plus mtp_jax's conventions (others ignore them)
+        hf["num_nextn_predict_layers"] = config.num_nextn_predict_layers
+        hf.update({name: getattr(config, name) for name in MTP_CONVENTION_FIELDS})
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif model_type == "qwen2":
@@ -327,6 +332,21 @@ def _scan(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]], dict[
     return where, shapes, dtypes
 
 
+def _shared_copies(config: ModelConfig) -> dict[str, str]:
+    """Tensors a checkpoint may carry as copies of shared ones: copy name -> the name it must equal.
+
+    Tied models may still store `lm_head.weight`; DeepSeek-V3 stores each MTP layer's
+    `embed_tokens` and `shared_head.head` (README_WEIGHTS.md), which here are the main model's.
+    """
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    copies = {"lm_head.weight": head} if config.tie_word_embeddings else {}
+    for j in range(config.num_nextn_predict_layers):
+        layer = f"model.layers.{config.num_hidden_layers + j}"
+        copies[f"{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        copies[f"{layer}.shared_head.head.weight"] = head
+    return copies
+
+
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
@@ -345,7 +365,11 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
       ValueError: an unsupported config (see `config_from_hf`).
       CheckpointError: missing tensors, unexpected tensors, shapes [out, in] other than the
         config's, non-float tensors, an index inconsistent with its shards, or (tied embeddings) a
-        `lm_head.weight` that differs from `model.embed_tokens.weight`.
+        `lm_head.weight` that differs from `model.embed_tokens.weight` (likewise DeepSeek's
+        per-MTP-layer `embed_tokens` / `shared_head.head` copies, see `_shared_copies`).
+
+    MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout:
+    `model.layers.{L + j}.{enorm,hnorm,eh_proj,shared_head.norm,<block>}` for module j.
     """
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
@@ -364,8 +388,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
     layout = _layout(params, config)
     where, shapes, dtypes = _scan(path)
 
-    redundant_head = config.tie_word_embeddings and "lm_head.weight" in where
-    found = set(where) - {"lm_head.weight"} if redundant_head else set(where)
+    copies = {name: source for name, source in _shared_copies(config).items() if name in where}
+    found = set(where) - set(copies)
     missing = [name for name in layout if name not in found]
     unexpected = sorted(n for n in found - set(layout) if not n.endswith(_IGNORED_SUFFIXES))
     mismatched = [f"{name} (expected shape {list(layout[name][2])}, found {list(shapes[name])})"
@@ -383,14 +407,13 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
             for name in (n for n in layout if where[n] == file):
                 array = f.get_tensor(name)
                 values[name] = jnp.asarray(array.T if layout[name][1] else array, dtype=weight_dtype)
-            if redundant_head and where["lm_head.weight"] == file:
-                head = f.get_tensor("lm_head.weight")
-    if redundant_head:
-        embedding = values["model.embed_tokens.weight"]
-        if head.shape != embedding.shape or not np.array_equal(np.asarray(jnp.asarray(head, weight_dtype)),
-                                                               np.asarray(embedding)):
-            raise CheckpointError("tie_word_embeddings=True but lm_head.weight differs from "
-                                  "model.embed_tokens.weight", unexpected=["lm_head.weight"])
+            for name in (n for n in copies if where[n] == file):
+                copy = f.get_tensor(name)
+                source = values[copies[name]].T if layout[copies[name]][1] else values[copies[name]]
+                if copy.shape != source.shape or not np.array_equal(np.asarray(jnp.asarray(copy, weight_dtype)),
+                                                                    np.asarray(source)):
+                    raise CheckpointError(f"{name} must be a copy of the shared {copies[name]} but differs",
+                                          unexpected=[name])
     flat = [(path_, variable.replace(values[hf_name(path_, config)[0]]))
             for path_, variable in nnx.to_flat_state(params)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

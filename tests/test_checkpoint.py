@@ -164,7 +164,7 @@ def test_tied_model_accepts_only_an_identical_lm_head(tmp_path):
     _edit_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
     _assert_same_params(load_hf_checkpoint(tmp_path), model)
     _edit_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1}))
-    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+    with pytest.raises(CheckpointError, match="lm_head.weight must be a copy of the shared model.embed_tokens.weight"):
         load_hf_checkpoint(tmp_path)
 
 
@@ -309,7 +309,8 @@ def test_config_ignores_harmless_fields():
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+    ({"num_nextn_predict_layers": 1, "mtp_style": "medusa"}, "mtp_style"),
     ({"dtype": "float64"}, "dtype"),
 ])
 def test_invalid_config_fields_are_named(changes, field):
@@ -321,7 +322,6 @@ def test_invalid_config_fields_are_named(changes, field):
     (TINY, "qwen2", "attention_bias"),
     (ModelConfig.from_name("tiny-qwen2"), "llama", "attention_bias"),
     (TINY, "gpt2", "model_type"),
-    (TINY.replace(num_nextn_predict_layers=1), None, "num_nextn_predict_layers"),
 ])
 def test_unexportable_configs_raise(tmp_path, config, model_type, field):
     with pytest.raises(ValueError, match=field):
@@ -330,3 +330,38 @@ def test_unexportable_configs_raise(tmp_path, config, model_type, field):
         save_hf_checkpoint(_random_model(config), tmp_path, model_type=model_type)
     assert not any(tmp_path.iterdir())  # nothing written
 
+
+
+MTP_TINY = TINY.replace(num_nextn_predict_layers=2, mtp_concat_order="hidden_first", mtp_hidden_after_norm=False)
+
+
+def test_mtp_round_trip_in_deepseek_layout(tmp_path):
+    """MTP module j is stored as model.layers.{L + j}.* (DeepSeek-V3) and its conventions in config.json."""
+    model = _random_model(MTP_TINY, seed=3)
+    save_hf_checkpoint(model, tmp_path)
+    names = set(load_file(tmp_path / "model.safetensors"))
+    layer = f"model.layers.{TINY.num_hidden_layers + 1}"
+    assert {f"{layer}.enorm.weight", f"{layer}.hnorm.weight", f"{layer}.eh_proj.weight",
+            f"{layer}.shared_head.norm.weight", f"{layer}.self_attn.q_proj.weight"} <= names
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["num_nextn_predict_layers"] == 2 and hf["mtp_concat_order"] == "hidden_first"
+    loaded = load_hf_checkpoint(tmp_path)
+    assert loaded.config == MTP_TINY
+    _assert_same_params(model, loaded)
+
+
+def test_deepseek_shared_copies_must_equal_the_shared_tensors(tmp_path):
+    """DeepSeek-V3 stores each MTP layer's embed_tokens and shared_head.head: accepted only as exact copies."""
+    model = _random_model(MTP_TINY, seed=4)
+    save_hf_checkpoint(model, tmp_path)
+    layer = f"model.layers.{TINY.num_hidden_layers}"
+
+    def add_copies(tensors):
+        tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"]
+
+    _edit_weights(tmp_path, add_copies)
+    _assert_same_params(model, load_hf_checkpoint(tmp_path))
+    _edit_weights(tmp_path, lambda t: t.update({f"{layer}.shared_head.head.weight": t["lm_head.weight"] + 1}))
+    with pytest.raises(CheckpointError, match=f"{layer}.shared_head.head.weight"):
+        load_hf_checkpoint(tmp_path)
