@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "demo"
+from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,6 +23,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0, help="seed of the first row; row b uses seed + b")
+    p.add_argument("--speculative", default="none", choices=["none", "vanilla", "eagle", "parallel"],
+                   help="MTP speculative decoding method (default: none, plain decoding)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K, drafts per step (default: the model's MTP modules, for eagle 3)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
     p.set_defaults(func=run_generate)
     return p
@@ -47,7 +51,16 @@ def run_generate(args) -> int:
     prompts = [tokenizer.encode(t).ids for t in texts]
     sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
                 for b in range(len(prompts))]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length)
+    speculative = None
+    if args.speculative != "none":
+        from mtp_jax.speculative import SpeculativeConfig
+
+        k = args.num_speculative_tokens
+        if k is None:
+            k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
+        speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
+                  speculative=speculative)
     if args.stream:
         if len(prompts) != 1:
             raise ValueError("--stream takes exactly one prompt")
@@ -66,8 +79,11 @@ def run_generate(args) -> int:
     for b, (text, tokens) in enumerate(zip(texts, result.tokens, strict=True)):
         print(f"=== prompt {b} ({len(prompts[b])} tokens) -> {len(tokens)} tokens, {result.finish_reasons[b]}")
         print(text + tokenizer.decode(tokens))
-    print(f"--- {result.num_generated} tokens in {result.seconds:.2f} s (compile included on first use): "
+    print(f"--- {result.num_generated} tokens in {result.seconds:.2f} s (compile included): "
           f"{result.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    if speculative is not None:
+        print(f"--- {args.speculative}, K = {speculative.num_speculative_tokens}: {result.metrics.summary()}",
+              file=sys.stderr)
     return 0
 
 

@@ -255,7 +255,7 @@ def results_from_state(state: DecodeState, num_steps: int, seconds: float) -> Ge
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-             stop_tokens: Sequence[int] | None = None) -> GenerationResult:
+             stop_tokens: Sequence[int] | None = None, speculative=None) -> GenerationResult:
     """Generates up to `max_new_tokens` tokens for each prompt, the whole loop on device.
 
     Args:
@@ -266,10 +266,18 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
       max_length: S, the cache capacity in tokens (prompt + generated); default
         `config.max_position_embeddings`.
       stop_tokens: token ids that end a row (kept in its output); default the config's EOS ids.
+      speculative: a `mtp_jax.speculative.SpeculativeConfig` to decode with the model's MTP
+        modules (`speculative_generate`); None for plain decoding.
 
     Returns:
-      A `GenerationResult`. Raises ValueError on invalid input (see `init_state`).
+      A `GenerationResult` (a `SpeculativeResult`, with metrics, when speculating). Raises
+      ValueError on invalid input (see `init_state`).
     """
+    if speculative is not None:
+        from mtp_jax.speculative import speculative_generate
+
+        return speculative_generate(model, prompts, speculative, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    max_length=max_length, stop_tokens=stop_tokens)
     state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                max_length=max_length, stop_tokens=stop_tokens)
     graphdef, params = nnx.split(model)
@@ -283,12 +291,18 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
            sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-           stop_tokens: Sequence[int] | None = None) -> Iterator[list[list[int]]]:
+           stop_tokens: Sequence[int] | None = None, speculative=None) -> Iterator[list[list[int]]]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 
     A finished row yields empty lists. The concatenation of everything yielded for a row equals
     `generate(...).tokens` for that row with the same arguments.
     """
+    if speculative is not None:
+        from mtp_jax.speculative import speculative_stream
+
+        yield from speculative_stream(model, prompts, speculative, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      max_length=max_length, stop_tokens=stop_tokens)
+        return
     state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                max_length=max_length, stop_tokens=stop_tokens)
     graphdef, params = nnx.split(model)

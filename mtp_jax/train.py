@@ -50,7 +50,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx, struct
-from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
@@ -132,7 +131,6 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
         decay_steps=config.num_steps, end_value=config.learning_rate * config.min_lr_ratio)
 
 
-@jax.tree_util.register_static
 class _StaticOptimizer:
     """A hashable handle on an optax transformation, so that equal configs share one jit cache entry."""
 
@@ -188,7 +186,7 @@ def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
-    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                       opt_state=opt_state), metrics
 
@@ -374,37 +372,55 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         (run_dir / "run.json").write_text(json.dumps(run, indent=1))
         shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
 
-    optimizer = _StaticOptimizer(train_config)
     manager = _checkpoint_manager(run_dir, train_config)
-    if resume:
-        if manager.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
-        graphdef, state, frozen = _restore(manager, manager.latest_step(), model_config, train_config)
-    else:
-        model = model if model is not None else init_model(model_config, train_config.seed)
-        graphdef, params, frozen = split_model(model, train_config)
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.tx.init(params))
-
+    try:
+        if resume:
+            if manager.latest_step() is None:
+                raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
+            graphdef, state, frozen = _restore(manager, manager.latest_step(), model_config, train_config)
+        else:
+            model = model if model is not None else init_model(model_config, train_config.seed)
+            graphdef, params, frozen = split_model(model, train_config)
+            params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=make_optimizer(train_config).init(params))
+        end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
+        state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen, train_config,
+                                                  end=end, progress=progress)
+    finally:
+        manager.close()
     step = int(state.step)
-    end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
-    batches = data.PackedBatches(corpus.train, train_config.batch_size, train_config.seq_len, train_config.seed)
-    token_bytes = data.token_byte_lengths(corpus.tokenizer)
-    schedule = learning_rate_schedule(train_config)
-    meta = {"tokens_per_step": train_config.tokens_per_step}
+    model = nnx.merge(graphdef, state.params, frozen)
+    stopped_early = step < train_config.num_steps
+    if not stopped_early:
+        eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step)
+        if export:
+            save_pretrained(model, run_dir / "export", tokenizer_path=run_dir / "tokenizer.json", overwrite=True)
+    return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
+                       eval_metrics=eval_metrics)
+
+
+def _evaluate_and_log(run_dir: pathlib.Path, model: Transformer, corpus: data.Corpus, config: TrainConfig,
+                      step: int) -> dict[str, float]:
+    result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=config.batch_size,
+                      seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches)
+    _log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
+    tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+    return result
+
+
+def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointManager, graphdef: nnx.GraphDef,
+         state: TrainState, frozen: nnx.State, config: TrainConfig, *, end: int,
+         progress: bool) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
+    """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics)."""
+    optimizer = _StaticOptimizer(config)
+    batches = data.PackedBatches(corpus.train, config.batch_size, config.seq_len, config.seed)
+    schedule = learning_rate_schedule(config)
+    meta = {"tokens_per_step": config.tokens_per_step}
     train_metrics: dict[str, float] = {}
     eval_metrics = None
-    stopped_early = False
-
-    def run_eval() -> dict[str, float]:
-        merged = nnx.merge(graphdef, state.params, frozen)
-        result = evaluate(merged, corpus.heldout, token_bytes, batch_size=train_config.batch_size,
-                          seq_len=train_config.seq_len, mtp_lambda=train_config.mtp_lambda,
-                          max_batches=train_config.eval_batches)
-        _log(run_dir, {"kind": "eval", "step": step, **result})
-        tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
-        return result
-
-    bar = tqdm(total=train_config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
+    step = int(state.step)
+    bar = tqdm(total=config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     with _stop_requests() as stop, bar:
         last_time, last_step = time.perf_counter(), step
         while step < end:
@@ -412,34 +428,27 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
             state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=optimizer)
             step += 1
             bar.update(1)
-            if step % train_config.log_every == 0 or step == end:
+            if step % config.log_every == 0 or step == end:
                 train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not math.isfinite(train_metrics["loss"]):
+                    raise FloatingPointError(f"the loss is {train_metrics['loss']} at step {step}; the last "
+                                             f"checkpoint is step {manager.latest_step()} in {run_dir}")
                 now = time.perf_counter()
-                tokens_per_s = (step - last_step) * train_config.tokens_per_step / (now - last_time)
+                tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
                 train_metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s)
-                _log(run_dir, {"kind": "train", "step": step, "tokens": step * train_config.tokens_per_step,
-                               **train_metrics})
+                _log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step, **train_metrics})
                 bar.set_postfix(loss=f"{train_metrics['loss']:.3f}", main=f"{train_metrics['main_loss']:.3f}",
                                 tok_s=f"{tokens_per_s:.0f}")
-            if train_config.eval_every and step % train_config.eval_every == 0 and step < train_config.num_steps:
-                eval_metrics = run_eval()
+            if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
+                eval_metrics = _evaluate_and_log(run_dir, nnx.merge(graphdef, state.params, frozen), corpus, config,
+                                                 step)
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
-            if step % train_config.checkpoint_every == 0 or step == end:
+            if step % config.checkpoint_every == 0 or step == end or stop.is_set():
                 _save(manager, state, frozen, meta)
-            if stop.is_set() and step < end:
-                _save(manager, state, frozen, meta)
-                stopped_early = True
+            if stop.is_set():
                 break
-    manager.close()
-    stopped_early = stopped_early or step < train_config.num_steps
-    model = nnx.merge(graphdef, state.params, frozen)
-    if not stopped_early:
-        eval_metrics = run_eval()
-        if export:
-            save_pretrained(model, run_dir / "export", tokenizer_path=run_dir / "tokenizer.json", overwrite=True)
-    return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
-                       eval_metrics=eval_metrics)
+    return state, train_metrics, eval_metrics
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, model_config: ModelConfig,
@@ -478,7 +487,7 @@ def _check_compatible(model_config: ModelConfig, train_config: TrainConfig, corp
         raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is "
                          f"{model_config.vocab_size}")
     if train_config.mtp_only and model_config.num_nextn_predict_layers == 0:
-        raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0")
+        raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0 (set it, or --mtp-layers)")
     if train_config.seq_len > model_config.max_position_embeddings:
         raise ValueError(f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings "
                          f"({model_config.max_position_embeddings})")
@@ -507,87 +516,44 @@ def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelCon
 # ----------------------------------------------------------------------------------------------
 # Export and import.
 
-_MTP_HF_FIELDS = ("num_nextn_predict_layers", "mtp_style", "mtp_concat_order", "mtp_hidden_after_norm",
-                  "mtp_chain_after_shared_head_norm")
-
-
 def save_pretrained(model: Transformer, out_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                     overwrite: bool = False) -> None:
     """Writes `model` as a Hugging Face-format directory: config.json, model.safetensors, tokenizer.json.
 
-    Uses `checkpoint.save_hf_checkpoint` (weights in `param_dtype`; the compute dtype is a runtime
-    choice, so config.json stores `param_dtype`). MTP modules, which that function does not export
-    yet, are written the DeepSeek-V3 way: tensors `model.layers.{L + j}.<name>` in the same
-    safetensors file and `num_nextn_predict_layers` plus the `mtp_*` convention fields in
-    config.json (`transformers` ignores both when loading the main model). `load_pretrained` reads
-    the directory back.
+    `checkpoint.save_hf_checkpoint` writes the weights in `param_dtype` and MTP modules in
+    DeepSeek-V3's layout (`model.layers.{L + j}.*`). The compute dtype is a runtime choice that
+    config.json does not hold, so the model is saved as `dtype = param_dtype` (a bfloat16-compute
+    run exports float32 weights and config). `tokenizer_path` is copied in as `tokenizer.json`.
 
     Raises FileExistsError if out_dir is not empty and overwrite is False.
     """
-    out_dir = pathlib.Path(out_dir)
     config = model.config.replace(dtype=model.config.param_dtype)
-    main_config = config.replace(num_nextn_predict_layers=0)
-    main = nnx.eval_shape(lambda: Transformer(main_config, rngs=nnx.Rngs(0)))
-    nnx.update(main, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))))
-    checkpoint.save_hf_checkpoint(main, out_dir, overwrite=overwrite)
-    if config.num_nextn_predict_layers:
-        weights_path = out_dir / checkpoint.WEIGHTS_FILE
-        if not weights_path.is_file():
-            raise NotImplementedError("MTP export into a sharded checkpoint is not supported")
-        tensors = load_file(weights_path)
-        for path, variable in nnx.to_flat_state(nnx.state(model, MTP_PARAMS)):
-            name, transposed = checkpoint.hf_name(path, config)
-            array = np.asarray(jax.device_get(variable.get_value()))
-            tensors[name] = np.ascontiguousarray(array.T if transposed else array)
-        save_file(tensors, weights_path, metadata={"format": "pt"})
-        hf = json.loads((out_dir / checkpoint.CONFIG_FILE).read_text())
-        hf.update({name: getattr(config, name) for name in _MTP_HF_FIELDS})
-        (out_dir / checkpoint.CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    if config != model.config:
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+        model = nnx.merge(graphdef, nnx.state(model))
+    checkpoint.save_hf_checkpoint(model, out_dir, overwrite=overwrite)
     if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
+        shutil.copyfile(tokenizer_path, pathlib.Path(out_dir) / "tokenizer.json")
 
 
-def load_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None,
-                    seed: int = 0, dtype: str | None = None) -> Transformer:
-    """A model from a Hugging Face-format directory (`checkpoint.load_hf_checkpoint`), with MTP modules.
+def init_from_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0,
+                         dtype: str | None = None) -> Transformer:
+    """A model from a Hugging Face-format directory (`checkpoint.load_hf_checkpoint`) with D MTP modules.
 
-    MTP tensors written by `save_pretrained` are loaded. `num_nextn_predict_layers`, if given and
-    different from the checkpoint's D, sets D: modules the checkpoint lacks are initialised at
-    random (seed `seed`), extra ones are dropped; this is how `--mtp-only --init-from` adds MTP
-    heads to an existing model.
+    `num_nextn_predict_layers`, if given, sets D: modules the checkpoint has are kept (the first
+    D), the others are initialised at random (seed `seed`). This is how `--mtp-only --init-from`
+    adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
+    compute dtype (default: the checkpoint's).
     """
-    path = pathlib.Path(path)
-    hf = json.loads((path / checkpoint.CONFIG_FILE).read_text())
-    mtp_fields = {name: hf.pop(name) for name in _MTP_HF_FIELDS if name in hf}
-    saved_d = mtp_fields.get("num_nextn_predict_layers") or 0
-    if saved_d:  # checkpoint.load_hf_checkpoint refuses MTP configs: load the main model from a stripped copy
-        main_config = checkpoint.config_from_hf(hf)
-        main = nnx.eval_shape(lambda: Transformer(main_config, rngs=nnx.Rngs(0)))
-        tensors = load_file(path / checkpoint.WEIGHTS_FILE)
-        flat = []
-        for p, variable in nnx.to_flat_state(nnx.state(main, nnx.Param)):
-            name, transposed = checkpoint.hf_name(p, main_config)
-            flat.append((p, variable.replace(jnp.asarray(tensors[name].T if transposed else tensors[name],
-                                                         main_config.weight_dtype))))
-        nnx.update(main, nnx.from_flat_state(flat))
-    else:
-        main = checkpoint.load_hf_checkpoint(path)
-    d = saved_d if num_nextn_predict_layers is None else num_nextn_predict_layers
-    config = main.config.replace(**{**mtp_fields, "num_nextn_predict_layers": d})
-    if dtype is not None:
-        config = config.replace(dtype=dtype)
-    # The main weights are the checkpoint's: initialise only the MTP modules (no full random model).
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    nnx.update(model, nnx.state(main, nnx.Param))
+    loaded = checkpoint.load_hf_checkpoint(path, dtype=dtype)
+    d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
+    if d == loaded.config.num_nextn_predict_layers:
+        return loaded
+    config = loaded.config.replace(num_nextn_predict_layers=d)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # no random main model: it is replaced
     model.mtp = make_mtp_modules(config, nnx.Rngs(seed))
-    if saved_d and d:
-        flat = []
-        for p, variable in nnx.to_flat_state(nnx.state(model, MTP_PARAMS)):
-            name, transposed = checkpoint.hf_name(p, config)
-            if int(p[1]) < saved_d:
-                flat.append((p, variable.replace(jnp.asarray(tensors[name].T if transposed else tensors[name],
-                                                             config.weight_dtype))))
-        nnx.update(model, nnx.from_flat_state(flat))
+    kept = [(p, v) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param)) if p[0] != "mtp" or int(p[1]) < d]
+    nnx.update(model, nnx.from_flat_state(kept))
     return model
 
 
@@ -629,8 +595,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                            "tokenizer.json); its tokenizer is used for the corpus")
     model = p.add_argument_group("model")
     model.add_argument("--model", default="demo", help="preset name (config.PRESETS, or 'demo'); default demo")
-    model.add_argument("--mtp-layers", type=int, help="D, the number of MTP modules (default: the preset's / 3)")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (weights stay float32)")
+    model.add_argument("--mtp-layers", type=int,
+                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with --init-from, "
+                            "the checkpoint's)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="compute dtype (a fresh model keeps float32 weights; with --init-from, both)")
     corpus = p.add_argument_group("corpus")
     corpus.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
     corpus.add_argument("--heldout-fraction", type=float, default=data.DEFAULT_HELDOUT_FRACTION)
@@ -661,19 +630,21 @@ def run_train(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run_dir)
     if args.resume:
         if not (run_dir / "run.json").is_file():
-            raise SystemExit(f"--resume: no run in {run_dir}")
+            raise FileNotFoundError(f"--resume: no run in {run_dir} (run.json is missing)")
         run = json.loads((run_dir / "run.json").read_text())
         corpus = _corpus_of_run(run_dir, run, args.data_dir)
         result = train(run_dir, corpus, resume=True, progress=not args.no_progress, export=not args.no_export)
     else:
+        if run_dir.is_dir() and any(run_dir.iterdir()) and not args.overwrite:  # fail before preparing the corpus
+            _prepare_run_dir(run_dir, overwrite=False)
         train_config = _train_config_from_args(args)
         model, tokenizer_path, eos_token = None, None, data.EOS_TOKEN
         if args.init_from:
             tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
             if not tokenizer_path.is_file():
-                raise SystemExit(f"--init-from: no tokenizer.json in {args.init_from}")
-            model = load_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers, seed=train_config.seed,
-                                    dtype=args.dtype)
+                raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
+            model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
+                                         seed=train_config.seed, dtype=args.dtype)
             model_config = model.config
             if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
                 eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
@@ -683,7 +654,7 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.init_from:
             base = PRESETS.get(args.model, DEMO_MODEL if args.model == "demo" else None)
             if base is None:
-                raise SystemExit(f"unknown --model {args.model!r}; known: {sorted({*PRESETS, 'demo'})}")
+                raise ValueError(f"unknown --model {args.model!r}; known: {sorted({*PRESETS, 'demo'})}")
             changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
             if args.mtp_layers is not None:
                 changes["num_nextn_predict_layers"] = args.mtp_layers
@@ -692,11 +663,8 @@ def run_train(args: argparse.Namespace) -> int:
             model_config = base.replace(**changes)
         if train_config.mtp_only and not args.init_from:
             print("warning: --mtp-only without --init-from trains MTP modules on a random main model")
-        try:
-            result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
-                           overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
-        except FileExistsError as e:
-            raise SystemExit(str(e)) from None
+        result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
+                       overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
     print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
                       "heldout": result.eval_metrics}, indent=1))
     return 0
@@ -726,8 +694,8 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         tokenizer_path = path / "tokenizer.json"
         if not tokenizer_path.is_file():
-            raise SystemExit(f"no run.json or tokenizer.json in {path}")
-        model = load_pretrained(path)
+            raise FileNotFoundError(f"no run.json or tokenizer.json in {path}")
+        model = checkpoint.load_hf_checkpoint(path)
         corpus = data.prepare_corpus(args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
                                      tokenizer_path=tokenizer_path, verbose=True)
     result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=args.batch_size,

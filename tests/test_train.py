@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax import data, train
+from mtp_jax import checkpoint, data, train
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
@@ -154,19 +154,31 @@ def test_export_round_trips_and_adds_mtp_heads(tmp_path, corpus, model_config):
     assert (tmp_path / "export" / "tokenizer.json").read_text() == corpus.tokenizer_path.read_text()
     hf = json.loads((tmp_path / "export" / "config.json").read_text())
     assert hf["num_nextn_predict_layers"] == 2 and hf["num_hidden_layers"] == 1
-    loaded = train.load_pretrained(tmp_path / "export")
+    loaded = checkpoint.load_hf_checkpoint(tmp_path / "export")
     assert loaded.config == model_config
     for a, b in zip(_leaves(nnx.state(model)), _leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileExistsError):
         train.save_pretrained(model, tmp_path / "export")
     # Adding a third head to the exported model: main and the two trained heads are kept.
-    grown = train.load_pretrained(tmp_path / "export", num_nextn_predict_layers=3)
+    grown = train.init_from_pretrained(tmp_path / "export", num_nextn_predict_layers=3)
     assert grown.config.num_nextn_predict_layers == 3
     for a, b in zip(_leaves(nnx.state(model, MAIN_PARAMS)), _leaves(nnx.state(grown, MAIN_PARAMS)), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(_leaves(nnx.state(model.mtp[1])), _leaves(nnx.state(grown.mtp[1])), strict=True):
         np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(x).all() and x.std() > 0 for x in _leaves(nnx.state(grown.mtp[2].eh_proj)))
+
+
+def test_heads_added_to_a_plain_checkpoint(tmp_path, corpus, model_config):
+    plain = init_model(model_config.replace(num_nextn_predict_layers=0, dtype="bfloat16"), seed=4)
+    train.save_pretrained(plain, tmp_path / "plain")  # bfloat16 compute, float32 weights: saved as float32
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["dtype"] == "float32"
+    model = train.init_from_pretrained(tmp_path / "plain", num_nextn_predict_layers=2, seed=5)
+    assert model.config == model_config.replace(dtype="float32")
+    for a, b in zip(_leaves(nnx.state(plain)), _leaves(nnx.state(model, MAIN_PARAMS)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(_leaves(nnx.state(model, MTP_PARAMS))) == len(_leaves(nnx.state(init_model(model_config), MTP_PARAMS)))
 
 
 def test_cli_parses_into_train_config():

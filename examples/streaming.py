@@ -1,0 +1,28 @@
+"""Streaming: print tokens as each speculative step commits them (one to K+1 tokens per step).
+
+    python examples/streaming.py --prompt "class Stack:\n"
+"""
+
+import argparse
+import sys
+
+import mtp_jax
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None)
+parser.add_argument("--prompt", default="class Stack:\n")
+parser.add_argument("--max-new-tokens", type=int, default=80)
+args = parser.parse_args()
+
+model, tokenizer = mtp_jax.load_pretrained(args.model)
+spec = mtp_jax.SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+sys.stdout.write(args.prompt)
+emitted, shown = [], ""
+for step in mtp_jax.stream(model, [tokenizer.encode(args.prompt).ids], max_new_tokens=args.max_new_tokens,
+                           speculative=spec):
+    emitted += step[0]
+    text = tokenizer.decode(emitted)
+    sys.stdout.write(text[len(shown):])
+    sys.stdout.flush()
+    shown = text
+print()

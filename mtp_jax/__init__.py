@@ -1,0 +1,27 @@
+"""mtp_jax: Multi-Token Prediction (DeepSeek-V3 MTP modules) in JAX — models, training, speculative decoding.
+
+Dimension letters, used in every shape in this package:
+  B batch rows, T new tokens per row in a forward, S cache capacity (tokens), E hidden size,
+  H query heads, G key/value heads, D head size, V vocabulary, K draft tokens per step
+  (`num_speculative_tokens`), L_b committed tokens of row b (`lengths[b]`). The number of MTP
+  modules is `num_nextn_predict_layers` (DeepSeek's name; "D" in MTP_SPEC.md).
+
+The semantics every part keeps are pinned in MTP_SPEC.md (cache, MTP modules, acceptance, commit,
+metrics, fixed shapes).
+"""
+
+from mtp_jax.cache import KVCache
+from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.generate import GenerationResult, generate, stream
+from mtp_jax.model import Transformer, init_model
+from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.speculative import SpeculativeConfig, SpeculativeMetrics, SpeculativeResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL_DIR", "GenerationResult", "KVCache", "ModelConfig", "RopeScaling", "SamplingParams",
+    "SpeculativeConfig", "SpeculativeMetrics", "SpeculativeResult", "Transformer", "generate", "init_model",
+    "load_pretrained", "save_pretrained", "stream",
+]
