@@ -36,7 +36,9 @@ class KVCache:
         return self.k[0].shape[1]
 
     @classmethod
-    def init(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None, num_layers: int | None = None) -> KVCache:
+    def init(
+        cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None, num_layers: int | None = None
+    ) -> KVCache:
         """An empty cache (all lengths 0) of capacity `max_length` tokens for `num_layers` layers."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -46,14 +48,18 @@ class KVCache:
         dtype = config.compute_dtype if dtype is None else dtype
         shape = (batch_size, max_length, config.num_key_value_heads, config.resolved_head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
 
     def fill_stale(self, value: float) -> KVCache:
         """Every entry at or past a row's length set to `value` (tests: NaN there must change nothing)."""
         stale = (jnp.arange(self.max_length)[None, :] >= self.lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
-        return self.replace(k=tuple(jnp.where(stale, value, x) for x in self.k),
-                            v=tuple(jnp.where(stale, value, x) for x in self.v))
+        return self.replace(
+            k=tuple(jnp.where(stale, value, x) for x in self.k), v=tuple(jnp.where(stale, value, x) for x in self.v)
+        )
 
 
 def write_at(cache: Float[Array, "B S G D"], new: Float[Array, "B T G D"], start: Int[Array, " B"]) -> jax.Array:

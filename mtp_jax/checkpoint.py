@@ -36,16 +36,16 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mtp_jax.config import ModelConfig, RopeScaling
-
-# mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
-# (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
-MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
 from mtp_jax.model import Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5_000_000_000  # transformers 4.x's default "5GB"
+
+# mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
+# (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
+MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # the HF config classes' defaults

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
+from mtp_jax import checkpoint, data
+from mtp_jax.config import PRESETS
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+from mtp_jax.train import TrainConfig, _prepare_run_dir, evaluate, init_from_pretrained, load_run, train
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -87,12 +97,157 @@ def run_generate(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------
+# `mtp-jax train` and `mtp-jax eval`.
+
+
+def default_data_dir(*, vocab_size: int | None = None, tokenizer_path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The corpus cache for this interpreter: `$MTP_JAX_CACHE` (default ~/.cache/mtp_jax) /
+    `stdlib-py3.X-v<vocab>` for a trained tokenizer, `stdlib-py3.X-tok<sha256[:12]>` for a given one."""
+    root = pathlib.Path(os.environ.get("MTP_JAX_CACHE", pathlib.Path.home() / ".cache" / "mtp_jax"))
+    tag = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if tokenizer_path is not None:
+        return root / f"stdlib-{tag}-tok{hashlib.sha256(pathlib.Path(tokenizer_path).read_bytes()).hexdigest()[:12]}"
+    return root / f"stdlib-{tag}-v{vocab_size}"
+
+
+def _corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> data.Corpus:
+    c = run["corpus"]
+    if c.get("source") != "stdlib":
+        raise ValueError(f"the run in {run_dir} was trained on in-memory documents, not the stdlib corpus")
+    given = c.get("tokenizer_source") == "given"
+    return data.prepare_corpus(data_dir or c["work_dir"], vocab_size=c["vocab_size"],
+                               heldout_fraction=c["heldout_fraction"],
+                               tokenizer_path=run_dir / "tokenizer.json" if given else None, verbose=True)
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `train` (from scratch, `--resume`, `--mtp-only --init-from DIR`) on an argparse subparsers."""
+    p = subparsers.add_parser("train", help="train a model with MTP modules on the Python stdlib corpus",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
+    mode = p.add_argument_group("mode")
+    mode.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
+    mode.add_argument("--overwrite", action="store_true", help="delete a non-empty run_dir and start again")
+    mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
+    mode.add_argument("--init-from", metavar="DIR",
+                      help="initialise from a Hugging Face-format dir (config.json, model.safetensors, "
+                           "tokenizer.json); its tokenizer is used for the corpus")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default="demo", help="preset name (config.PRESETS); default demo")
+    model.add_argument("--mtp-layers", type=int,
+                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with --init-from, "
+                            "the checkpoint's)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="compute dtype (a fresh model keeps float32 weights; with --init-from, both)")
+    corpus = p.add_argument_group("corpus")
+    corpus.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
+    corpus.add_argument("--heldout-fraction", type=float, default=data.DEFAULT_HELDOUT_FRACTION)
+    corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
+    opt = p.add_argument_group("training")
+    d = TrainConfig()
+    for flag, field, kind in (("--steps", "num_steps", int), ("--batch-size", "batch_size", int),
+                              ("--seq-len", "seq_len", int), ("--lr", "learning_rate", float),
+                              ("--warmup", "warmup_steps", int), ("--min-lr-ratio", "min_lr_ratio", float),
+                              ("--weight-decay", "weight_decay", float), ("--grad-clip", "grad_clip_norm", float),
+                              ("--mtp-lambda", "mtp_lambda", float), ("--seed", "seed", int),
+                              ("--checkpoint-every", "checkpoint_every", int), ("--eval-every", "eval_every", int),
+                              ("--eval-batches", "eval_batches", int), ("--log-every", "log_every", int)):
+        opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def _train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return TrainConfig(**given)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    run_dir = pathlib.Path(args.run_dir)
+    if args.resume:
+        if not (run_dir / "run.json").is_file():
+            raise FileNotFoundError(f"--resume: no run in {run_dir} (run.json is missing)")
+        run = json.loads((run_dir / "run.json").read_text())
+        corpus = _corpus_of_run(run_dir, run, args.data_dir)
+        result = train(run_dir, corpus, resume=True, progress=not args.no_progress, export=not args.no_export)
+    else:
+        if run_dir.is_dir() and any(run_dir.iterdir()) and not args.overwrite:  # fail before preparing the corpus
+            _prepare_run_dir(run_dir, overwrite=False)
+        train_config = _train_config_from_args(args)
+        model, tokenizer_path, eos_token = None, None, data.EOS_TOKEN
+        if args.init_from:
+            tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
+            if not tokenizer_path.is_file():
+                raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
+            model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
+                                         seed=train_config.seed, dtype=args.dtype)
+            model_config = model.config
+            if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
+                eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
+        data_dir = args.data_dir or default_data_dir(vocab_size=args.vocab_size, tokenizer_path=tokenizer_path)
+        corpus = data.prepare_corpus(data_dir, vocab_size=args.vocab_size, heldout_fraction=args.heldout_fraction,
+                                     tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
+        if not args.init_from:
+            base = PRESETS.get(args.model)
+            if base is None:
+                raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
+            changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
+            if args.mtp_layers is not None:
+                changes["num_nextn_predict_layers"] = args.mtp_layers
+            if args.dtype is not None:
+                changes["dtype"] = args.dtype
+            model_config = base.replace(**changes)
+        if train_config.mtp_only and not args.init_from:
+            print("warning: --mtp-only without --init-from trains MTP modules on a random main model")
+        result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
+                       overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
+    print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
+                      "heldout": result.eval_metrics}, indent=1))
+    return 0
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `eval` (held-out loss, bits/byte, per-depth MTP loss and agreement) on argparse subparsers."""
+    p = subparsers.add_parser("eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model")
+    p.add_argument("path", help="a run dir (latest checkpoint) or a Hugging Face-format dir with tokenizer.json")
+    p.add_argument("--step", type=int, help="checkpoint step of a run dir (default the latest)")
+    p.add_argument("--data-dir", help="corpus cache (default: the run's, or one keyed by the tokenizer)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, help="default: the run's, else 256")
+    p.add_argument("--max-batches", type=int, help="evaluate only the first batches")
+    p.add_argument("--mtp-lambda", type=float, default=0.1)
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    path = pathlib.Path(args.path)
+    seq_len = args.seq_len
+    if (path / "run.json").is_file():
+        model, run = load_run(path, args.step)
+        corpus = _corpus_of_run(path, run, args.data_dir)
+        seq_len = seq_len or run["train_config"]["seq_len"]
+    else:
+        tokenizer_path = path / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"no run.json or tokenizer.json in {path}")
+        model = checkpoint.load_hf_checkpoint(path)
+        corpus = data.prepare_corpus(args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
+                                     tokenizer_path=tokenizer_path, verbose=True)
+    result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=args.batch_size,
+                      seq_len=seq_len or 256, mtp_lambda=args.mtp_lambda, max_batches=args.max_batches)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp-jax", description="Multi-Token Prediction models in JAX.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
-    from mtp_jax.train import add_eval_parser, add_train_parser
-
     add_train_parser(subparsers)
     add_eval_parser(subparsers)
     return parser

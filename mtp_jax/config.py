@@ -202,6 +202,11 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
+    # The bundled demo model (`mtp_jax/assets/demo`): 6 layers of width 192, 3 heads of 64, vocab 4096
+    # (the stdlib BPE tokenizer), D = 3 MTP modules; about 5.8M parameters.
+    "demo": ModelConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=6,
+                        num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=1024,
+                        num_nextn_predict_layers=3),
     # For tests: every code path, in milliseconds.
     "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),

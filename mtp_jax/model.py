@@ -35,8 +35,15 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(fan_in, fan_out, use_bias=bias, dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+    return nnx.Linear(
+        fan_in,
+        fan_out,
+        use_bias=bias,
+        dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        kernel_init=nnx.initializers.normal(config.initializer_range),
+        rngs=rngs,
+    )
 
 
 class Attention(nnx.Module):
@@ -50,9 +57,15 @@ class Attention(nnx.Module):
         self.v_proj = _linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
         self.o_proj = _linear(config, h * d, config.hidden_size, rngs)
 
-    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], k_cache: jax.Array,
-                 v_cache: jax.Array, start: Int[Array, " B"],
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        start: Int[Array, " B"],
+        segment_ids: Int[Array, "B T"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         c = self.config
         batch, num_new, _ = x.shape
         d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -62,8 +75,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
         k_cache, v_cache = write_at(k_cache, k, start), write_at(v_cache, v, start)
         if segment_ids is None:
-            out = attend(q, k_cache, v_cache, start + num_new, scale=c.attention_scale,
-                         impl=c.attention_impl)  # [B, T, H, D]
+            out = attend(
+                q, k_cache, v_cache, start + num_new, scale=c.attention_scale, impl=c.attention_impl
+            )  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only
             out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, num_new, h * d)), k_cache, v_cache
@@ -91,8 +105,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x, positions, k_cache, v_cache, start, segment_ids=None):
-        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, start,
-                                                segment_ids)
+        attn, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), positions, k_cache, v_cache, start, segment_ids
+        )
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
@@ -102,12 +117,19 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.compute_dtype,
-                                      param_dtype=config.weight_dtype,
-                                      embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.compute_dtype,
+            param_dtype=config.weight_dtype,
+            embedding_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
         self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.lm_head = None if config.tie_word_embeddings else _linear(config, config.hidden_size, config.vocab_size, rngs)
+        self.lm_head = (
+            None if config.tie_word_embeddings else _linear(config, config.hidden_size, config.vocab_size, rngs)
+        )
         from mtp_jax.mtp import make_mtp_modules  # mtp.py builds on this module's DecoderLayer
 
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
@@ -122,8 +144,9 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
 
-    def __call__(self, tokens: Int[Array, "B T"], cache: KVCache,
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    def __call__(
+        self, tokens: Int[Array, "B T"], cache: KVCache, segment_ids: Int[Array, "B T"] | None = None
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Forward of T new tokens per row, at positions `cache.lengths[b] + t`.
 
         Args:
@@ -149,8 +172,9 @@ class Transformer(nnx.Module):
         logits = self.head(self.norm(x))
         return logits, x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=start + tokens.shape[1])
 
-    def forward_full(self, tokens: Int[Array, "B T"],
-                     segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array]:
+    def forward_full(
+        self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """Forward over whole sequences from position 0 with no prior cache: (logits, hidden states).
 
         With `segment_ids` (int32 [B, T]), packed documents do not attend to each other.

@@ -20,7 +20,9 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def load_pretrained(path: str | os.PathLike | None = None, *, dtype: str | None = None) -> tuple[Transformer, Tokenizer]:
+def load_pretrained(
+    path: str | os.PathLike | None = None, *, dtype: str | None = None
+) -> tuple[Transformer, Tokenizer]:
     """The model and its HF `tokenizers.Tokenizer` from a directory (default: the bundled demo model).
 
     Raises FileNotFoundError when config.json, the weights or tokenizer.json are missing, and the
@@ -35,8 +37,13 @@ def load_pretrained(path: str | os.PathLike | None = None, *, dtype: str | None 
     return model, Tokenizer.from_file(str(path / TOKENIZER_FILE))
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, *, tokenizer: Tokenizer | str | os.PathLike | None = None,
-                    overwrite: bool = False) -> None:
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    tokenizer: Tokenizer | str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> None:
     """Writes config.json and the weights (`checkpoint.save_hf_checkpoint`) and tokenizer.json.
 
     `tokenizer` is a `tokenizers.Tokenizer` or the path of a tokenizer.json. Raises FileExistsError

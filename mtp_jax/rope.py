@@ -65,7 +65,9 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
     return inv_freq, 1.0
 
 
-def apply_rope(x: Float[Array, "B T N D"], positions: Int[Array, "B T"], config: ModelConfig) -> Float[Array, "B T N D"]:
+def apply_rope(
+    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], config: ModelConfig
+) -> Float[Array, "B T N D"]:
     """Rotate q or k of shape [B, T, N, D] by their absolute positions [B, T] (int32).
 
     Computed in float32 and cast back to x's dtype; rotate-half layout (first half pairs with

@@ -41,7 +41,14 @@ import numpy as np
 from flax import nnx, struct
 
 from mtp_jax.cache import KVCache
-from mtp_jax.generate import DecodeState, GenerationResult, commit_tokens, init_state, results_from_state, token_logprobs
+from mtp_jax.generate import (
+    DecodeState,
+    GenerationResult,
+    commit_tokens,
+    init_state,
+    results_from_state,
+    token_logprobs,
+)
 from mtp_jax.model import Transformer
 from mtp_jax.mtp import initial_hidden
 from mtp_jax.sampling import SamplingParams, SamplingState, row_keys, sample_from, target_probs

@@ -5,7 +5,6 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from flax import nnx
 
 from mtp_jax.config import ModelConfig

@@ -4,7 +4,6 @@ Tiny model (1 layer of width 64, D = 2) on a tiny in-memory corpus; every test s
 `TrainConfig` shape so the jitted step compiles once per mode.
 """
 
-import argparse
 import json
 import math
 
@@ -13,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax import checkpoint, data, train
+from mtp_jax import checkpoint, cli, data, train
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
+from mtp_jax.pretrained import save_pretrained
 
 WORDS = ["foo", "bar", "baz", "self", "value", "items", "x", "y"]
 TRAIN = train.TrainConfig(batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1,
@@ -150,7 +150,7 @@ def test_evaluate_pools_over_batches_and_counts_bytes(corpus, model_config):
 
 def test_export_round_trips_and_adds_mtp_heads(tmp_path, corpus, model_config):
     model = init_model(model_config, seed=3)
-    train.save_pretrained(model, tmp_path / "export", tokenizer_path=corpus.tokenizer_path)
+    save_pretrained(model, tmp_path / "export", tokenizer=corpus.tokenizer_path)
     assert (tmp_path / "export" / "tokenizer.json").read_text() == corpus.tokenizer_path.read_text()
     hf = json.loads((tmp_path / "export" / "config.json").read_text())
     assert hf["num_nextn_predict_layers"] == 2 and hf["num_hidden_layers"] == 1
@@ -159,7 +159,7 @@ def test_export_round_trips_and_adds_mtp_heads(tmp_path, corpus, model_config):
     for a, b in zip(_leaves(nnx.state(model)), _leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FileExistsError):
-        train.save_pretrained(model, tmp_path / "export")
+        save_pretrained(model, tmp_path / "export")
     # Adding a third head to the exported model: main and the two trained heads are kept.
     grown = train.init_from_pretrained(tmp_path / "export", num_nextn_predict_layers=3)
     assert grown.config.num_nextn_predict_layers == 3
@@ -172,7 +172,7 @@ def test_export_round_trips_and_adds_mtp_heads(tmp_path, corpus, model_config):
 
 def test_heads_added_to_a_plain_checkpoint(tmp_path, corpus, model_config):
     plain = init_model(model_config.replace(num_nextn_predict_layers=0, dtype="bfloat16"), seed=4)
-    train.save_pretrained(plain, tmp_path / "plain")  # bfloat16 compute, float32 weights: saved as float32
+    save_pretrained(plain, tmp_path / "plain")  # bfloat16 compute, float32 weights: saved as float32
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["dtype"] == "float32"
     model = train.init_from_pretrained(tmp_path / "plain", num_nextn_predict_layers=2, seed=5)
     assert model.config == model_config.replace(dtype="float32")
@@ -182,13 +182,10 @@ def test_heads_added_to_a_plain_checkpoint(tmp_path, corpus, model_config):
 
 
 def test_cli_parses_into_train_config():
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    train.add_train_parser(sub)
-    train.add_eval_parser(sub)
+    parser = cli.build_parser()
     args = parser.parse_args(["train", "runs/x", "--steps", "50", "--warmup", "5", "--lr", "1e-3", "--mtp-only",
                               "--init-from", "hf"])
-    config = train._train_config_from_args(args)
+    config = cli._train_config_from_args(args)
     assert config == train.TrainConfig(num_steps=50, warmup_steps=5, learning_rate=1e-3, mtp_only=True)
-    assert args.func is train.run_train and args.init_from == "hf"
-    assert parser.parse_args(["eval", "runs/x"]).func is train.run_eval
+    assert args.func is cli.run_train and args.init_from == "hf"
+    assert parser.parse_args(["eval", "runs/x"]).func is cli.run_eval

@@ -1,0 +1,672 @@
+"""Speculative decoding (`MTP_SPEC.md`): lossless greedy and sampling, cached drafts == a no-cache oracle,
+rollback under NaN-poisoned stale slots, stops inside a block, capacity, relaxed acceptance, fixed shapes,
+metrics and impossible requests.
+
+One model configuration (vocab 8, D = 3) and one capacity S serve every test, so each (method, K) compiles
+once. Two kinds of weights: random (large enough to matter; acceptance is rare) and briefly trained on two
+repetitive cycles (acceptance is partial at first, then mostly full), so steps that accept nothing, some
+and all of the drafts all occur.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mtp_jax.cache import KVCache
+from mtp_jax.config import ModelConfig
+from mtp_jax.generate import generate
+from mtp_jax.loss import compute_loss
+from mtp_jax.model import init_model
+from mtp_jax.mtp import initial_hidden, mtp_forward_full, shift_left
+from mtp_jax.sampling import SamplingParams, SamplingState
+from mtp_jax.speculative import (
+    SpecMetrics,
+    SpeculativeConfig,
+    SpeculativeMetrics,
+    _loop_jit,
+    _prefill_jit,
+    _step_jit,
+    accept,
+    init_spec_state,
+    speculative_generate,
+    speculative_stream,
+)
+
+CFG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=64, num_nextn_predict_layers=3)
+D, V = CFG.num_nextn_predict_layers, CFG.vocab_size
+S = 40  # the cache capacity of every generation here
+W = S + 4  # oracle sequence width: committed tokens plus up to 4 drafts
+THINK, END_THINK = 6, 7  # `<think>`, `</think>`
+CYCLES = [[1, 2, 3, 1, 4, 2, 5, 3], [6, 7, 0, 6, 0, 7]]  # the training data: tokens 1..5, and 0, 6, 7
+PROMPTS = [[6, 7, 0, 6], [1, 2, 3, 1, 4, 2, 5, 3, 1], [5]]  # lengths 4, 9, 1 (one prompt bucket); B = 3
+MAX_NEW = [25, 20, 30]
+GRID = ([("eagle", k) for k in range(1, 5)] + [("vanilla", k) for k in range(1, D + 1)]
+        + [("parallel", k) for k in range(1, D + 1)])
+
+
+def spec(method: str, k: int, **kwargs) -> SpeculativeConfig:
+    """Every config names the think tokens (relaxed acceptance stays off unless asked): with the feature
+    off, naming them must change nothing."""
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, think_start_token_id=THINK,
+                             think_end_token_id=END_THINK, **kwargs)
+
+
+def style(method: str) -> str:
+    return "parallel" if method == "parallel" else "deepseek"
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def randomized(model, seed: int):
+    """Weights ~ N(0, 0.3^2) and norm weights ~ U(0.5, 1.5): logits with a spread of a few nats."""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            shape = var[...].shape
+            var[...] = jnp.asarray(rng.uniform(0.5, 1.5, shape) if path[-1] == "weight"
+                                   else rng.normal(0.0, 0.3, shape), jnp.float32)
+    return model
+
+
+def trained(config: ModelConfig, steps: int, seed: int = 0):
+    """A few Adam steps of `compute_loss` on the two cycles: the models learn them, not perfectly."""
+    model = init_model(config, seed=seed)
+    optimizer = nnx.Optimizer(model, optax.adam(2e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        def loss_fn(model):
+            return compute_loss(model, tokens, jnp.ones_like(tokens), mtp_lambda=1.0)[0]
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        rows = [np.roll(np.tile(CYCLES[r % 2], 8), -int(rng.integers(8)))[:32] for r in range(4)]
+        train_step(model, optimizer, jnp.asarray(np.stack(rows), jnp.int32))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    """{style: {"random": model, "trained": model}}; models of one style share one compiled step."""
+    parallel = CFG.replace(mtp_style="parallel")
+    return {"deepseek": {"random": randomized(init_model(CFG, seed=1), 2), "trained": trained(CFG, 20)},
+            "parallel": {"random": randomized(init_model(parallel, seed=3), 4), "trained": trained(parallel, 30)}}
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """Plain greedy decoding of PROMPTS by every model: what speculation must reproduce."""
+    return {s: {name: generate(m, PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+                for name, m in by_name.items()} for s, by_name in models.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# No-cache oracles (fixed shapes [3, W]: one compile per model style)
+
+
+@nnx.jit
+def _main_logits(model, tokens):
+    return model.forward_full(tokens)[0]
+
+
+@nnx.jit
+def _depth_logits(model, tokens):
+    """Every MTP depth over whole sequences, no cache: D arrays [B, W, V] (depth k, row i predicts t_{i+k+1})."""
+    _, hidden = model.forward_full(tokens)
+    return mtp_forward_full(model, hidden, tokens)
+
+
+@nnx.jit
+def _main_h0(model, tokens):
+    return initial_hidden(model, model.forward_full(tokens)[1])
+
+
+@nnx.jit
+def _module_full(model, hidden, tokens):
+    """MTP module 1 over whole sequences from position 0 with an empty cache: (logits, chained hidden)."""
+    cache = KVCache.init(model.config, tokens.shape[0], tokens.shape[1], num_layers=1)
+    logits, chained, _ = model.mtp[0](hidden, tokens, cache, embed=model.embed, head=model.head)
+    return logits, chained
+
+
+@nnx.jit
+def _fresh_caches(model, tokens):
+    """The main cache and eagle's module cache recomputed from scratch over committed tokens [B, S]."""
+    batch = tokens.shape[0]
+    _, hidden, main = model(tokens, KVCache.init(model.config, batch, S))
+    module_cache = KVCache.init(model.config, batch, S, num_layers=1)
+    _, _, module_cache = model.mtp[0](initial_hidden(model, hidden), shift_left(tokens, 1), module_cache,
+                                      embed=model.embed, head=model.head)
+    return main, module_cache
+
+
+def oracle_drafts(model, method: str, tokens: np.ndarray, lengths: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Greedy drafts [B, K] recomputed with no cache over the committed tokens (`tokens[b, :lengths[b]]`).
+
+    vanilla / parallel: depth k at position L - 2 over the committed sequence extended with the drafts
+    (vanilla's depth k reads d_1 .. d_{k-1} as its token inputs). eagle: module 1 over the committed
+    sequence, then the chained hidden state and the next draft appended at the end and the whole sequence
+    re-run, once per draft.
+    """
+    batch, k_max = drafts.shape
+    rows = np.arange(batch)
+    seq = np.zeros((batch, W), np.int32)
+    seq[:, :S] = tokens
+    for b in rows:
+        seq[b, lengths[b]: lengths[b] + k_max] = drafts[b]
+    if method != "eagle":
+        logits = _depth_logits(model, jnp.asarray(seq))
+        return np.stack([np.asarray(logits[j])[rows, lengths - 2].argmax(-1) for j in range(k_max)], axis=1)
+    h0 = np.asarray(_main_h0(model, jnp.asarray(seq)))  # causal: positions <= L - 2 see committed tokens only
+    hidden, module_tokens = np.zeros_like(h0), np.zeros_like(seq)
+    for b in rows:
+        hidden[b, : lengths[b] - 1] = h0[b, : lengths[b] - 1]
+        module_tokens[b, : lengths[b] - 1] = seq[b, 1: lengths[b]]  # position i reads t_{i+1}
+    out = []
+    for j in range(k_max):
+        logits, chained = (np.asarray(x) for x in _module_full(model, jnp.asarray(hidden), jnp.asarray(module_tokens)))
+        at = lengths - 2 + j  # the last position run: it predicts the draft for position L + j
+        out.append(logits[rows, at].argmax(-1))
+        hidden[rows, at + 1] = chained[rows, at]  # the chained hidden stands in for h^0 one position on
+        module_tokens[rows, at + 1] = drafts[:, j]
+    return np.stack(out, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving the jitted step by hand
+
+
+@jax.jit
+def _poison(state):
+    """NaN in every main and MTP cache slot at or past each row's length."""
+    return state.replace(decode=state.decode.replace(cache=state.decode.cache.fill_stale(jnp.nan)),
+                         mtp_caches=tuple(c.fill_stale(jnp.nan) for c in state.mtp_caches))
+
+
+def _snapshot(state) -> dict[str, np.ndarray]:
+    d = state.decode
+    return {k: np.array(v) for k, v in jax.device_get(dict(
+        tokens=d.tokens, lengths=d.lengths, done=d.done, drafts=state.draft_tokens)).items()}
+
+
+def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = False, stop_tokens=()):
+    """Prefill, then `_step_jit` until every row is done; returns the final state and a snapshot per step
+    boundary (after prefill and after each step). With `poison`, stale cache slots are NaN before each step."""
+    state, padded = init_spec_state(model, sp, prompts, max_new_tokens=max_new, max_length=S,
+                                    stop_tokens=list(stop_tokens))
+    graphdef, params = nnx.split(model)
+    state = _prefill_jit(graphdef, params, sp, state, padded)
+    trace = [_snapshot(state)]
+    while not trace[-1]["done"].all():
+        if poison:
+            state = _poison(state)
+            assert np.isnan(np.asarray(state.decode.cache.k[0])).any()
+            assert all(np.isnan(np.asarray(c.k[0])).any() for c in state.mtp_caches)
+        state = _step_jit(graphdef, params, sp, state)
+        trace.append(_snapshot(state))
+    return state, trace
+
+
+def observed_accepts(trace, k_max: int) -> list[tuple[int, int, int]]:
+    """(step, row, drafts accepted and committed) for each row active in each step, read off the trace:
+    greedy acceptance is the run of leading drafts equal to the committed block."""
+    out = []
+    for step, (before, after) in enumerate(zip(trace[:-1], trace[1:], strict=True)):
+        for b in np.flatnonzero(~before["done"]):
+            start, num = before["lengths"][b], after["lengths"][b] - before["lengths"][b]
+            block = after["tokens"][b, start: start + num]
+            matches = block[: k_max] == before["drafts"][b, : len(block[: k_max])]
+            out.append((step, int(b), int(np.cumprod(matches).sum())))
+    return out
+
+
+def generated(state, prompts) -> list[list[int]]:
+    tokens, lengths = jax.device_get((state.decode.tokens, state.decode.lengths))
+    return [tokens[b, len(p): lengths[b]].tolist() for b, p in enumerate(prompts)]
+
+
+def has_zero_partial_full(histogram, k_max: int) -> bool:
+    return histogram[0] > 0 and histogram[k_max] > 0 and (k_max == 1 or sum(histogram[1:k_max]) > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lossless greedy
+
+
+@pytest.mark.parametrize("method, k", GRID)
+def test_greedy_equals_plain_greedy(models, plain, method, k):
+    sp = spec(method, k)
+    for name, model in models[style(method)].items():
+        result = speculative_generate(model, PROMPTS, sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+        expected = plain[style(method)][name]
+        assert result.tokens == expected.tokens, name
+        assert [len(t) for t in result.tokens] == MAX_NEW and result.finish_reasons == ["length"] * 3
+        for got, want in zip(result.logprobs, expected.logprobs, strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-5)
+        m = result.metrics
+        assert sum(m.accepted_length_histogram) == m.num_steps and m.num_drafts == k * m.num_steps
+        assert result.num_generated <= 3 + m.num_steps + m.num_accepted  # 1 from prefill + a + 1 per step
+        if name == "trained":  # speculation pays off, with every kind of step
+            assert has_zero_partial_full(m.accepted_length_histogram, k), m.accepted_length_histogram
+            assert result.num_steps < max(MAX_NEW) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached drafts == no-cache oracle; NaN in stale slots changes nothing; metrics per step
+
+
+@pytest.mark.parametrize("method", ["eagle", "vanilla", "parallel"])
+def test_cached_drafts_equal_no_cache_oracle_under_poisoned_rollback(models, plain, method):
+    k = 3
+    sp = spec(method, k)
+    model = models[style(method)]["trained"]
+    state, trace = drive(model, sp, PROMPTS, MAX_NEW, poison=True)
+    for step, snap in enumerate(trace):
+        active = ~snap["done"]
+        want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
+        np.testing.assert_array_equal(snap["drafts"][active], want[active], err_msg=f"step {step}")
+    assert generated(state, PROMPTS) == plain[style(method)]["trained"].tokens
+
+    # The counters, step by step: the histogram of accepted drafts read off the trace.
+    accepts = observed_accepts(trace, k)
+    histogram = np.zeros((3, k + 1), int)
+    for _, b, n in accepts:
+        histogram[b, n] += 1
+    m = jax.device_get(state.metrics)
+    np.testing.assert_array_equal(m.accepted_length_histogram, histogram)
+    assert has_zero_partial_full(histogram.sum(0), k), histogram
+    np.testing.assert_array_equal(m.num_steps, histogram.sum(1))
+    np.testing.assert_array_equal(m.num_drafts, k * histogram.sum(1))
+    np.testing.assert_array_equal(m.num_accepted, (histogram * np.arange(k + 1)).sum(1))
+    np.testing.assert_array_equal(m.accepted_per_position,
+                                  [[histogram[b, j + 1:].sum() for j in range(k)] for b in range(3)])
+    # Tokens: 1 from prefill, then a + 1 per step, except a last step cut by max_new_tokens.
+    made = np.asarray([len(t) for t in generated(state, PROMPTS)])
+    full = 1 + m.num_steps + m.num_accepted
+    assert np.all((made == full) | (made == full - 1)), (made, full)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stops inside a block, capacity
+
+
+def test_stop_token_accepted_as_a_draft_ends_its_row_there(models, plain):
+    """Row 0 runs on the cycle of 0, 6, 7 and rows 1, 2 on tokens 1..5: a stop token of the first cycle,
+    accepted as a draft inside a block, ends row 0 right after it while the others go on."""
+    model, sp, k = models["deepseek"]["trained"], spec("eagle", 3), 3
+    free = plain["deepseek"]["trained"].tokens
+    _, trace = drive(model, sp, PROMPTS, MAX_NEW)
+    candidates = []
+    for step, b, n in observed_accepts(trace, k):
+        start = trace[step]["lengths"][0] - len(PROMPTS[0])
+        for index in range(start, start + n) if b == 0 else ():  # accepted drafts, each followed by a token
+            token = free[0][index]
+            if token not in free[0][:index] and token not in free[1] + free[2]:
+                candidates.append(token)
+    assert candidates, "no stop token to test with: change the prompts"
+    stop = candidates[0]
+    state, trace = drive(model, sp, PROMPTS, MAX_NEW, stop_tokens=[stop])
+    cut = free[0].index(stop) + 1
+    assert generated(state, PROMPTS) == [free[0][:cut], free[1], free[2]]
+    # The step that ended row 0 committed the stop token as an accepted draft, and no bonus after it.
+    last = next(s for s in range(len(trace) - 1) if trace[s + 1]["done"][0])
+    num = trace[last + 1]["lengths"][0] - trace[last]["lengths"][0]
+    assert 1 <= num <= k and trace[last]["drafts"][0, num - 1] == stop
+    assert not trace[last + 1]["done"][1:].any()
+    result = speculative_generate(model, PROMPTS, sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[stop])
+    assert result.tokens == [free[0][:cut], free[1], free[2]]
+    assert result.finish_reasons == ["stop", "length", "length"]
+
+
+@pytest.mark.parametrize("method, k", [("eagle", 4), ("vanilla", 3)])
+def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, method, k):
+    """A prompt 3 tokens short of S: exactly 3 tokens, == plain greedy. Every row runs to the capacity while
+    the verify and draft windows reach past S; the live cache entries then equal a recompute from scratch,
+    so no write was clamped onto them."""
+    model, sp = models["deepseek"]["trained"], spec(method, k)
+    prompts = [(CYCLES[0] * 5)[: S - 3], [6, 7], [5]]
+    expected = generate(model, prompts, max_new_tokens=100, max_length=S, stop_tokens=[])
+    state, padded = init_spec_state(model, sp, prompts, max_new_tokens=100, max_length=S, stop_tokens=[])
+    graphdef, params = nnx.split(model)
+    state = _loop_jit(graphdef, params, sp, _prefill_jit(graphdef, params, sp, state, padded))
+    assert generated(state, prompts) == expected.tokens
+    assert [len(t) for t in expected.tokens] == [3, S - 2, S - 1] and expected.finish_reasons == ["capacity"] * 3
+    cache = state.decode.cache
+    np.testing.assert_array_equal(cache.lengths, [S - 1] * 3)
+    main, module = _fresh_caches(model, state.decode.tokens)
+    fresh = [(main.k, cache.k), (main.v, cache.v)]
+    if method == "eagle":
+        fresh += [(module.k, state.mtp_caches[0].k), (module.v, state.mtp_caches[0].v)]
+    for want, got in fresh:
+        for layer_want, layer_got in zip(want, got, strict=True):
+            np.testing.assert_allclose(np.asarray(layer_got)[:, : S - 1], np.asarray(layer_want)[:, : S - 1],
+                                       atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance: lossless sampling, zero-probability drafts, no NaN
+
+
+def _log(p):
+    with np.errstate(divide="ignore"):
+        return np.log(np.asarray(p, np.float64)).astype(np.float32)
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, z: float = 4.5) -> tuple[bool, str]:
+    """Pearson's chi-square of `counts` against `probs`: no count where the probability is 0, and the
+    statistic below the upper quantile at normal deviate z (Wilson-Hilferty; z = 4.5 is about 3e-6).
+    Cells expected below 5 are pooled."""
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    if counts[probs == 0].sum():
+        return False, f"{counts[probs == 0].sum()} samples where the target has probability 0"
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+    bound = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < bound, f"chi-square {stat:.1f} vs bound {bound:.1f} (df {df}, n {n:.0f})"
+
+
+def emitted(num_accepted: np.ndarray, token: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """The tokens a step emits, [B, K + 1], -1 past the a + 1 emitted."""
+    k_max = drafts.shape[1]
+    index = np.arange(k_max + 1)[None, :]
+    padded = np.concatenate([drafts, np.zeros_like(drafts[:, :1])], axis=1)
+    out = np.where(index < num_accepted[:, None], padded, token[:, None])
+    return np.where(index <= num_accepted[:, None], out, -1)
+
+
+_accept_jit = jax.jit(accept, static_argnums=0)
+P = np.array([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.0, 0.3, 0.3, 0.3], [0.25, 0.25, 0.0, 0.25, 0.25]])  # p_0..p_2
+Q = np.array([[0.1, 0.6, 0.0, 0.2, 0.1], [0.3, 0.3, 0.3, 0.1, 0.0]])  # q_1, q_2: zeros where p has mass
+
+
+@pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
+def test_accept_emits_the_target_distribution(draft_sampling):
+    """Drafts from q (or one fixed greedy draft, q one-hot), 20000 rows with distinct seeds: the first
+    emitted token follows p_0, the second (rows that accepted d_1) p_1, the bonus (rows that accepted
+    both) p_2; the acceptance rate of d_1 is sum(min(p_0, q_1))."""
+    n, rng = 20000, np.random.default_rng(0)
+    sampling = SamplingState.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(n)])
+    logits = jnp.asarray(np.broadcast_to(_log(P), (n, 3, 5)))
+    if draft_sampling == "sample":
+        drafts = np.stack([rng.choice(5, n, p=q) for q in Q], axis=1).astype(np.int32)
+        q = jnp.asarray(np.broadcast_to(Q, (n, 2, 5)), jnp.float32)
+        rate = np.minimum(P[0], Q[0]).sum()
+    else:
+        drafts = np.broadcast_to(np.int32([0, 2]), (n, 2))
+        q = jnp.zeros((n, 2, 0), jnp.float32)
+        rate = P[0, 0]
+    num_accepted, token = jax.device_get(_accept_jit(spec("eagle", 2, draft_sampling=draft_sampling), logits,
+                                                     jnp.asarray(drafts), q, sampling, jnp.full((n,), 5),
+                                                     jnp.zeros((n,), bool)))
+    out = emitted(num_accepted, token, drafts)
+    for j, rows in enumerate([num_accepted >= 0, num_accepted >= 1, num_accepted == 2]):
+        ok, message = chi_square_ok(np.bincount(out[rows, j], minlength=5), P[j])
+        assert ok, f"emitted token {j}: {message}"
+    accepted = (num_accepted >= 1).mean()
+    assert abs(accepted - rate) < 4.5 * math.sqrt(rate * (1 - rate) / n), (accepted, rate)
+    if draft_sampling == "sample":  # p_0(4) = 0 < q_1(4): never accepted
+        assert not np.any((drafts[:, 0] == 4) & (num_accepted >= 1))
+
+
+def test_zero_probability_draft_is_never_accepted_even_for_a_zero_uniform(monkeypatch):
+    """Every uniform draw forced to exactly 0: drafts the target gives probability 0 (top-k, greedy,
+    or q(d) = 1 > p(d) = 0) are rejected, a draft with tiny positive probability is accepted."""
+    monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.zeros((), jnp.float32))
+    logits = jnp.asarray(np.tile(np.float32([4.0, 3.0, 2.0, 1.0, -10.0]), (4, 2, 1)))
+    sampling = SamplingState.from_params([SamplingParams(temperature=1.0, top_k=2), SamplingParams(),
+                                          SamplingParams(temperature=1.0, top_k=4),
+                                          SamplingParams(temperature=1.0)])
+    drafts = jnp.int32([[2], [1], [4], [4]])  # outside top-2; not the argmax; outside top-4; p ~ 1e-6
+    zeros = (jnp.full((4,), 3), jnp.zeros((4,), bool))
+    num_accepted, token = accept(spec("eagle", 1), logits, drafts, jnp.zeros((4, 1, 0)), sampling, *zeros)
+    np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
+    assert token[1] == 0 and token[0] in (0, 1) and token[2] in (0, 1, 2, 3)
+    q = jnp.asarray(np.eye(5, dtype=np.float32)[[2, 1, 4, 4]][:, None, :])  # q(d) = 1
+    num_accepted, _ = accept(spec("eagle", 1, draft_sampling="sample"), logits, drafts, q, sampling, *zeros)
+    np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
+
+
+@pytest.mark.parametrize("uniform", [None, 1.0])
+def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch, uniform):
+    """q = p (top-k leaves zeros in both): every draft is accepted and the bonus is a token of p_K. Forcing a
+    rejection (u = 1) leaves max(0, p - q) = 0 everywhere: the row still emits a token of p, never NaN."""
+    if uniform is not None:
+        monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), uniform, jnp.float32))
+    n, k_max = 64, 3
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 2, (n, k_max + 1, V)), jnp.float32)
+    sampling = SamplingState.from_params([SamplingParams(temperature=0.7, top_k=3, seed=s) for s in range(n)])
+    from mtp_jax.sampling import target_probs
+
+    p = np.asarray(target_probs(logits, sampling))
+    drafts = np.stack([[rng.choice(V, p=p[b, j] / p[b, j].sum()) for j in range(k_max)] for b in range(n)])
+    num_accepted, token = accept(spec("eagle", k_max, draft_sampling="sample"), logits, jnp.asarray(drafts, jnp.int32),
+                                 jnp.asarray(p[:, :k_max]), sampling, jnp.zeros((n,), jnp.int32),
+                                 jnp.zeros((n,), bool))
+    num_accepted, token = np.asarray(num_accepted), np.asarray(token)
+    at = np.minimum(num_accepted, k_max)
+    assert np.all(num_accepted == (k_max if uniform is None else 0))
+    assert np.all(p[np.arange(n), at, token] > 0)
+
+
+def test_sampled_generation_follows_the_target_distribution(models):
+    """4096 rows, one prompt, distinct seeds, temperature 1 and top-k 6, drafts sampled from the MTP
+    distribution: the first three generated tokens (the first from prefill, the next from speculative
+    steps: accepted drafts, residual samples and bonuses) follow the model's distribution, enumerated
+    exactly."""
+    model, n, prompt = models["deepseek"]["random"], 4096, [3, 1, 4]
+    params = SamplingParams(temperature=1.0, top_k=6)
+    result = speculative_generate(model, [prompt] * n, spec("eagle", 2, draft_sampling="sample"), max_new_tokens=3,
+                                  max_length=S, stop_tokens=[],
+                                  sampling=[SamplingParams(temperature=1.0, top_k=6, seed=s) for s in range(n)])
+    tokens = np.asarray(result.tokens)  # [n, 3]
+    assert result.metrics.num_accepted > 0 and result.metrics.num_accepted < result.metrics.num_drafts
+
+    def target(logits):  # temperature 1, top-k 6, in numpy
+        logits = np.asarray(logits, np.float64)
+        kth = np.sort(logits, axis=-1)[..., -params.top_k][..., None]
+        p = np.where(logits >= kth, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+        return p / p.sum(-1, keepdims=True)
+
+    seqs = np.zeros((V * V + 2, W), np.int32)  # every (t_1, t_2) after the prompt, 3 rows per oracle call
+    for i in range(V * V):
+        seqs[i, : len(prompt) + 2] = prompt + [i // V, i % V]
+    logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i: i + 3]))) for i in range(0, V * V, 3)])
+    p1 = target(logits[0, len(prompt) - 1])  # [V]
+    p2 = target(logits[::V][:V, len(prompt)])  # [V (t_1), V]
+    p3 = target(logits[: V * V, len(prompt) + 1]).reshape(V, V, V)  # [t_1, t_2, V]
+    joint12 = p1[:, None] * p2
+    marginal3 = np.einsum("ab,abc->c", joint12, p3)
+    ok, message = chi_square_ok(np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V), joint12)
+    assert ok, f"(t_1, t_2): {message}"
+    ok, message = chi_square_ok(np.bincount(tokens[:, 2], minlength=V), marginal3)
+    assert ok, f"t_3: {message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Relaxed acceptance
+
+
+def _relaxed_spec(delta: float = 0.2) -> SpeculativeConfig:
+    return spec("eagle", 4, relaxed_top_n=3, relaxed_delta=delta)
+
+
+def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
+    """Target at every position: p(1) = 0.4 (argmax), p(2) = 0.3 (top-3, within delta 0.2), p(3) = 0.15
+    (top-3, not within delta), p(7 = </think>) = 0.1 (within delta only at position 1, where p(7) = 0.3)."""
+    base = np.array([0.02, 0.4, 0.3, 0.15, 0.01, 0.01, 0.01, 0.1])
+    think_end_close = np.array([0.02, 0.4, 0.15, 0.1, 0.01, 0.01, 0.01, 0.3])
+    think_start_top = np.array([0.02, 0.1, 0.05, 0.01, 0.01, 0.01, 0.7, 0.1])
+    end_top = np.array([0.02, 0.1, 0.05, 0.01, 0.01, 0.01, 0.1, 0.7])
+    cases = [  # (thinking, temperature, drafts, target per position 0..3, expected num_accepted)
+        (True, 0.0, [2, 2, 2, 2], [base] * 4, 4),  # thinking: relaxed all the way
+        (False, 0.0, [2, 2, 2, 2], [base] * 4, 0),  # not thinking: strict
+        (True, 0.0, [2, 7, 2, 2], [base, think_end_close, base, base], 2),  # </think> accepted: strict after
+        (True, 0.0, [1, 3, 2, 2], [base] * 4, 1),  # 3 is in the top 3 but not within delta
+        (True, 0.01, [2, 2, 2, 2], [base] * 4, 0),  # sampled rows never relax (p(2) ~ 0 at T = 0.01)
+        (False, 0.0, [6, 2, 2, 2], [think_start_top, base, base, base], 4),  # <think> accepted: relaxed after
+        (True, 0.0, [7, 2, 2, 2], [end_top, base, base, base], 1),  # </think> first: the rest strict
+        (True, 0.0, [7, 2, 2, 2], [base] * 4, 0),  # </think> outside the top 3 and below 0.4 - 0.2
+    ]
+    thinking = jnp.asarray([c[0] for c in cases])
+    sampling = SamplingState.from_params([SamplingParams(temperature=c[1]) for c in cases])
+    drafts = jnp.asarray([c[2] for c in cases], jnp.int32)
+    logits = jnp.asarray(np.stack([_log(np.stack(c[3] + [base])) for c in cases]))  # [B, K + 1, V]
+    n = len(cases)
+    num_accepted, token = accept(_relaxed_spec(), logits, drafts, jnp.zeros((n, 4, 0)), sampling,
+                                 jnp.full((n,), 10), thinking)
+    np.testing.assert_array_equal(num_accepted, [c[4] for c in cases])
+    np.testing.assert_array_equal(token[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
+    strict, _ = accept(spec("eagle", 4), logits, drafts, jnp.zeros((n, 4, 0)), sampling, jnp.full((n,), 10),
+                       thinking)
+    np.testing.assert_array_equal(strict, [0, 0, 0, 1, 0, 1, 1, 0])  # the feature off: argmax matches only
+
+
+def _phases(tokens: list[int]) -> list[bool]:
+    """phase[i]: thinking after tokens[:i]."""
+    phase, out = False, []
+    for t in tokens:
+        out.append(phase)
+        phase = True if t == THINK else False if t == END_THINK else phase
+    return out + [phase]
+
+
+def test_relaxed_generation_relaxes_only_thinking_positions(models):
+    """Rows in and out of the thinking phase in one batch. Each generated token, checked against a
+    no-cache recompute: where the row was thinking it is among the top-3 and within delta of the top
+    probability, elsewhere it is the argmax; some tokens are relaxed; rows that never think equal strict
+    greedy."""
+    model, sp = models["deepseek"]["random"], _relaxed_spec(0.3)
+    prompts = [[THINK, 1, 2], [3, 4], [THINK, 5, END_THINK, 2]]
+    result = speculative_generate(model, prompts, sp, max_new_tokens=30, max_length=S, stop_tokens=[])
+    strict = generate(model, prompts, max_new_tokens=30, max_length=S, stop_tokens=[])
+    seqs = np.zeros((3, W), np.int32)
+    for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
+        seqs[b, : len(prompt) + len(tokens)] = prompt + tokens
+    probs = np.asarray(jax.nn.softmax(_main_logits(model, jnp.asarray(seqs)), axis=-1))
+    relaxed_tokens = 0
+    for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
+        phases = _phases(prompt + tokens)
+        for i in range(len(prompt), len(prompt) + len(tokens)):
+            p, t = probs[b, i - 1], seqs[b, i]
+            if phases[i]:
+                assert t in np.argsort(-p)[:3] and p[t] >= p.max() - 0.3 - 1e-5, (b, i)
+                relaxed_tokens += int(t != p.argmax())
+            else:
+                assert t == p.argmax(), (b, i)
+        if not any(phases[len(prompt):]):
+            assert tokens == strict.tokens[b]
+    assert relaxed_tokens > 0
+    assert any(not any(_phases(p + t)[len(p):]) for p, t in zip(prompts, result.tokens, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed shapes, streaming, mixed greedy and sampled rows
+
+
+def test_no_recompilation_across_lengths_acceptance_and_sampling(models, plain):
+    sp = spec("eagle", 3)
+    by_name = models["deepseek"]
+    kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+    speculative_generate(by_name["trained"], PROMPTS, sp, **kwargs)  # warm-up
+    list(speculative_stream(by_name["trained"], PROMPTS, sp, **kwargs))
+    compiles = []
+
+    def listener(name, _duration, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    mixed = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=3),
+             SamplingParams(temperature=1.2, top_p=0.9, seed=4)]
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        runs = []
+        for name, n, stop in [("random", 1, [0]), ("trained", 7, [3, 4]), ("random", 25, []), ("trained", 2, [])]:
+            prompts = [[2, 3], [1] * 11, [THINK, 7, 7]]
+            runs.append(speculative_generate(by_name[name], prompts, sp, max_new_tokens=n, max_length=S,
+                                             stop_tokens=stop, sampling=mixed))
+            pieces = list(speculative_stream(by_name[name], PROMPTS, sp, max_new_tokens=[n, 3, 9], max_length=S,
+                                             stop_tokens=stop))
+        assert not compiles, f"{len(compiles)} compiles after warm-up"
+    finally:
+        jax.monitoring.clear_event_listeners()
+    streamed = [sum((step[b] for step in pieces), []) for b in range(3)]
+    assert streamed == speculative_generate(by_name["trained"], PROMPTS, sp, max_new_tokens=[2, 3, 9], max_length=S,
+                                            stop_tokens=[]).tokens
+    # The greedy row of a mixed batch still equals plain greedy.
+    greedy = generate(by_name["random"], [[2, 3], [1] * 11, [THINK, 7, 7]], max_new_tokens=25, max_length=S,
+                      stop_tokens=[])
+    assert runs[2].tokens[0] == greedy.tokens[0]
+    assert [len(t) for t in runs[2].tokens] == [25] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_metrics_by_hand():
+    """K = 4. Row 0 accepts 0, 2 and 4 drafts in three steps, row 1 accepts 1 in one step."""
+    metrics = SpecMetrics(num_steps=jnp.int32([3, 1]), num_drafts=jnp.int32([12, 4]), num_accepted=jnp.int32([6, 1]),
+                          accepted_per_position=jnp.int32([[2, 2, 1, 1], [1, 0, 0, 0]]),
+                          accepted_length_histogram=jnp.int32([[1, 0, 1, 0, 1], [0, 1, 0, 0, 0]]))
+    row0 = SpeculativeMetrics.from_counters(jax.tree.map(lambda x: x[:1], metrics))
+    assert row0.mean_acceptance_length == 3.0
+    assert row0.acceptance_rate_per_position == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
+    assert row0.draft_acceptance_rate == 0.5 and row0.accepted_length_histogram == [1, 0, 1, 0, 1]
+    pooled = SpeculativeMetrics.from_counters(metrics)  # pooled over rows, not an average of row means (2.5)
+    assert pooled.mean_acceptance_length == 1 + 7 / 4 and pooled.num_steps == 4 and pooled.num_drafts == 16
+    assert pooled.acceptance_rate_per_position == [3 / 4, 2 / 4, 1 / 4, 1 / 4]
+    assert pooled.accepted_length_histogram == [1, 1, 1, 0, 1]
+    assert "mean acceptance length 2.75" in pooled.summary()
+    assert math.isnan(SpeculativeMetrics(0, 0, 0, [0], [0, 0]).mean_acceptance_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Impossible requests
+
+
+@pytest.mark.parametrize("style_, kwargs, message", [
+    ("deepseek", dict(method="vanilla", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
+    ("parallel", dict(method="parallel", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
+    ("deepseek", dict(method="parallel", num_speculative_tokens=2), "parallel heads"),
+    ("parallel", dict(method="eagle", num_speculative_tokens=2), "DeepSeek-style"),
+    ("none", dict(method="eagle", num_speculative_tokens=2), "no MTP modules"),
+    ("deepseek", dict(method="eagle", num_speculative_tokens=2, relaxed_top_n=9, think_start_token_id=THINK,
+                      think_end_token_id=END_THINK), "relaxed_top_n"),
+    ("deepseek", dict(method="eagle", num_speculative_tokens=2, think_start_token_id=8), "think_start_token_id"),
+])
+def test_impossible_requests_raise(models, style_, kwargs, message):
+    model = init_model(CFG.replace(num_nextn_predict_layers=0)) if style_ == "none" else models[style_]["random"]
+    with pytest.raises(ValueError, match=message):
+        speculative_generate(model, PROMPTS, SpeculativeConfig(**kwargs), max_new_tokens=3, max_length=S)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(method="medusa"), "method"),
+    (dict(draft_sampling="typical"), "draft_sampling"),
+    (dict(relaxed_top_n=3), "think_start_token_id"),
+    (dict(relaxed_top_n=3, relaxed_delta=-0.1, think_start_token_id=1, think_end_token_id=2), "relaxed_delta"),
+])
+def test_bad_speculative_config_raises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**kwargs)
