@@ -17,12 +17,7 @@ args = parser.parse_args()
 model, tokenizer = mtp_jax.load_pretrained(args.model)
 spec = mtp_jax.SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 sys.stdout.write(args.prompt)
-emitted, shown = [], ""
-for step in mtp_jax.stream(model, [tokenizer.encode(args.prompt).ids], max_new_tokens=args.max_new_tokens,
-                           speculative=spec):
-    emitted += step[0]
-    text = tokenizer.decode(emitted)
-    sys.stdout.write(text[len(shown):])
+for piece in mtp_jax.stream_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, speculative=spec):
+    sys.stdout.write(piece)
     sys.stdout.flush()
-    shown = text
 print()

@@ -52,8 +52,8 @@ def _prompts(args) -> list[str]:
 
 
 def run_generate(args) -> int:
-    from mtp_jax.generate import generate, stream
-    from mtp_jax.pretrained import load_pretrained
+    from mtp_jax.generate import generate
+    from mtp_jax.pretrained import load_pretrained, stream_text
     from mtp_jax.sampling import SamplingParams
 
     model, tokenizer = load_pretrained(args.model)
@@ -75,14 +75,9 @@ def run_generate(args) -> int:
         if len(prompts) != 1:
             raise ValueError("--stream takes exactly one prompt")
         sys.stdout.write(texts[0])
-        emitted: list[int] = []
-        shown = ""
-        for step in stream(model, prompts, **kwargs):
-            emitted += step[0]
-            text = tokenizer.decode(emitted)
-            sys.stdout.write(text[len(shown):])
+        for piece in stream_text(model, tokenizer, texts[0], **kwargs):
+            sys.stdout.write(piece)
             sys.stdout.flush()
-            shown = text
         print()
         return 0
     result = generate(model, prompts, **kwargs)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from mtp_jax import checkpoint
+from mtp_jax.generate import stream
 from mtp_jax.model import Transformer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
@@ -35,6 +37,23 @@ def load_pretrained(
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
     model = checkpoint.load_hf_checkpoint(path, dtype=dtype)
     return model, Tokenizer.from_file(str(path / TOKENIZER_FILE))
+
+
+def stream_text(model: Transformer, tokenizer: Tokenizer, prompt: str, **kwargs) -> Iterator[str]:
+    """Text as it is committed: yields the newly decoded characters after each decode step.
+
+    Decodes the whole continuation each step (byte-level BPE tokens can split a character) and
+    yields what was added. `kwargs` go to `mtp_jax.generate.stream` (max_new_tokens, sampling,
+    speculative, ...).
+    """
+    emitted: list[int] = []
+    shown = ""
+    for step in stream(model, [tokenizer.encode(prompt).ids], **kwargs):
+        emitted += step[0]
+        text = tokenizer.decode(emitted)
+        if text[len(shown):]:
+            yield text[len(shown):]
+        shown = text
 
 
 def save_pretrained(

@@ -74,18 +74,9 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
-def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
-    """The distribution each row samples from: float32 probabilities, same shape as `logits`.
-
-    Temperature, then top-k, then top-p; greedy rows (temperature 0) are one-hot at the argmax.
-    Tokens outside the top-k / top-p set have probability exactly 0.
-    """
-    logits = logits.astype(jnp.float32)
-    ndim = logits.ndim
-    vocab = logits.shape[-1]
-    temperature = _expand(sampling.temperature, ndim)
-    greedy = temperature == 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
+def _filter_top_k_top_p(scaled: jax.Array, sampling: SamplingState) -> jax.Array:
+    """`scaled` logits with tokens outside each row's top-k, then top-p, set set to -inf."""
+    ndim, vocab = scaled.ndim, scaled.shape[-1]
     ordered = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending [B, *T, V]
     # top-k: threshold at the k-th largest value (ties with it are kept).
     k = _expand(jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab), ndim)
@@ -98,10 +89,34 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     keep = mass_before < _expand(sampling.top_p, ndim)
     num_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(ordered, num_keep - 1, axis=-1)
-    scaled = jnp.where(scaled >= pth, scaled, -jnp.inf)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-    return jnp.where(greedy, one_hot, probs)
+    return jnp.where(scaled >= pth, scaled, -jnp.inf)
+
+
+def all_greedy(sampling: SamplingState) -> jax.Array:
+    """True (a bool scalar) when every row decodes greedily: the cheap paths apply."""
+    return jnp.all(sampling.temperature == 0)
+
+
+def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
+    """The distribution each row samples from: float32 probabilities, same shape as `logits`.
+
+    Temperature, then top-k, then top-p; greedy rows (temperature 0) are one-hot at the argmax.
+    Tokens outside the top-k / top-p set have probability exactly 0. The sort that top-k / top-p
+    need runs only when some row uses them (`lax.cond`; shapes stay fixed).
+    """
+    logits = logits.astype(jnp.float32)
+    ndim = logits.ndim
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+    def sampled(logits):
+        temperature = _expand(sampling.temperature, ndim)
+        greedy = temperature == 0
+        scaled = logits / jnp.where(greedy, 1.0, temperature)
+        filtering = jnp.any(sampling.top_k > 0) | jnp.any(sampling.top_p < 1)
+        scaled = jax.lax.cond(filtering, _filter_top_k_top_p, lambda x, _: x, scaled, sampling)
+        return jnp.where(greedy, one_hot, jax.nn.softmax(scaled, axis=-1))
+
+    return jax.lax.cond(all_greedy(sampling), lambda _: one_hot, sampled, logits)
 
 
 def row_keys(sampling: SamplingState, positions: Int[Array, " B"], stream: int = 0) -> jax.Array:
@@ -116,9 +131,14 @@ def row_keys(sampling: SamplingState, positions: Int[Array, " B"], stream: int =
 def sample_from(probs: Float[Array, "B V"], logits: Float[Array, "B V"], sampling: SamplingState,
                 positions: Int[Array, " B"], stream: int = 0) -> jax.Array:
     """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly."""
-    keys = row_keys(sampling, positions, stream)
-    drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs)
-    return jnp.where(sampling.temperature == 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(probs):
+        keys = row_keys(sampling, positions, stream)
+        drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs)
+        return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+    return jax.lax.cond(all_greedy(sampling), lambda _: greedy, draw, probs)
 
 
 def sample(logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, " B"],

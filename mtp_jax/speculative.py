@@ -51,7 +51,7 @@ from mtp_jax.generate import (
 )
 from mtp_jax.model import Transformer
 from mtp_jax.mtp import initial_hidden
-from mtp_jax.sampling import SamplingParams, SamplingState, row_keys, sample_from, target_probs
+from mtp_jax.sampling import SamplingParams, SamplingState, all_greedy, row_keys, sample_from, target_probs
 
 METHODS = ("vanilla", "eagle", "parallel")
 _STREAM_ACCEPT, _STREAM_RESIDUAL, _STREAM_DRAFT = 1, 2, 3  # random streams (plain sampling uses 0)
@@ -111,6 +111,8 @@ class SpeculativeConfig:
         if self.method in ("vanilla", "parallel") and k > depth:
             raise ValueError(f"method {self.method!r} drafts one token per module: num_speculative_tokens={k} "
                              f"exceeds the model's {depth} MTP modules (use method='eagle' for K > D)")
+        if self.relaxed_top_n > vocab_size:
+            raise ValueError(f"relaxed_top_n={self.relaxed_top_n} exceeds vocab_size={vocab_size}")
         for name in ("think_start_token_id", "think_end_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < vocab_size:
@@ -224,8 +226,13 @@ def accept(spec: SpeculativeConfig, logits: jax.Array, draft_tokens: jax.Array, 
     q_draft = (jnp.ones_like(p_draft) if greedy_drafts
                else jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0])  # [B, K]
     positions = lengths[:, None] + jnp.arange(num_drafts)[None, :]  # [B, K]
-    uniforms = jax.vmap(jax.vmap(jax.random.uniform))(
-        jax.vmap(lambda pos: row_keys(sampling, pos, _STREAM_ACCEPT), in_axes=1, out_axes=1)(positions))  # [B, K]
+
+    def draw_uniforms(positions):  # one per draft; all-greedy batches need none (p, q are one-hot)
+        keys = jax.vmap(lambda pos: row_keys(sampling, pos, _STREAM_ACCEPT), in_axes=1, out_axes=1)(positions)
+        return jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, K]
+
+    uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms,
+                            positions)
     accepted = uniforms * q_draft < p_draft  # [B, K]; p = 0 is never accepted, even for u = 0
     if spec.relaxed:
         probs = jax.nn.softmax(logits[:, :num_drafts].astype(jnp.float32), axis=-1)  # [B, K, V]
@@ -363,8 +370,15 @@ def speculative_prefill(model: Transformer, spec: SpeculativeConfig, state: Spec
     return state.replace(decode=d, mtp_caches=caches, draft_tokens=drafts, draft_probs=q, thinking=thinking)
 
 
-def speculative_step(model: Transformer, spec: SpeculativeConfig, state: SpecState) -> SpecState:
-    """One verify-accept-commit-rollback-draft step for every row (finished rows change nothing)."""
+def verify_and_commit(model: Transformer, spec: SpeculativeConfig,
+                      state: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
+    """Verify the K drafts of every row in one forward, accept, commit, roll back, count.
+
+    Returns the state with the committed tokens, rolled-back main cache, thinking phase, metrics
+    and (vanilla) hidden window updated, but `draft_tokens` / `draft_probs` / `mtp_caches` still
+    the old ones; and the inputs of `draft`: h^0 [B, W, E] and the position of its first row [B].
+    Finished rows commit nothing.
+    """
     d = state.decode
     k_max = spec.num_speculative_tokens
     active = ~d.done
@@ -392,7 +406,6 @@ def speculative_step(model: Transformer, spec: SpeculativeConfig, state: SpecSta
         hidden_window = h0
     else:
         start, hidden_window = lengths - 1, state.hidden_window
-    drafts, q, caches = draft(model, spec, d.sampling, d.tokens, state.mtp_caches, h0, start, d.lengths)
 
     counted = jnp.where(active, jnp.minimum(num_accepted, num), 0)  # drafts accepted and committed
     m = state.metrics
@@ -402,8 +415,16 @@ def speculative_step(model: Transformer, spec: SpeculativeConfig, state: SpecSta
         accepted_per_position=m.accepted_per_position + (jnp.arange(k_max)[None, :] < counted[:, None]),
         accepted_length_histogram=m.accepted_length_histogram
         + (active[:, None] & (jnp.arange(k_max + 1)[None, :] == counted[:, None])))
-    return SpecState(decode=d, mtp_caches=caches, draft_tokens=drafts, draft_probs=q, hidden_window=hidden_window,
-                     thinking=thinking, metrics=metrics)
+    state = state.replace(decode=d, hidden_window=hidden_window, thinking=thinking, metrics=metrics)
+    return state, h0, start
+
+
+def speculative_step(model: Transformer, spec: SpeculativeConfig, state: SpecState) -> SpecState:
+    """One verify-accept-commit-rollback-draft step for every row (finished rows change nothing)."""
+    state, h0, start = verify_and_commit(model, spec, state)
+    d = state.decode
+    drafts, q, caches = draft(model, spec, d.sampling, d.tokens, state.mtp_caches, h0, start, d.lengths)
+    return state.replace(mtp_caches=caches, draft_tokens=drafts, draft_probs=q)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))

@@ -10,6 +10,7 @@ and all of the drafts all occur.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,13 +26,12 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.generate import generate
 from mtp_jax.loss import compute_loss
 from mtp_jax.model import init_model
-from mtp_jax.mtp import initial_hidden, mtp_forward_full, shift_left
-from mtp_jax.sampling import SamplingParams, SamplingState
+from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
+from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
 from mtp_jax.speculative import (
     SpecMetrics,
     SpeculativeConfig,
     SpeculativeMetrics,
-    _loop_jit,
     _prefill_jit,
     _step_jit,
     accept,
@@ -68,20 +68,26 @@ def style(method: str) -> str:
 # Models
 
 
-def randomized(model, seed: int):
-    """Weights ~ N(0, 0.3^2) and norm weights ~ U(0.5, 1.5): logits with a spread of a few nats."""
+def make_model(config: ModelConfig, seed: int, std: float):
+    """A model with weights ~ N(0, std^2); norm weights 1 for small std, else ~ U(0.5, 1.5) (std 0.3: logits
+    with a spread of a few nats). Built abstractly and filled from numpy: no initializer compiles, and one
+    graph per config, so every model of a config shares each compiled step."""
+    model = nnx.eval_shape(lambda: init_model(config))
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):
-            shape = var[...].shape
-            var[...] = jnp.asarray(rng.uniform(0.5, 1.5, shape) if path[-1] == "weight"
-                                   else rng.normal(0.0, 0.3, shape), jnp.float32)
+            shape = var.get_value().shape
+            if path[-1] == "weight":
+                value = rng.uniform(0.5, 1.5, shape) if std > 0.1 else np.ones(shape)
+            else:
+                value = rng.normal(0.0, std, shape)
+            var.set_value(jnp.asarray(value, jnp.float32))
     return model
 
 
 def trained(config: ModelConfig, steps: int, seed: int = 0):
     """A few Adam steps of `compute_loss` on the two cycles: the models learn them, not perfectly."""
-    model = init_model(config, seed=seed)
+    model = make_model(config, seed, config.initializer_range)
     optimizer = nnx.Optimizer(model, optax.adam(2e-2), wrt=nnx.Param)
 
     @nnx.jit
@@ -98,18 +104,26 @@ def trained(config: ModelConfig, steps: int, seed: int = 0):
     return model
 
 
+def main_twin(model):
+    """A DeepSeek-style model with `model`'s main weights: plain decoding reads the main model only, so it
+    decodes exactly as `model` does, with the DeepSeek-style compile."""
+    twin = make_model(CFG, 0, 0.0)
+    nnx.update(twin, nnx.state(model, MAIN_PARAMS))
+    return twin
+
+
 @pytest.fixture(scope="module")
 def models():
-    """{style: {"random": model, "trained": model}}; models of one style share one compiled step."""
+    """{style: {"random": model, "trained": model}}."""
     parallel = CFG.replace(mtp_style="parallel")
-    return {"deepseek": {"random": randomized(init_model(CFG, seed=1), 2), "trained": trained(CFG, 20)},
-            "parallel": {"random": randomized(init_model(parallel, seed=3), 4), "trained": trained(parallel, 30)}}
+    return {"deepseek": {"random": make_model(CFG, 1, 0.3), "trained": trained(CFG, 40)},
+            "parallel": {"random": make_model(parallel, 3, 0.3), "trained": trained(parallel, 30)}}
 
 
 @pytest.fixture(scope="module")
 def plain(models):
     """Plain greedy decoding of PROMPTS by every model: what speculation must reproduce."""
-    return {s: {name: generate(m, PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+    return {s: {name: generate(main_twin(m), PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
                 for name, m in by_name.items()} for s, by_name in models.items()}
 
 
@@ -243,60 +257,45 @@ def has_zero_partial_full(histogram, k_max: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Lossless greedy
+# Lossless greedy; cached drafts == no-cache oracle; NaN in stale slots changes nothing; counters
 
 
 @pytest.mark.parametrize("method, k", GRID)
-def test_greedy_equals_plain_greedy(models, plain, method, k):
+def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, method, k):
+    """Both models, stale cache slots NaN before every step: the tokens and logprobs equal plain greedy
+    decoding, the drafts at every step boundary equal the no-cache oracle, and the counters equal the
+    acceptances read off the committed blocks. The trained model meets steps accepting 0, some and all."""
     sp = spec(method, k)
     for name, model in models[style(method)].items():
-        result = speculative_generate(model, PROMPTS, sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+        state, trace = drive(model, sp, PROMPTS, MAX_NEW, poison=True)
         expected = plain[style(method)][name]
-        assert result.tokens == expected.tokens, name
-        assert [len(t) for t in result.tokens] == MAX_NEW and result.finish_reasons == ["length"] * 3
-        for got, want in zip(result.logprobs, expected.logprobs, strict=True):
-            np.testing.assert_allclose(got, want, atol=2e-5)
-        m = result.metrics
-        assert sum(m.accepted_length_histogram) == m.num_steps and m.num_drafts == k * m.num_steps
-        assert result.num_generated <= 3 + m.num_steps + m.num_accepted  # 1 from prefill + a + 1 per step
+        assert generated(state, PROMPTS) == expected.tokens, name
+        assert [len(t) for t in expected.tokens] == MAX_NEW
+        logprobs = np.asarray(state.decode.logprobs)
+        for b, prompt in enumerate(PROMPTS):
+            np.testing.assert_allclose(logprobs[b, len(prompt): len(prompt) + MAX_NEW[b]], expected.logprobs[b],
+                                       atol=2e-5)
+        for step, snap in enumerate(trace):
+            active = ~snap["done"]
+            want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
+            np.testing.assert_array_equal(snap["drafts"][active], want[active], err_msg=f"{name}, step {step}")
+
+        histogram = np.zeros((3, k + 1), int)
+        for _, b, n in observed_accepts(trace, k):
+            histogram[b, n] += 1
+        m = jax.device_get(state.metrics)
+        np.testing.assert_array_equal(m.accepted_length_histogram, histogram)
+        np.testing.assert_array_equal(m.num_steps, histogram.sum(1))
+        np.testing.assert_array_equal(m.num_drafts, k * histogram.sum(1))
+        np.testing.assert_array_equal(m.num_accepted, (histogram * np.arange(k + 1)).sum(1))
+        np.testing.assert_array_equal(m.accepted_per_position,
+                                      [[histogram[b, j + 1:].sum() for j in range(k)] for b in range(3)])
+        # Tokens: 1 from prefill, then a + 1 per step, except a last step cut by max_new_tokens.
+        full = 1 + m.num_steps + m.num_accepted
+        assert np.all((np.asarray(MAX_NEW) == full) | (np.asarray(MAX_NEW) == full - 1)), full
         if name == "trained":  # speculation pays off, with every kind of step
-            assert has_zero_partial_full(m.accepted_length_histogram, k), m.accepted_length_histogram
-            assert result.num_steps < max(MAX_NEW) - 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Cached drafts == no-cache oracle; NaN in stale slots changes nothing; metrics per step
-
-
-@pytest.mark.parametrize("method", ["eagle", "vanilla", "parallel"])
-def test_cached_drafts_equal_no_cache_oracle_under_poisoned_rollback(models, plain, method):
-    k = 3
-    sp = spec(method, k)
-    model = models[style(method)]["trained"]
-    state, trace = drive(model, sp, PROMPTS, MAX_NEW, poison=True)
-    for step, snap in enumerate(trace):
-        active = ~snap["done"]
-        want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
-        np.testing.assert_array_equal(snap["drafts"][active], want[active], err_msg=f"step {step}")
-    assert generated(state, PROMPTS) == plain[style(method)]["trained"].tokens
-
-    # The counters, step by step: the histogram of accepted drafts read off the trace.
-    accepts = observed_accepts(trace, k)
-    histogram = np.zeros((3, k + 1), int)
-    for _, b, n in accepts:
-        histogram[b, n] += 1
-    m = jax.device_get(state.metrics)
-    np.testing.assert_array_equal(m.accepted_length_histogram, histogram)
-    assert has_zero_partial_full(histogram.sum(0), k), histogram
-    np.testing.assert_array_equal(m.num_steps, histogram.sum(1))
-    np.testing.assert_array_equal(m.num_drafts, k * histogram.sum(1))
-    np.testing.assert_array_equal(m.num_accepted, (histogram * np.arange(k + 1)).sum(1))
-    np.testing.assert_array_equal(m.accepted_per_position,
-                                  [[histogram[b, j + 1:].sum() for j in range(k)] for b in range(3)])
-    # Tokens: 1 from prefill, then a + 1 per step, except a last step cut by max_new_tokens.
-    made = np.asarray([len(t) for t in generated(state, PROMPTS)])
-    full = 1 + m.num_steps + m.num_accepted
-    assert np.all((made == full) | (made == full - 1)), (made, full)
+            assert has_zero_partial_full(histogram.sum(0), k), histogram.sum(0)
+            assert len(trace) - 1 < max(MAX_NEW) - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,16 +333,14 @@ def test_stop_token_accepted_as_a_draft_ends_its_row_there(models, plain):
 @pytest.mark.parametrize("method, k", [("eagle", 4), ("vanilla", 3)])
 def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, method, k):
     """A prompt 3 tokens short of S: exactly 3 tokens, == plain greedy. Every row runs to the capacity while
-    the verify and draft windows reach past S; the live cache entries then equal a recompute from scratch,
-    so no write was clamped onto them."""
+    the verify and draft windows reach past S (stale slots NaN before each step); the live cache entries
+    then equal a recompute from scratch, so no write was clamped onto them."""
     model, sp = models["deepseek"]["trained"], spec(method, k)
     prompts = [(CYCLES[0] * 5)[: S - 3], [6, 7], [5]]
     expected = generate(model, prompts, max_new_tokens=100, max_length=S, stop_tokens=[])
-    state, padded = init_spec_state(model, sp, prompts, max_new_tokens=100, max_length=S, stop_tokens=[])
-    graphdef, params = nnx.split(model)
-    state = _loop_jit(graphdef, params, sp, _prefill_jit(graphdef, params, sp, state, padded))
-    assert generated(state, prompts) == expected.tokens
     assert [len(t) for t in expected.tokens] == [3, S - 2, S - 1] and expected.finish_reasons == ["capacity"] * 3
+    state, _ = drive(model, sp, prompts, 100, poison=True)
+    assert generated(state, prompts) == expected.tokens
     cache = state.decode.cache
     np.testing.assert_array_equal(cache.lengths, [S - 1] * 3)
     main, module = _fresh_caches(model, state.decode.tokens)
@@ -392,79 +389,94 @@ def emitted(num_accepted: np.ndarray, token: np.ndarray, drafts: np.ndarray) -> 
     return np.where(index <= num_accepted[:, None], out, -1)
 
 
-_accept_jit = jax.jit(accept, static_argnums=0)
+@functools.cache
+def jit_accept(sp: SpeculativeConfig):
+    """`accept` jitted once per config (and shapes)."""
+    return jax.jit(lambda *args: accept(sp, *args))
+
+
+def with_uniform(monkeypatch, value: float, sp: SpeculativeConfig):
+    """`accept` under a fresh jit with every uniform draw of the acceptance test forced to `value`."""
+    monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), value, jnp.float32))
+    return jax.jit(lambda *args: accept(sp, *args))
+
+
+N_ROWS, SAMPLE_SPEC = 20000, spec("eagle", 2, draft_sampling="sample")  # one compile of `accept` for both tests
 P = np.array([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.0, 0.3, 0.3, 0.3], [0.25, 0.25, 0.0, 0.25, 0.25]])  # p_0..p_2
 Q = np.array([[0.1, 0.6, 0.0, 0.2, 0.1], [0.3, 0.3, 0.3, 0.1, 0.0]])  # q_1, q_2: zeros where p has mass
 
 
+def _rows(**kwargs) -> SamplingState:
+    return SamplingState.from_params([SamplingParams(seed=s, **kwargs) for s in range(N_ROWS)])
+
+
+def _draw(probs: np.ndarray, rng) -> np.ndarray:
+    """One token per row from probs [B, V] (inverse CDF)."""
+    cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)
+    return np.minimum((rng.random((len(probs), 1)) > cdf).sum(-1), probs.shape[-1] - 1).astype(np.int32)
+
+
 @pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
 def test_accept_emits_the_target_distribution(draft_sampling):
-    """Drafts from q (or one fixed greedy draft, q one-hot), 20000 rows with distinct seeds: the first
-    emitted token follows p_0, the second (rows that accepted d_1) p_1, the bonus (rows that accepted
-    both) p_2; the acceptance rate of d_1 is sum(min(p_0, q_1))."""
-    n, rng = 20000, np.random.default_rng(0)
-    sampling = SamplingState.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(n)])
-    logits = jnp.asarray(np.broadcast_to(_log(P), (n, 3, 5)))
+    """20000 rows with distinct seeds, drafts drawn from q (or fixed greedy drafts, q one-hot): the first
+    emitted token follows p_0, the second (rows that accepted d_1) p_1, the bonus (rows that accepted both)
+    p_2; d_1 is accepted at the rate sum(min(p_0, q_1)); drafts with p = 0 are never accepted."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(np.broadcast_to(_log(P), (N_ROWS, 3, 5)))
     if draft_sampling == "sample":
-        drafts = np.stack([rng.choice(5, n, p=q) for q in Q], axis=1).astype(np.int32)
-        q = jnp.asarray(np.broadcast_to(Q, (n, 2, 5)), jnp.float32)
+        drafts = np.stack([_draw(np.broadcast_to(q, (N_ROWS, 5)), rng) for q in Q], axis=1)
+        q, sp = jnp.asarray(np.broadcast_to(Q, (N_ROWS, 2, 5)), jnp.float32), SAMPLE_SPEC
         rate = np.minimum(P[0], Q[0]).sum()
-    else:
-        drafts = np.broadcast_to(np.int32([0, 2]), (n, 2))
-        q = jnp.zeros((n, 2, 0), jnp.float32)
+    else:  # half the rows draft (0, 2), half (0, 1), and p_1(1) = 0
+        drafts = np.where(np.arange(N_ROWS)[:, None] % 2, np.int32([0, 2]), np.int32([0, 1]))
+        q, sp = jnp.zeros((N_ROWS, 2, 0), jnp.float32), spec("eagle", 2)
         rate = P[0, 0]
-    num_accepted, token = jax.device_get(_accept_jit(spec("eagle", 2, draft_sampling=draft_sampling), logits,
-                                                     jnp.asarray(drafts), q, sampling, jnp.full((n,), 5),
-                                                     jnp.zeros((n,), bool)))
+    num_accepted, token = jax.device_get(jit_accept(sp)(logits, jnp.asarray(drafts), q, _rows(temperature=1.0),
+                                                        jnp.full((N_ROWS,), 5, jnp.int32), jnp.zeros((N_ROWS,), bool)))
     out = emitted(num_accepted, token, drafts)
     for j, rows in enumerate([num_accepted >= 0, num_accepted >= 1, num_accepted == 2]):
         ok, message = chi_square_ok(np.bincount(out[rows, j], minlength=5), P[j])
         assert ok, f"emitted token {j}: {message}"
     accepted = (num_accepted >= 1).mean()
-    assert abs(accepted - rate) < 4.5 * math.sqrt(rate * (1 - rate) / n), (accepted, rate)
-    if draft_sampling == "sample":  # p_0(4) = 0 < q_1(4): never accepted
-        assert not np.any((drafts[:, 0] == 4) & (num_accepted >= 1))
+    assert abs(accepted - rate) < 4.5 * math.sqrt(rate * (1 - rate) / N_ROWS), (accepted, rate)
+    zero = np.concatenate([P[0][drafts[:, :1]] == 0, P[1][drafts[:, 1:]] == 0], axis=1)  # [B, K]: p(d_j) = 0
+    assert zero.any() and not np.any(zero & (np.arange(2)[None, :] < num_accepted[:, None]))
 
 
 def test_zero_probability_draft_is_never_accepted_even_for_a_zero_uniform(monkeypatch):
-    """Every uniform draw forced to exactly 0: drafts the target gives probability 0 (top-k, greedy,
-    or q(d) = 1 > p(d) = 0) are rejected, a draft with tiny positive probability is accepted."""
-    monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.zeros((), jnp.float32))
-    logits = jnp.asarray(np.tile(np.float32([4.0, 3.0, 2.0, 1.0, -10.0]), (4, 2, 1)))
+    """Every uniform draw forced to exactly 0 (so `u * q < p` holds for any p > 0): drafts with target
+    probability 0 (outside top-k, not the greedy argmax) are rejected whatever q(d), a draft with
+    probability ~1e-6 is accepted."""
+    logits = jnp.asarray(np.tile(np.float32([4.0, 3.0, 2.0, 1.0, -10.0]), (4, 2, 1)))  # [B, K + 1, V]
     sampling = SamplingState.from_params([SamplingParams(temperature=1.0, top_k=2), SamplingParams(),
                                           SamplingParams(temperature=1.0, top_k=4),
                                           SamplingParams(temperature=1.0)])
     drafts = jnp.int32([[2], [1], [4], [4]])  # outside top-2; not the argmax; outside top-4; p ~ 1e-6
-    zeros = (jnp.full((4,), 3), jnp.zeros((4,), bool))
-    num_accepted, token = accept(spec("eagle", 1), logits, drafts, jnp.zeros((4, 1, 0)), sampling, *zeros)
+    q = jnp.asarray(np.float32([[0, 0, 1, 0, 0], [0, 0.5, 0, 0, 0.5], [0.1, 0.1, 0.1, 0.4, 0.3],
+                                [0, 0, 0, 0, 1]])[:, None, :])
+    accept_zero = with_uniform(monkeypatch, 0.0, spec("eagle", 1, draft_sampling="sample"))
+    num_accepted, token = accept_zero(logits, drafts, q, sampling, jnp.full((4,), 3), jnp.zeros((4,), bool))
     np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
-    assert token[1] == 0 and token[0] in (0, 1) and token[2] in (0, 1, 2, 3)
-    q = jnp.asarray(np.eye(5, dtype=np.float32)[[2, 1, 4, 4]][:, None, :])  # q(d) = 1
-    num_accepted, _ = accept(spec("eagle", 1, draft_sampling="sample"), logits, drafts, q, sampling, *zeros)
-    np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
+    token = np.asarray(token)
+    assert token[0] in (0, 1) and token[1] == 0 and token[2] in (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("uniform", [None, 1.0])
-def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch, uniform):
-    """q = p (top-k leaves zeros in both): every draft is accepted and the bonus is a token of p_K. Forcing a
-    rejection (u = 1) leaves max(0, p - q) = 0 everywhere: the row still emits a token of p, never NaN."""
-    if uniform is not None:
-        monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), uniform, jnp.float32))
-    n, k_max = 64, 3
+def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
+    """q = p (temperature 0.7 and top-3 leave zeros in both): every draft is accepted and the bonus is a
+    token of p_K. A rejection forced by u = 1 leaves max(0, p - q) = 0 everywhere: the row still emits a
+    token of p, never NaN or a division by zero."""
     rng = np.random.default_rng(1)
-    logits = jnp.asarray(rng.normal(0, 2, (n, k_max + 1, V)), jnp.float32)
-    sampling = SamplingState.from_params([SamplingParams(temperature=0.7, top_k=3, seed=s) for s in range(n)])
-    from mtp_jax.sampling import target_probs
-
-    p = np.asarray(target_probs(logits, sampling))
-    drafts = np.stack([[rng.choice(V, p=p[b, j] / p[b, j].sum()) for j in range(k_max)] for b in range(n)])
-    num_accepted, token = accept(spec("eagle", k_max, draft_sampling="sample"), logits, jnp.asarray(drafts, jnp.int32),
-                                 jnp.asarray(p[:, :k_max]), sampling, jnp.zeros((n,), jnp.int32),
-                                 jnp.zeros((n,), bool))
-    num_accepted, token = np.asarray(num_accepted), np.asarray(token)
-    at = np.minimum(num_accepted, k_max)
-    assert np.all(num_accepted == (k_max if uniform is None else 0))
-    assert np.all(p[np.arange(n), at, token] > 0)
+    logits = jnp.asarray(rng.normal(0, 2, (N_ROWS, 3, 5)), jnp.float32)
+    sampling = _rows(temperature=0.7, top_k=3)
+    p = np.asarray(jax.jit(target_probs)(logits, sampling), np.float64)  # [B, K + 1, V]
+    drafts = np.stack([_draw(p[:, j], rng) for j in range(2)], axis=1)
+    args = (logits, jnp.asarray(drafts), jnp.asarray(p[:, :2], jnp.float32), sampling, jnp.zeros((N_ROWS,), jnp.int32),
+            jnp.zeros((N_ROWS,), bool))
+    for forced, expected_accepted in [(None, 2), (1.0, 0)]:
+        fn = jit_accept(SAMPLE_SPEC) if forced is None else with_uniform(monkeypatch, forced, SAMPLE_SPEC)
+        num_accepted, token = (np.asarray(x) for x in fn(*args))
+        assert np.all(num_accepted == expected_accepted)
+        assert np.all(p[np.arange(N_ROWS), num_accepted, token] > 0)
 
 
 def test_sampled_generation_follows_the_target_distribution(models):
@@ -505,8 +517,8 @@ def test_sampled_generation_follows_the_target_distribution(models):
 # Relaxed acceptance
 
 
-def _relaxed_spec(delta: float = 0.2) -> SpeculativeConfig:
-    return spec("eagle", 4, relaxed_top_n=3, relaxed_delta=delta)
+def _relaxed_spec(delta: float = 0.2, k: int = 4) -> SpeculativeConfig:
+    return spec("eagle", k, relaxed_top_n=3, relaxed_delta=delta)
 
 
 def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
@@ -531,13 +543,10 @@ def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
     drafts = jnp.asarray([c[2] for c in cases], jnp.int32)
     logits = jnp.asarray(np.stack([_log(np.stack(c[3] + [base])) for c in cases]))  # [B, K + 1, V]
     n = len(cases)
-    num_accepted, token = accept(_relaxed_spec(), logits, drafts, jnp.zeros((n, 4, 0)), sampling,
+    num_accepted, token = jit_accept(_relaxed_spec())(logits, drafts, jnp.zeros((n, 4, 0)), sampling,
                                  jnp.full((n,), 10), thinking)
     np.testing.assert_array_equal(num_accepted, [c[4] for c in cases])
-    np.testing.assert_array_equal(token[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
-    strict, _ = accept(spec("eagle", 4), logits, drafts, jnp.zeros((n, 4, 0)), sampling, jnp.full((n,), 10),
-                       thinking)
-    np.testing.assert_array_equal(strict, [0, 0, 0, 1, 0, 1, 1, 0])  # the feature off: argmax matches only
+    np.testing.assert_array_equal(np.asarray(token)[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
 
 
 def _phases(tokens: list[int]) -> list[bool]:
@@ -554,7 +563,7 @@ def test_relaxed_generation_relaxes_only_thinking_positions(models):
     no-cache recompute: where the row was thinking it is among the top-3 and within delta of the top
     probability, elsewhere it is the argmax; some tokens are relaxed; rows that never think equal strict
     greedy."""
-    model, sp = models["deepseek"]["random"], _relaxed_spec(0.3)
+    model, sp = models["deepseek"]["random"], _relaxed_spec(0.3, k=2)
     prompts = [[THINK, 1, 2], [3, 4], [THINK, 5, END_THINK, 2]]
     result = speculative_generate(model, prompts, sp, max_new_tokens=30, max_length=S, stop_tokens=[])
     strict = generate(model, prompts, max_new_tokens=30, max_length=S, stop_tokens=[])
@@ -654,7 +663,8 @@ def test_metrics_by_hand():
     ("deepseek", dict(method="eagle", num_speculative_tokens=2, think_start_token_id=8), "think_start_token_id"),
 ])
 def test_impossible_requests_raise(models, style_, kwargs, message):
-    model = init_model(CFG.replace(num_nextn_predict_layers=0)) if style_ == "none" else models[style_]["random"]
+    no_mtp = CFG.replace(num_nextn_predict_layers=0)
+    model = make_model(no_mtp, 0, 0.02) if style_ == "none" else models[style_]["random"]
     with pytest.raises(ValueError, match=message):
         speculative_generate(model, PROMPTS, SpeculativeConfig(**kwargs), max_new_tokens=3, max_length=S)
 
