@@ -86,7 +86,8 @@ def _filter_top_k_top_p(scaled: jax.Array, sampling: SamplingState) -> jax.Array
     # top-p on what top-k left: keep the sorted prefix whose mass before it is < top_p.
     sorted_probs = jax.nn.softmax(ordered, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = mass_before < _expand(sampling.top_p, ndim)
+    top_p = _expand(sampling.top_p, ndim)
+    keep = (mass_before < top_p) | (top_p >= 1)  # top_p = 1 keeps all, even where the cumsum rounds to 1
     num_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(ordered, num_keep - 1, axis=-1)
     return jnp.where(scaled >= pth, scaled, -jnp.inf)
