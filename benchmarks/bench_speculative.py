@@ -373,7 +373,7 @@ def main() -> None:
                 new_tokens=args.new_tokens, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"speculative_{device.replace(' ', '_')}_{meta['date']}"
+    stem = f"speculative_{'_'.join(args.parts)}_{device.replace(' ', '_')}_{meta['date']}"
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, demo=demo, cost=cost, large=large), indent=1) + "\n")
     table = _markdown(meta, demo, cost, large)
     (out / f"{stem}.md").write_text(table)
