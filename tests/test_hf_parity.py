@@ -19,8 +19,8 @@ from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.generate import SamplingParams, generate
 from mtp_jax.model import Transformer
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
+transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
 torch.set_num_threads(1)  # tiny models: extra threads only spin on the shared CPUs
 
 RTOL = 1e-5  # max |ours - theirs| / max |theirs| over the logits
