@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_data import tiny_documents
 
 from mtp_jax import checkpoint, cli, data, train
 from mtp_jax.config import ModelConfig
@@ -18,21 +19,8 @@ from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
 from mtp_jax.pretrained import save_pretrained
 
-WORDS = ["foo", "bar", "baz", "self", "value", "items", "x", "y"]
 TRAIN = train.TrainConfig(batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1,
                           checkpoint_every=100, log_every=1)
-
-
-def tiny_documents(num: int = 40, seed: int = 0) -> dict[str, str]:
-    rng = np.random.default_rng(seed)
-    documents = {}
-    for i in range(num):
-        functions = []
-        for j in range(rng.integers(3, 12)):
-            a, b = rng.choice(WORDS, 2)
-            functions.append(f"def {a}_{j}(self, {b}):\n    return self.{a} + {b} * {j}\n")
-        documents[f"pkg{i % 4}/mod_{i}.py"] = "\n".join(functions)
-    return documents
 
 
 @pytest.fixture(scope="module")
