@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def attention_mask(lengths: Int[Array, " B"], num_queries: int, cache_len: int) -> jax.Array:
@@ -49,23 +49,30 @@ def attention_reference(
     Returns:
       [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
     """
+    cache_len = k.shape[1]
+    mask = attention_mask(lengths, q.shape[1], cache_len)  # [B, T, S]
+    # Stale values are zeroed (their weights are exactly 0, but 0 * NaN is NaN); stale keys need no
+    # such pass: their scores are replaced by -inf before anything reads them.
+    valid = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
+    return _masked_attention(q, k, jnp.where(valid, v, 0), mask, scale)
+
+
+def _masked_attention(q: Float[Array, "B T H D"], k: Float[Array, "B S G D"], v: Float[Array, "B S G D"],
+                      mask: Bool[Array, "B T S"], scale: float | None) -> Float[Array, "B T H D"]:
+    """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros."""
     batch, num_queries, num_heads, head_dim = q.shape
-    cache_len, num_kv_heads = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    mask = attention_mask(lengths, num_queries, cache_len)  # [B, T, S]
-    valid = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
-    k = jnp.where(valid, k, 0).astype(jnp.float32)
-    v = jnp.where(valid, v, 0).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
-    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k) * scale  # [B, G, H/G, T, S]
+    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(jnp.float32)) * scale  # [B, G, H/G, T, S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = jnp.exp(scores - peak)  # masked entries are exactly 0
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v)  # [B, T, G, H/G, D]
+    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v.astype(jnp.float32))  # [B, T, G, H/G, D]
     return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
 
 
@@ -127,17 +134,7 @@ def segment_attention_reference(
     Returns:
       [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
     """
-    batch, num_queries, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    t = jnp.arange(num_queries)
+    t = jnp.arange(q.shape[1])
     causal = t[None, :, None] >= t[None, None, :]  # [1, T, T]
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
-    mask = causal & same_segment  # [B, T, T]
-    qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
-    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(jnp.float32)) * scale  # [B, G, H/G, T, T]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)  # the diagonal is always unmasked
-    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v.astype(jnp.float32))  # [B, T, G, H/G, D]
-    return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
+    return _masked_attention(q, k, v, causal & same_segment, scale)

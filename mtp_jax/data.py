@@ -22,11 +22,15 @@ packed documents. Every byte is in the alphabet, so any text round-trips.
 
 Packing. Each document is its tokens followed by `<|endoftext|>`. Epoch e lays the training
 documents end to end in the order `permutation(seed, e)`; epochs follow each other as one endless
-stream, and row r of the stream is its tokens `[r T, (r + 1) T)`. Step n is rows `n B .. n B + B - 1`,
-so any step's batch is a pure function of (seed, n): resuming at step n needs nothing but n.
-A document that does not fit in a row continues at the start of the next one (no token is lost or
-repeated within an epoch). `segment_ids` number the (pieces of) documents in a row 1, 2, ...;
-0 marks padding, which only the held-out batches use, to fill their last rows.
+stream, cut into rows of T tokens (stream row i is tokens `[i T, (i + 1) T)`). A document that does
+not fit in a row continues in the next row, so no token is lost or repeated within an epoch.
+Rows are then shuffled so that the B rows of a step come from all over the corpus (one step of
+consecutive rows would be one or two files: a stdlib module is ~4k tokens): the stream is split
+into rounds of R = B * ceil(rows per epoch / B) rows, about one epoch each, and step n takes rows
+`q R + permutation(seed, q)[m B .. m B + B - 1]` of its round q = n // (R / B), m = n mod (R / B).
+Every stream row is used exactly once per round, and a step's batch is a pure function of
+(seed, n): resuming at step n needs nothing but n. `segment_ids` number the (pieces of) documents
+in a row 1, 2, ...; 0 marks padding, which only the held-out batches use, to fill their last rows.
 
 Everything `prepare_corpus` builds (tokenizer, token arrays, metadata) is cached in a work dir and
 reused while the documents, vocabulary size, split and tokenizer are unchanged.
@@ -300,11 +304,13 @@ def segment_ids_from_documents(document_ids: Int[np.ndarray, "... T"]) -> Int[np
 
 
 class PackedBatches:
-    """Training batches of B rows of T tokens from an endless, reshuffled document stream.
+    """Training batches of B rows of T tokens, shuffled rows of an endless, reshuffled document stream.
 
     `batch(step)` is a pure function of (split, batch_size, seq_len, seed, step): a new object
     gives the same batch for the same step, so a resumed run continues the same data order.
-    Epoch e's document order is `np.random.default_rng([seed, e]).permutation(num_documents)`.
+    Epoch e's document order is `np.random.default_rng([seed, e]).permutation(num_documents)`;
+    round q's row order is `np.random.default_rng([seed, q, 1]).permutation(rows_per_round)` (module
+    docstring, "Packing").
     """
 
     def __init__(self, split: TokenizedSplit, batch_size: int, seq_len: int, seed: int = 0):
@@ -313,7 +319,10 @@ class PackedBatches:
         if split.num_tokens == 0:
             raise ValueError("cannot pack an empty split")
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
+        self.steps_per_round = -(-split.num_tokens // (batch_size * seq_len))
+        self.rows_per_round = self.steps_per_round * batch_size
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rounds: dict[int, np.ndarray] = {}
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -326,7 +335,7 @@ class PackedBatches:
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, document ids) of epoch `epoch`'s stream, both [tokens_per_epoch]."""
         if epoch not in self._epochs:
-            if len(self._epochs) >= 2:
+            if len(self._epochs) >= 3:
                 del self._epochs[min(self._epochs)]
             num_docs = self.split.num_documents
             order = np.random.default_rng([self.seed, epoch]).permutation(num_docs)
@@ -348,13 +357,27 @@ class PackedBatches:
             start, length = start + take, length - take
         return np.concatenate(tokens), np.concatenate(document_ids)
 
-    def batch(self, step: int) -> tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]:
-        """(tokens, segment_ids), both int32 [B, T], for training step `step` (0-based)."""
+    def stream_row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, document ids) of stream row `row` (0-based), both [T], before row shuffling."""
+        return self._stream(row * self.seq_len, self.seq_len)
+
+    def row_indices(self, step: int) -> np.ndarray:
+        """The stream rows, int64 [B], that make up step `step`'s batch, in batch order."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        shape = (self.batch_size, self.seq_len)
-        tokens, document_ids = self._stream(step * self.batch_size * self.seq_len, self.batch_size * self.seq_len)
-        return tokens.reshape(shape).astype(np.int32), segment_ids_from_documents(document_ids.reshape(shape))
+        round_, m = divmod(step, self.steps_per_round)
+        if round_ not in self._rounds:
+            if len(self._rounds) >= 2:
+                del self._rounds[min(self._rounds)]
+            self._rounds[round_] = np.random.default_rng([self.seed, round_, 1]).permutation(self.rows_per_round)
+        order = self._rounds[round_][m * self.batch_size:(m + 1) * self.batch_size]
+        return round_ * self.rows_per_round + order
+
+    def batch(self, step: int) -> tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]:
+        """(tokens, segment_ids), both int32 [B, T], for training step `step` (0-based)."""
+        rows = [self.stream_row(int(i)) for i in self.row_indices(step)]
+        tokens = np.stack([t for t, _ in rows]).astype(np.int32)
+        return tokens, segment_ids_from_documents(np.stack([d for _, d in rows]))
 
     def iterate(self, start_step: int = 0) -> Iterator[tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]]:
         """batch(start_step), batch(start_step + 1), ... without end."""

@@ -110,14 +110,26 @@ def _documents_of(stream: np.ndarray, eos_id: int) -> list[tuple[int, ...]]:
 
 def test_packing_covers_each_epoch_exactly_once(corpus):
     batches = data.PackedBatches(corpus.train, batch_size=2, seq_len=16, seed=3)
-    per_step = 2 * 16
-    num_steps = 2 * corpus.train.num_tokens // per_step + 1  # a little over two epochs
-    stream = np.concatenate([batches.batch(n)[0].reshape(-1) for n in range(num_steps)])
+    num_rows = 2 * corpus.train.num_tokens // 16 + 1  # a little over two epochs
+    stream = np.concatenate([batches.stream_row(i)[0] for i in range(num_rows)])
     corpus_docs = sorted(tuple(corpus.train.document(i)) for i in range(corpus.train.num_documents))
     epochs = [stream[:corpus.train.num_tokens], stream[corpus.train.num_tokens:2 * corpus.train.num_tokens]]
     for epoch in epochs:  # every document once, whole, none lost or repeated
         assert sorted(_documents_of(epoch, corpus.eos_id)) == corpus_docs
     assert _documents_of(epochs[0], corpus.eos_id) != _documents_of(epochs[1], corpus.eos_id)  # reshuffled
+
+
+def test_steps_take_each_row_of_a_round_once_in_shuffled_order(corpus):
+    batches = data.PackedBatches(corpus.train, batch_size=3, seq_len=16, seed=3)
+    steps, rows = batches.steps_per_round, batches.rows_per_round
+    assert rows == 3 * steps and rows * 16 >= corpus.train.num_tokens > (rows - 3) * 16
+    for round_ in range(2):
+        taken = np.concatenate([batches.row_indices(n) for n in range(round_ * steps, (round_ + 1) * steps)])
+        np.testing.assert_array_equal(np.sort(taken), np.arange(round_ * rows, (round_ + 1) * rows))
+        assert not np.array_equal(taken, np.sort(taken))  # shuffled, not consecutive
+    for n in (0, steps - 1, steps + 5):
+        tokens, _ = batches.batch(n)
+        np.testing.assert_array_equal(tokens, np.stack([batches.stream_row(i)[0] for i in batches.row_indices(n)]))
 
 
 def test_segment_ids_mark_document_boundaries(corpus):
