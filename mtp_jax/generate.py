@@ -19,10 +19,10 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from mtp_jax.cache import KVCache
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, static_split
 from mtp_jax.sampling import SamplingParams, SamplingState, sample
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
@@ -110,6 +110,7 @@ def _stop_array(stop_tokens: Sequence[int], vocab_size: int) -> jax.Array:
     return jnp.asarray(stop + [-1] * (MAX_STOP_TOKENS - len(stop)), jnp.int32)
 
 
+@jax.named_scope("commit")
 def commit_tokens(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
                   candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
     """Appends up to N candidate tokens per unfinished row and applies the stop conditions.
@@ -151,9 +152,8 @@ def _commit_sampled(state: DecodeState, logits: jax.Array) -> DecodeState:
 
 def prefill(model: Transformer, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
     """Runs the prompts [B, P] (right-padded) through the model and commits the first token."""
-    logits, _, cache = model(padded_prompts, state.cache)
-    last = state.prompt_lengths - 1
-    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    logits, _, cache = model(padded_prompts, state.cache, logits_at=state.prompt_lengths - 1)
+    last_logits = logits[:, 0]  # [B, V]
     state = state.replace(cache=cache.replace(lengths=state.prompt_lengths))
     return _commit_sampled(state, last_logits)
 
@@ -163,25 +163,26 @@ def decode_step(model: Transformer, state: DecodeState) -> DecodeState:
     batch = state.tokens.shape[0]
     last = jnp.take_along_axis(state.tokens, jnp.maximum(state.lengths - 1, 0)[:, None], axis=1)  # [B, 1]
     cache_lengths = state.cache.lengths
-    logits, _, cache = model(last, state.cache)
+    with jax.named_scope("forward"):
+        logits, _, cache = model(last, state.cache)
     # Finished rows keep their cache length: their write was past it, hence stale.
     cache = cache.replace(lengths=jnp.where(state.done, cache_lengths, cache.lengths))
     return _commit_sampled(state.replace(cache=cache), logits.reshape(batch, -1))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _prefill_jit(graphdef, params, state, padded_prompts):
-    return prefill(nnx.merge(graphdef, params), state, padded_prompts)
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("state",))
+def _prefill_jit(graph, params, state, padded_prompts):
+    return prefill(graph.merge(params), state, padded_prompts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _step_jit(graphdef, params, state):
-    return decode_step(nnx.merge(graphdef, params), state)
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("state",))
+def _step_jit(graph, params, state):
+    return decode_step(graph.merge(params), state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def _loop_jit(graphdef, params, state):
-    model = nnx.merge(graphdef, params)
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("state",))
+def _loop_jit(graph, params, state):
+    model = graph.merge(params)
 
     def body(carry):
         state, steps = carry
@@ -280,10 +281,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
                                     max_length=max_length, stop_tokens=stop_tokens)
     state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                max_length=max_length, stop_tokens=stop_tokens)
-    graphdef, params = nnx.split(model)
+    graph, params = static_split(model)
     start = time.perf_counter()
-    state = _prefill_jit(graphdef, params, state, padded)
-    state, steps = _loop_jit(graphdef, params, state)
+    state = _prefill_jit(graph, params, state, padded)
+    state, steps = _loop_jit(graph, params, state)
     jax.block_until_ready(state.lengths)
     seconds = time.perf_counter() - start
     return results_from_state(state, int(steps), seconds)
@@ -305,13 +306,13 @@ def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_toke
         return
     state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                max_length=max_length, stop_tokens=stop_tokens)
-    graphdef, params = nnx.split(model)
+    graph, params = static_split(model)
     before = np.asarray(state.lengths)
-    state = _prefill_jit(graphdef, params, state, padded)
+    state = _prefill_jit(graph, params, state, padded)
     while True:
         tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
         yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
         if done.all():
             return
         before = lengths
-        state = _step_jit(graphdef, params, state)
+        state = _step_jit(graph, params, state)

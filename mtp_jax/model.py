@@ -10,6 +10,8 @@ returns the logits, the final hidden states (which the MTP modules consume) and 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +21,11 @@ from mtp_jax.attention import attend, segment_attention_reference
 from mtp_jax.cache import KVCache, write_at
 from mtp_jax.config import ModelConfig
 from mtp_jax.rope import apply_rope
+
+
+def take_rows(x: Float[Array, "B T ..."], index: Int[Array, " B"]) -> Float[Array, "B 1 ..."]:
+    """`x[b, index[b]]` for each row b, keeping a length-1 T axis."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
 
 
 class RMSNorm(nnx.Module):
@@ -145,7 +152,8 @@ class Transformer(nnx.Module):
         return self.lm_head(x).astype(jnp.float32)
 
     def __call__(
-        self, tokens: Int[Array, "B T"], cache: KVCache, segment_ids: Int[Array, "B T"] | None = None
+        self, tokens: Int[Array, "B T"], cache: KVCache, segment_ids: Int[Array, "B T"] | None = None, *,
+        logits_at: Int[Array, " B"] | None = None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Forward of T new tokens per row, at positions `cache.lengths[b] + t`.
 
@@ -155,11 +163,13 @@ class Transformer(nnx.Module):
             would overflow give wrong results rather than corrupt others; callers bound T).
           segment_ids: optional int32 [B, T] document ids of packed rows (training). When given, the
             cache must be empty: token t attends only to new tokens s <= t of its own segment.
+          logits_at: optional int32 [B]: compute the logits of row b's new token `logits_at[b]`
+            only (a prefill needs the last prompt token's), as float32 [B, 1, V].
 
         Returns:
-          logits float32 [B, T, V]; hidden states [B, T, E] *before* the final norm (the input of
-          `norm` and `head`); the cache with the T new entries written and `lengths + T`. Rolling
-          back to fewer committed tokens is `cache.replace(lengths=...)`.
+          logits float32 [B, T, V] ([B, 1, V] with `logits_at`); hidden states [B, T, E] *before*
+          the final norm (the input of `norm` and `head`); the cache with the T new entries written
+          and `lengths + T`. Rolling back to fewer committed tokens is `cache.replace(lengths=...)`.
         """
         start = cache.lengths
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
@@ -169,7 +179,7 @@ class Transformer(nnx.Module):
             x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, start, segment_ids)
             new_k.append(k_cache)
             new_v.append(v_cache)
-        logits = self.head(self.norm(x))
+        logits = self.head(self.norm(x if logits_at is None else take_rows(x, logits_at)))
         return logits, x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=start + tokens.shape[1])
 
     def forward_full(
@@ -187,3 +197,41 @@ class Transformer(nnx.Module):
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
     """A randomly initialised `Transformer` (weights ~ N(0, initializer_range), norms at 1)."""
     return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+class StaticGraph:
+    """A model's `nnx.GraphDef` as a jit static argument, hashed once.
+
+    Hashing or comparing a GraphDef walks the whole graph (about a millisecond for the demo model),
+    and jit does both on every call with a static argument, which is as long as a decode step of a
+    small model. `static_split` hands out one interned `StaticGraph` per distinct GraphDef, so
+    repeated calls hash an int and compare by identity.
+    """
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: nnx.GraphDef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+    def merge(self, params: nnx.State) -> Transformer:
+        """The model rebuilt from this graph and `params` (inside jit: `nnx.merge`)."""
+        return nnx.merge(self.graphdef, params)
+
+
+@functools.lru_cache(maxsize=32)
+def _interned(graphdef: nnx.GraphDef) -> StaticGraph:
+    return StaticGraph(graphdef)
+
+
+def static_split(model: Transformer) -> tuple[StaticGraph, nnx.State]:
+    """`nnx.split(model)` with the GraphDef interned as a `StaticGraph` (for the jitted decode steps)."""
+    graphdef, params = nnx.split(model)
+    return _interned(graphdef), params

@@ -38,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.model import DecoderLayer, RMSNorm, Transformer, _linear
+from mtp_jax.model import DecoderLayer, RMSNorm, Transformer, _linear, take_rows
 
 # Filters for `nnx.state`, `nnx.Optimizer(..., wrt=...)` and `nnx.DiffState`: the MTP modules'
 # parameters, and the main model's. Training only the MTP modules (frozen main model) is an
@@ -66,7 +66,8 @@ class _MTPBlock(DecoderLayer):
         self.shared_head = SharedHead(config)
 
     def _block_and_head(self, x: Float[Array, "B T E"], cache: KVCache, head: Head,
-                        segment_ids: Int[Array, "B T"] | None) -> tuple[jax.Array, jax.Array, KVCache]:
+                        segment_ids: Int[Array, "B T"] | None,
+                        logits_at: Int[Array, " B"] | None) -> tuple[jax.Array, jax.Array, KVCache]:
         if len(cache.k) != 1:
             raise ValueError(f"an MTP module takes a one-layer KVCache, got {len(cache.k)} layers")
         start = cache.lengths
@@ -75,7 +76,8 @@ class _MTPBlock(DecoderLayer):
         out, k, v = DecoderLayer.__call__(self, x, positions, cache.k[0], cache.v[0], start, segment_ids)
         normed = self.shared_head.norm(out)
         chained = normed if self.config.mtp_chain_after_shared_head_norm else out
-        return head(normed), chained, KVCache(k=(k,), v=(v,), lengths=start + num_new)
+        logits = head(normed if logits_at is None else take_rows(normed, logits_at))
+        return logits, chained, KVCache(k=(k,), v=(v,), lengths=start + num_new)
 
 
 class MTPModule(_MTPBlock):
@@ -92,8 +94,8 @@ class MTPModule(_MTPBlock):
         self.eh_proj = _linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
 
     def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
-                 embed: Embed, head: Head,
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+                 embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
+                 logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
         """One depth over T rows per batch row.
 
         Args:
@@ -103,23 +105,26 @@ class MTPModule(_MTPBlock):
             rows run at positions `cache.lengths + t`.
           embed, head: the main model's `embed` and `head` (shared, not copied).
           segment_ids: optional int32 [B, T] packed-document ids; needs an empty cache (training).
+          logits_at: optional int32 [B]: logits of row b's row `logits_at[b]` only, [B, 1, V] (drafting
+            needs one row per step: the head is the module's largest matmul).
 
         Returns:
-          logits float32 [B, T, V] (row i predicts t_{i+k+1}); h^k of shape [B, T, E], as chained to
+          logits float32 [B, T, V] (row i predicts t_{i+k+1}; [B, 1, V] with `logits_at`); h^k of
+          shape [B, T, E], as chained to
           depth k + 1 (`config.mtp_chain_after_shared_head_norm`); the cache with `lengths + T`.
         """
         e, h = self.enorm(embed(tokens)), self.hnorm(hidden)  # [B, T, E] each
         parts = (e, h) if self.config.mtp_concat_order == "embedding_first" else (h, e)
         x = self.eh_proj(jnp.concatenate(parts, axis=-1))  # [B, T, 2E] -> [B, T, E]
-        return self._block_and_head(x, cache, head, segment_ids)
+        return self._block_and_head(x, cache, head, segment_ids, logits_at)
 
 
 class ParallelMTPHead(_MTPBlock):
     """Gloeckle et al. 2024 head: one transformer block over the trunk's h^0, then `shared_head.norm`."""
 
     def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
-                 embed: Embed, head: Head,
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+                 embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
+                 logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
         """Same interface as `MTPModule.__call__`; `hidden` is always h^0 and `tokens`, `embed` are unused.
 
         Returns logits float32 [B, T, V] (head k's row i predicts t_{i+1+k}), the head's hidden
@@ -127,7 +132,7 @@ class ParallelMTPHead(_MTPBlock):
         reads h^0) and the cache with `lengths + T`.
         """
         del tokens, embed  # no token input: every head reads the shared trunk only
-        return self._block_and_head(hidden, cache, head, segment_ids)
+        return self._block_and_head(hidden, cache, head, segment_ids, logits_at)
 
 
 def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:

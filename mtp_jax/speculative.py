@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from mtp_jax.cache import KVCache
 from mtp_jax.generate import (
@@ -49,7 +49,7 @@ from mtp_jax.generate import (
     results_from_state,
     token_logprobs,
 )
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, static_split, take_rows
 from mtp_jax.mtp import initial_hidden
 from mtp_jax.sampling import SamplingParams, SamplingState, all_greedy, row_keys, sample_from, target_probs
 
@@ -203,6 +203,7 @@ def _after(thinking: jax.Array, token: jax.Array, spec: SpeculativeConfig) -> ja
     return jnp.where(token == spec.think_end_token_id, False, thinking)
 
 
+@jax.named_scope("accept")
 def accept(spec: SpeculativeConfig, logits: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
            sampling: SamplingState, lengths: jax.Array, thinking: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance for a batch.
@@ -277,9 +278,10 @@ def _pick_draft(spec: SpeculativeConfig, logits: jax.Array, sampling: SamplingSt
 
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     """x[b, index[b]] for x of shape [B, T, ...]."""
-    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    return take_rows(x, index)[:, 0]
 
 
+@jax.named_scope("draft")
 def draft(model: Transformer, spec: SpeculativeConfig, sampling: SamplingState, tokens: jax.Array,
           caches: tuple[KVCache, ...], hidden: jax.Array, start: jax.Array,
           lengths: jax.Array) -> tuple[jax.Array, jax.Array, tuple[KVCache, ...]]:
@@ -310,11 +312,11 @@ def draft(model: Transformer, spec: SpeculativeConfig, sampling: SamplingState, 
     call = dict(embed=model.embed, head=model.head)
     if spec.method == "eagle":
         module, cache = model.mtp[0], caches[0].replace(lengths=start)
-        logits, chained, cache = module(hidden, token_at(window + 1), cache, **call)
-        chained = _at(chained, last)[:, None]  # [B, 1, E]
+        logits, chained, cache = module(hidden, token_at(window + 1), cache, logits_at=last, **call)
+        chained = take_rows(chained, last)  # [B, 1, E]
         cache = cache.replace(lengths=lengths - 1)
         for j in range(k_max):
-            token, q = _pick_draft(spec, _at(logits, last) if j == 0 else logits[:, 0], sampling, lengths + j)
+            token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
             drafts.append(token)
             probs.append(q)
             if j + 1 < k_max:  # one more pass at position L - 1 + j, chaining the module's own hidden
@@ -325,10 +327,11 @@ def draft(model: Transformer, spec: SpeculativeConfig, sampling: SamplingState, 
         for j in range(k_max):
             module, cache = model.mtp[j], caches[j].replace(lengths=start)
             if spec.method == "parallel":
-                logits, _, cache = module(hidden, window, cache, **call)
+                logits, _, cache = module(hidden, window, cache, logits_at=last, **call)
             else:  # module j+1 at position i reads t_{i+j+1}, a draft where i + j + 1 >= L
-                logits, depth_hidden, cache = module(depth_hidden, token_at(window + j + 1), cache, **call)
-            token, q = _pick_draft(spec, _at(logits, last), sampling, lengths + j)
+                logits, depth_hidden, cache = module(depth_hidden, token_at(window + j + 1), cache, logits_at=last,
+                                                     **call)
+            token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
             ext = ext.at[jnp.arange(ext.shape[0]), lengths + j].set(token, mode="drop")
             drafts.append(token)
             probs.append(q)
@@ -353,8 +356,8 @@ def speculative_prefill(model: Transformer, spec: SpeculativeConfig, state: Spec
                         padded_prompts: jax.Array) -> SpecState:
     """Prompts [B, P] through the main model, the first token committed, the first K drafts made."""
     d = state.decode
-    logits, hidden, cache = model(padded_prompts, d.cache)
-    last_logits = _at(logits, d.prompt_lengths - 1)  # [B, V]
+    logits, hidden, cache = model(padded_prompts, d.cache, logits_at=d.prompt_lengths - 1)
+    last_logits = logits[:, 0]  # [B, V]
     d = d.replace(cache=cache.replace(lengths=d.prompt_lengths))
     token = sample_from(target_probs(last_logits, d.sampling), last_logits, d.sampling, d.lengths)
     d, num = commit_tokens(d, token[:, None], jnp.ones_like(token), token_logprobs(last_logits, token)[:, None])
@@ -385,7 +388,8 @@ def verify_and_commit(model: Transformer, spec: SpeculativeConfig,
     lengths = d.lengths
     last = _at(d.tokens, jnp.maximum(lengths - 1, 0))  # t_{L-1}, [B]
     verify_tokens = jnp.concatenate([last[:, None], state.draft_tokens], axis=1)  # [B, K+1]
-    logits, hidden, cache = model(verify_tokens, d.cache)  # positions L-1 .. L-1+K
+    with jax.named_scope("verify_forward"):  # named scopes: `benchmarks/profile_step.py` groups time by them
+        logits, hidden, cache = model(verify_tokens, d.cache)  # positions L-1 .. L-1+K
     num_accepted, token = accept(spec, logits, state.draft_tokens, state.draft_probs, d.sampling, lengths,
                                  state.thinking)
     index = jnp.arange(k_max + 1)[None, :]
@@ -427,19 +431,19 @@ def speculative_step(model: Transformer, spec: SpeculativeConfig, state: SpecSta
     return state.replace(mtp_caches=caches, draft_tokens=drafts, draft_probs=q)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def _prefill_jit(graphdef, params, spec, state, padded_prompts):
-    return speculative_prefill(nnx.merge(graphdef, params), spec, state, padded_prompts)
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _prefill_jit(graph, params, spec, state, padded_prompts):
+    return speculative_prefill(graph.merge(params), spec, state, padded_prompts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def _step_jit(graphdef, params, spec, state):
-    return speculative_step(nnx.merge(graphdef, params), spec, state)
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _step_jit(graph, params, spec, state):
+    return speculative_step(graph.merge(params), spec, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def _loop_jit(graphdef, params, spec, state):
-    model = nnx.merge(graphdef, params)
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _loop_jit(graph, params, spec, state):
+    model = graph.merge(params)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), lambda s: speculative_step(model, spec, s), state)
 
 
@@ -493,10 +497,10 @@ def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], s
     """
     state, padded = init_spec_state(model, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     max_length=max_length, stop_tokens=stop_tokens)
-    graphdef, params = nnx.split(model)
+    graph, params = static_split(model)
     begin = time.perf_counter()
-    state = _prefill_jit(graphdef, params, spec, state, padded)
-    state = _loop_jit(graphdef, params, spec, state)
+    state = _prefill_jit(graph, params, spec, state, padded)
+    state = _loop_jit(graph, params, spec, state)
     jax.block_until_ready(state.decode.lengths)
     seconds = time.perf_counter() - begin
     metrics = SpeculativeMetrics.from_counters(state.metrics)
@@ -512,13 +516,13 @@ def speculative_stream(model: Transformer, prompts: Sequence[Sequence[int]], spe
     """Like `speculative_generate`, one step per iteration: yields the tokens each row just committed."""
     state, padded = init_spec_state(model, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     max_length=max_length, stop_tokens=stop_tokens)
-    graphdef, params = nnx.split(model)
+    graph, params = static_split(model)
     before = np.asarray(state.decode.lengths)
-    state = _prefill_jit(graphdef, params, spec, state, padded)
+    state = _prefill_jit(graph, params, spec, state, padded)
     while True:
         tokens, lengths, done = jax.device_get((state.decode.tokens, state.decode.lengths, state.decode.done))
         yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
         if done.all():
             return
         before = lengths
-        state = _step_jit(graphdef, params, spec, state)
+        state = _step_jit(graph, params, spec, state)

@@ -57,6 +57,22 @@ def test_batch_equals_rows_alone(model):
         np.testing.assert_allclose(batch_hidden[b], hidden[0], atol=1e-6)
 
 
+def test_logits_at_one_row_equal_that_row_of_all_logits(model):
+    """`logits_at` (prefill, drafting) gives row b's logits at logits_at[b], for the model and an MTP module."""
+    tiny = init_model(ModelConfig.from_name("tiny", num_nextn_predict_layers=1), seed=2)
+    seqs, index = _tokens((3, 9), seed=4), jnp.asarray([8, 0, 5], jnp.int32)
+    cache = KVCache.init(tiny.config, 3, 16)
+    logits, hidden, _ = tiny(seqs, cache)
+    one, hidden_one, _ = tiny(seqs, cache, logits_at=index)
+    assert one.shape == (3, 1, tiny.config.vocab_size)
+    np.testing.assert_array_equal(hidden_one, hidden)
+    np.testing.assert_allclose(one[:, 0], logits[jnp.arange(3), index], atol=1e-6)
+    module, mtp_cache = tiny.mtp[0], KVCache.init(tiny.config, 3, 16, num_layers=1)
+    logits, _, _ = module(hidden, seqs, mtp_cache, embed=tiny.embed, head=tiny.head)
+    one, _, _ = module(hidden, seqs, mtp_cache, embed=tiny.embed, head=tiny.head, logits_at=index)
+    np.testing.assert_allclose(one[:, 0], logits[jnp.arange(3), index], atol=1e-6)
+
+
 def test_nan_past_lengths_changes_nothing(model):
     seqs = _tokens((2, 12), seed=4)
     cache = KVCache.init(model.config, 2, 24)

@@ -25,7 +25,7 @@ from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.generate import generate
 from mtp_jax.loss import compute_loss
-from mtp_jax.model import init_model
+from mtp_jax.model import init_model, static_split
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
 from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
 from mtp_jax.speculative import (
@@ -231,15 +231,15 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
     and its window's entries before position 0."""
     state, padded = init_spec_state(model, sp, prompts, max_new_tokens=max_new, max_length=S,
                                     stop_tokens=list(stop_tokens))
-    graphdef, params = nnx.split(model)
-    state = _prefill_jit(graphdef, params, sp, state, padded)
+    graph, params = static_split(model)
+    state = _prefill_jit(graph, params, sp, state, padded)
     trace = [_snapshot(state)]
     while not trace[-1]["done"].all():
         if poison:
             state = _poison(state, margin=sp.num_speculative_tokens - 1 if sp.method == "vanilla" else 0)
             assert np.isnan(np.asarray(state.decode.cache.k[0])).any()
             assert all(np.isnan(np.asarray(c.k[0])).any() for c in state.mtp_caches)
-        state = _step_jit(graphdef, params, sp, state)
+        state = _step_jit(graph, params, sp, state)
         trace.append(_snapshot(state))
     return state, trace
 

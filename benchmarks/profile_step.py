@@ -1,0 +1,163 @@
+"""Where the time of a decode step goes: a profiler trace of the on-device loop, grouped by phase.
+
+Runs plain decoding and one speculative configuration on the same prompts (greedy), each loop
+warmed up first, then once under `jax.profiler.trace`. The XLA ops the trace times are mapped to
+the named scopes of the step (`verify_forward`, `accept`, `commit`, `draft` in
+`mtp_jax.speculative`; `forward`, `commit` in `mtp_jax.generate`) through the compiled module's
+op metadata; what no scope covers is "other" (rollback, metrics, sampling glue). Prints, per
+phase, milliseconds per step and the number of XLA ops per step, and writes JSON.
+
+    python benchmarks/profile_step.py [--model DIR | --preset medium] [--method eagle] [-k 3]
+
+With --preset, a random-weight model of that preset with one MTP module and oracle drafts (the
+plain greedy output, every draft accepted; the `draft` phase is then absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gzip
+import json
+import re
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mtp_jax
+from mtp_jax import speculative
+from mtp_jax.generate import _loop_jit as plain_loop_jit
+from mtp_jax.generate import _prefill_jit as plain_prefill_jit
+from mtp_jax.generate import init_state
+from mtp_jax.model import static_split
+from mtp_jax.speculative import SpeculativeConfig
+
+PHASES = ("verify_forward", "forward", "accept", "commit", "draft")
+CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
+
+
+def _phase_of(op_name: str) -> str:
+    parts = op_name.split("/")
+    return next((p for p in PHASES if p in parts), "other")
+
+
+def _op_phases(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> phase, from the op_name metadata of the compiled module."""
+    out = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(.*metadata=\{op_name=\"([^\"]*)\"", line)
+        if match and match.group(2) not in CONTAINERS:
+            out[match.group(1)] = _phase_of(match.group(3))
+    return out
+
+
+def profile(jitted, args: tuple, state_fn, steps_of, label: str) -> dict:
+    """Runs `jitted(*args, state_fn())` warm, then traced; returns ms per step and op counts per phase."""
+    loop = functools.partial(jitted, *args)
+    jax.block_until_ready(loop(state_fn()))
+    state = state_fn()
+    begin = time.perf_counter()
+    steps = steps_of(jax.block_until_ready(loop(state)))
+    untraced = (time.perf_counter() - begin) / steps
+    phases = _op_phases(jitted.lower(*args, state_fn()).compile().as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(loop(state_fn()))
+        trace_file = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+        events = json.load(gzip.open(trace_file))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    time_us, count = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event.get("name") in phases:
+            phase = phases[event["name"]]
+            time_us[phase] += event.get("dur", 0)
+            count[phase] += 1
+    total = sum(time_us.values())
+    row = dict(label=label, steps=steps, step_ms_untraced=untraced * 1e3, ops_ms_per_step=total / steps / 1e3,
+               phases={p: dict(ms_per_step=time_us[p] / steps / 1e3, ops_per_step=count[p] / steps,
+                               share=time_us[p] / total if total else float("nan")) for p in time_us})
+    print(f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} ms/step")
+    for p, v in sorted(row["phases"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+        print(f"  {p:15s} {v['ms_per_step']:8.3f} ms/step  {v['share']:6.1%}  {v['ops_per_step']:7.1f} ops/step")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    parser.add_argument("--preset", default=None, help="random-weight preset with oracle drafts instead of --model")
+    parser.add_argument("--method", default="eagle", choices=speculative.METHODS)
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    k = args.num_speculative_tokens
+    if args.preset:
+        model = mtp_jax.init_model(mtp_jax.ModelConfig.from_name(args.preset, num_nextn_predict_layers=1))
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
+    else:
+        model, tokenizer = mtp_jax.load_pretrained(args.model)
+        import bench_speculative  # noqa: PLC0415 (this directory is on sys.path when run as a script)
+
+        prompts = bench_speculative.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
+    capacity = args.prompt_tokens + args.new_tokens + 16
+    graph, params = static_split(model)
+
+    def plain_state():
+        state, padded = init_state(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
+        return plain_prefill_jit(graph, params, state, padded)
+
+    rows = [profile(plain_loop_jit, (graph, params), plain_state, lambda out: int(out[1]), "plain")]
+
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=k)
+    if args.preset:  # oracle drafts: the plain greedy output
+        plain = mtp_jax.generate(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
+        reference = np.zeros((args.batch, capacity + k), np.int32)
+        for b, (p, t) in enumerate(zip(prompts, plain.tokens, strict=True)):
+            reference[b, : len(p) + len(t)] = p + t
+        reference = jnp.asarray(reference)
+
+        def oracle(state):
+            positions = state.decode.lengths[:, None] + jnp.arange(k)[None, :]
+            return state.replace(draft_tokens=jnp.take_along_axis(reference, positions, axis=1))
+
+        @jax.jit
+        def spec_loop(state):
+            def step(state):
+                return oracle(speculative.verify_and_commit(graph.merge(params), spec, state)[0])
+
+            return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, state)
+
+        spec_args = ()
+    else:
+        oracle = lambda state: state  # noqa: E731
+        spec_loop, spec_args = speculative._loop_jit, (graph, params, spec)
+
+    def spec_state():
+        state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=args.new_tokens,
+                                                    max_length=capacity)
+        return oracle(speculative._prefill_jit(graph, params, spec, state, padded))
+
+    rows.append(profile(spec_loop, spec_args, spec_state, lambda s: int(s.metrics.num_steps.max()),
+                        f"{args.method} K={k}"))
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"profile_{args.preset or 'demo'}_{args.method}{k}_b{args.batch}_{device}_{date.today()}.json"
+    meta = dict(date=str(date.today()), device=device, jax=jax.__version__, model=args.preset or args.model or "demo",
+                batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    (out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
