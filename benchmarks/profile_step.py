@@ -51,9 +51,11 @@ def _op_phases(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> phase, from the op_name metadata of the compiled module."""
     out = {}
     for line in hlo_text.splitlines():
-        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(.*metadata=\{op_name=\"([^\"]*)\"", line)
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(", line)
         if match and match.group(2) not in CONTAINERS:
-            out[match.group(1)] = _phase_of(match.group(3))
+            op_name = re.search(r"op_name=\"([^\"]*)\"", line)
+            # XLA drops the metadata of some ops it rewrites (e.g. the main model's matrix-vector dots)
+            out[match.group(1)] = _phase_of(op_name.group(1)) if op_name else f"unscoped {match.group(2)}"
     return out
 
 
