@@ -83,8 +83,8 @@ acceptance of strict-greedy speculative decoding with MTP Vanilla.
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         shutil.copyfile(export / name, out / name)
     (out / "README.md").write_text(card)
-    (out / "eval.json").write_text(json.dumps({"heldout": heldout, "date": datetime.now(UTC).date().isoformat()},
-                                              indent=1) + "\n")
+    (out / "eval.json").write_text(json.dumps({"heldout": heldout, "python_version": meta["python_version"],
+                                               "date": datetime.now(UTC).date().isoformat()}, indent=1) + "\n")
     print(card)
 
 
