@@ -197,7 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
                 changes["dtype"] = args.dtype
             model_config = base.replace(**changes)
         if train_config.mtp_only and not args.init_from:
-            print("warning: --mtp-only without --init-from trains MTP modules on a random main model")
+            print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
         result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
                        overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
     print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,

@@ -244,7 +244,7 @@ def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str]
         metadata = json.loads(meta_path.read_text())
         if metadata.get("fingerprint") == fingerprint:
             if verbose:
-                print(f"corpus: using the cache in {work_dir}")
+                print(f"corpus: using the cache in {work_dir}", file=sys.stderr)
             tokenizer = Tokenizer.from_file(str(work_dir / "tokenizer.json"))
             train, heldout = (TokenizedSplit(np.load(work_dir / f"{s}_tokens.npy"),
                                              np.load(work_dir / f"{s}_offsets.npy")) for s in ("train", "heldout"))
@@ -255,7 +255,8 @@ def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str]
         raise ValueError(f"both splits need documents: {len(train_docs)} train, {len(heldout_docs)} held out "
                          f"(of {len(documents)} at heldout_fraction={heldout_fraction})")
     if verbose:
-        print(f"corpus: {len(train_docs)} train / {len(heldout_docs)} held-out files; tokenizing into {work_dir}")
+        print(f"corpus: {len(train_docs)} train / {len(heldout_docs)} held-out files; tokenizing into {work_dir}",
+              file=sys.stderr)
     if given_tokenizer is not None:
         tokenizer = Tokenizer.from_str(given_tokenizer)
     else:
