@@ -177,6 +177,72 @@ def _module_timer(model, batch: int, prefix: int, capacity: int, steps: int = 20
     return lambda repeats: _looped_time(body, params, (cache, jnp.float32(0)), steps, repeats)
 
 
+def _timed_phases(prefill, loop, repeats: int) -> tuple[float, float, object]:
+    """Median seconds of `state = prefill()` and of `loop(state)`, and the last run's final state.
+
+    The first of repeats + 1 runs compiles and is not counted.
+    """
+    prefill_s, loop_s = [], []
+    for i in range(repeats + 1):
+        begin = time.perf_counter()
+        state = jax.block_until_ready(prefill())
+        middle = time.perf_counter()
+        state = jax.block_until_ready(loop(state))
+        if i:
+            prefill_s.append(middle - begin)
+            loop_s.append(time.perf_counter() - middle)
+    return float(np.median(prefill_s)), float(np.median(loop_s)), state
+
+
+def plain_prefill(model, graph, params, prompts, new_tokens: int, capacity: int):
+    """A function returning the state after plain decoding's prefill (for `plain_loop_jit`)."""
+    def prefill():
+        state, padded = init_state(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
+        return plain_prefill_jit(graph, params, state, padded)
+
+    return prefill
+
+
+def speculative_prefill(model, graph, params, spec: SpeculativeConfig, prompts, new_tokens: int, capacity: int):
+    """A function returning the state after speculative decoding's prefill (for `speculative._loop_jit`)."""
+    def prefill():
+        state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=new_tokens,
+                                                    max_length=capacity)
+        return speculative._prefill_jit(graph, params, spec, state, padded)
+
+    return prefill
+
+
+def oracle_decoding(model, graph, params, spec: SpeculativeConfig, prompts, plain_tokens, new_tokens: int,
+                    capacity: int):
+    """Speculative decoding whose drafts replay the plain greedy output `plain_tokens`: all accepted.
+
+    Returns (prefill, loop): `prefill()` gives the state after the prefill, with oracle drafts;
+    `loop(graph, params, state)` (jitted, state donated) runs verify-accept-commit steps, each
+    followed by the next oracle drafts, until every row is done.
+    """
+    k = spec.num_speculative_tokens
+    reference = np.zeros((len(prompts), capacity + k), np.int32)
+    for b, (p, t) in enumerate(zip(prompts, plain_tokens, strict=True)):
+        reference[b, : len(p) + len(t)] = p + t
+    reference = jnp.asarray(reference)
+
+    def with_oracle_drafts(state):
+        positions = state.decode.lengths[:, None] + jnp.arange(k)[None, :]
+        return state.replace(draft_tokens=jnp.take_along_axis(reference, positions, axis=1))
+
+    spec_prefill = speculative_prefill(model, graph, params, spec, prompts, new_tokens, capacity)
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+    def loop(graph, params, state):
+        def step(state):
+            return with_oracle_drafts(speculative.verify_and_commit(graph.merge(params), spec, state)[0])
+
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, state)
+
+    return lambda: with_oracle_drafts(spec_prefill()), loop
+
+
 def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int, capacity: int,
                 repeats: int) -> float:
     """Median seconds of one decode step (plain or speculative) inside the on-device loop.
@@ -184,27 +250,14 @@ def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int,
     The prefill runs outside the timed region; the loop's time is divided by its steps.
     """
     graph, params = static_split(model)
-
-    def prepared():
-        if spec is None:
-            state, padded = init_state(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
-            return jax.block_until_ready(plain_prefill_jit(graph, params, state, padded))
-        state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=new_tokens,
-                                                    max_length=capacity)
-        return jax.block_until_ready(speculative._prefill_jit(graph, params, spec, state, padded))
-
-    times = []
-    for i in range(repeats + 1):
-        state = prepared()
-        begin = time.perf_counter()
-        if spec is None:
-            state, steps = jax.block_until_ready(plain_loop_jit(graph, params, state))
-        else:
-            state = jax.block_until_ready(speculative._loop_jit(graph, params, spec, state))
-            steps = state.metrics.num_steps.max()
-        if i:  # the first run compiles
-            times.append((time.perf_counter() - begin) / int(steps))
-    return float(np.median(times))
+    if spec is None:
+        prefill = plain_prefill(model, graph, params, prompts, new_tokens, capacity)
+        _, loop_s, (_, steps) = _timed_phases(prefill, lambda s: plain_loop_jit(graph, params, s), repeats)
+    else:
+        prefill = speculative_prefill(model, graph, params, spec, prompts, new_tokens, capacity)
+        _, loop_s, state = _timed_phases(prefill, lambda s: speculative._loop_jit(graph, params, spec, s), repeats)
+        steps = state.metrics.num_steps.max()
+    return loop_s / int(steps)
 
 
 def bench_cost(model, tokenizer, args, demo_rows) -> list[dict]:
@@ -254,55 +307,17 @@ def bench_large(args) -> list[dict]:
     prompts = rng.integers(0, config.vocab_size, (batch, args.prompt_tokens)).tolist()
     capacity = args.prompt_tokens + new_tokens + 16
     plain = generate(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
-    reference = np.zeros((batch, capacity + 16), np.int32)
-    for b, (p, t) in enumerate(zip(prompts, plain.tokens, strict=True)):
-        reference[b, : len(p) + len(t)] = p + t
-    reference = jnp.asarray(reference)
     graph, params = static_split(model)
-
-    def timed_phases(prefill, loop, repeats):
-        """Median seconds of (prefill, decode loop) and the last run's final state."""
-        prefill_s, loop_s = [], []
-        for i in range(repeats + 1):  # the first run compiles
-            begin = time.perf_counter()
-            state = jax.block_until_ready(prefill())
-            middle = time.perf_counter()
-            state = jax.block_until_ready(loop(state))
-            if i:
-                prefill_s.append(middle - begin)
-                loop_s.append(time.perf_counter() - middle)
-        return float(np.median(prefill_s)), float(np.median(loop_s)), state
-
-    def plain_prefill():
-        state, padded = init_state(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
-        return plain_prefill_jit(graph, params, state, padded)
-
-    plain_prefill_s, plain_loop_s, (_, plain_steps) = timed_phases(
-        plain_prefill, lambda s: plain_loop_jit(graph, params, s), args.repeats)
+    plain_prefill_s, plain_loop_s, (_, plain_steps) = _timed_phases(
+        plain_prefill(model, graph, params, prompts, new_tokens, capacity),
+        lambda s: plain_loop_jit(graph, params, s), args.repeats)
     time_tokens = _forward_timer(model, batch, args.prompt_tokens + new_tokens // 2, capacity)
     one = time_tokens(1, args.repeats)
     rows = []
     for k in args.large_k:
         spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k)
-
-        def oracle_drafts(state, k=k):
-            positions = state.decode.lengths[:, None] + jnp.arange(k)[None, :]
-            return state.replace(draft_tokens=jnp.take_along_axis(reference, positions, axis=1))
-
-        @functools.partial(jax.jit, donate_argnums=(1,))
-        def oracle_loop(params, state, spec=spec, oracle_drafts=oracle_drafts):
-            def step(state):
-                state, _, _ = speculative.verify_and_commit(graph.merge(params), spec, state)
-                return oracle_drafts(state)
-
-            return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, state)
-
-        def spec_prefill(spec=spec, oracle_drafts=oracle_drafts):
-            state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=new_tokens,
-                                                        max_length=capacity)
-            return oracle_drafts(speculative._prefill_jit(graph, params, spec, state, padded))
-
-        prefill_s, loop_s, state = timed_phases(spec_prefill, lambda s, f=oracle_loop: f(params, s), args.repeats)
+        prefill, loop = oracle_decoding(model, graph, params, spec, prompts, plain.tokens, new_tokens, capacity)
+        prefill_s, loop_s, state = _timed_phases(prefill, lambda s, loop=loop: loop(graph, params, s), args.repeats)
         tokens = np.asarray(state.decode.tokens)[0, args.prompt_tokens: int(state.decode.lengths[0])].tolist()
         if tokens != plain.tokens[0]:
             raise AssertionError(f"oracle K={k}: output differs from plain greedy")

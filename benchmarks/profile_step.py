@@ -26,15 +26,13 @@ import time
 from datetime import date
 from pathlib import Path
 
+import bench_speculative as bench  # this directory is on sys.path when run as a script
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import mtp_jax
 from mtp_jax import speculative
 from mtp_jax.generate import _loop_jit as plain_loop_jit
-from mtp_jax.generate import _prefill_jit as plain_prefill_jit
-from mtp_jax.generate import init_state
 from mtp_jax.model import static_split
 from mtp_jax.speculative import SpeculativeConfig
 
@@ -109,47 +107,21 @@ def main() -> None:
         prompts = rng.integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     else:
         model, tokenizer = mtp_jax.load_pretrained(args.model)
-        import bench_speculative  # noqa: PLC0415 (this directory is on sys.path when run as a script)
-
-        prompts = bench_speculative.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
+        prompts = bench.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     graph, params = static_split(model)
-
-    def plain_state():
-        state, padded = init_state(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
-        return plain_prefill_jit(graph, params, state, padded)
-
+    plain_state = bench.plain_prefill(model, graph, params, prompts, args.new_tokens, capacity)
     rows = [profile(plain_loop_jit, (graph, params), plain_state, lambda out: int(out[1]), "plain")]
 
     spec = SpeculativeConfig(method=args.method, num_speculative_tokens=k)
     if args.preset:  # oracle drafts: the plain greedy output
         plain = mtp_jax.generate(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
-        reference = np.zeros((args.batch, capacity + k), np.int32)
-        for b, (p, t) in enumerate(zip(prompts, plain.tokens, strict=True)):
-            reference[b, : len(p) + len(t)] = p + t
-        reference = jnp.asarray(reference)
-
-        def oracle(state):
-            positions = state.decode.lengths[:, None] + jnp.arange(k)[None, :]
-            return state.replace(draft_tokens=jnp.take_along_axis(reference, positions, axis=1))
-
-        @jax.jit
-        def spec_loop(state):
-            def step(state):
-                return oracle(speculative.verify_and_commit(graph.merge(params), spec, state)[0])
-
-            return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, state)
-
-        spec_args = ()
+        spec_state, spec_loop = bench.oracle_decoding(model, graph, params, spec, prompts, plain.tokens,
+                                                      args.new_tokens, capacity)
+        spec_args = (graph, params)
     else:
-        oracle = lambda state: state  # noqa: E731
+        spec_state = bench.speculative_prefill(model, graph, params, spec, prompts, args.new_tokens, capacity)
         spec_loop, spec_args = speculative._loop_jit, (graph, params, spec)
-
-    def spec_state():
-        state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=args.new_tokens,
-                                                    max_length=capacity)
-        return oracle(speculative._prefill_jit(graph, params, spec, state, padded))
-
     rows.append(profile(spec_loop, spec_args, spec_state, lambda s: int(s.metrics.num_steps.max()),
                         f"{args.method} K={k}"))
     device = jax.devices()[0].device_kind.replace(" ", "_")

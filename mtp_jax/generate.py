@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from mtp_jax.cache import KVCache
-from mtp_jax.model import Transformer, static_split
+from mtp_jax.model import Transformer, static_split, take_rows
 from mtp_jax.sampling import SamplingParams, SamplingState, sample
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
@@ -161,7 +161,7 @@ def prefill(model: Transformer, state: DecodeState, padded_prompts: jax.Array) -
 def decode_step(model: Transformer, state: DecodeState) -> DecodeState:
     """One token for every unfinished row: forward the last committed token, sample, commit."""
     batch = state.tokens.shape[0]
-    last = jnp.take_along_axis(state.tokens, jnp.maximum(state.lengths - 1, 0)[:, None], axis=1)  # [B, 1]
+    last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # [B, 1]
     cache_lengths = state.cache.lengths
     with jax.named_scope("forward"):
         logits, _, cache = model(last, state.cache)
