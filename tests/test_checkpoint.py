@@ -204,16 +204,20 @@ def test_overwrite_protection(tmp_path):
     target.mkdir()  # an existing empty directory is fine
     save_hf_checkpoint(model, target, max_shard_size_bytes=40_000)
     (target / "tokenizer.json").write_text("{}")
+    (target / "README.md").write_text("model card")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         save_hf_checkpoint(model, target)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="not a directory"):
         save_hf_checkpoint(model, tmp_path / "file", overwrite=True)
-    # Overwriting a sharded checkpoint with a single file leaves no stale shards or index behind.
+    # Overwriting a sharded checkpoint with a single file leaves no stale shards, index or tokenizer
+    # behind; other plain files are carried over.
     other = _random_model(TINY, seed=8)
     save_hf_checkpoint(other, target, overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (target / "README.md").read_text() == "model card"
     _assert_same_params(load_hf_checkpoint(target), other)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "file"]  # no temporary siblings
 
 
 def test_hf_names():
