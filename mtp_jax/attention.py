@@ -93,22 +93,25 @@ def attend(
     impl: "reference" (plain jnp, any backend); "pallas" (`pallas_kernels.verify_attention`, the
     Triton kernel, GPU only); "pallas_interpret" (the same kernel in Pallas' interpreter, any
     backend: tests); "auto" (the kernel when `jax.default_backend()` is "gpu" and it supports the
-    shapes and dtypes, else the reference). Raises ValueError for an unknown `impl`, or for
-    operands the kernel does not support when "pallas" is asked for explicitly.
+    shapes and dtypes, else the reference). With "pallas" or "pallas_interpret", calls with more
+    query rows than one kernel program holds (T x H/G > `pallas_kernels.verify_attention.
+    MAX_QUERY_ROWS`: a long prefill, not a verify pass) take the reference too. Raises ValueError
+    for an unknown `impl`, or for operands the kernel does not support (dtype, head dim) when
+    "pallas" or "pallas_interpret" is asked for explicitly.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = "reference"
-        if jax.default_backend() == "gpu":
-            from pallas_kernels.verify_attention import supports  # lazily: Pallas is only needed here
+    if impl != "reference" and (impl != "auto" or jax.default_backend() == "gpu"):
+        # Lazily: Pallas is only needed here.
+        from pallas_kernels.verify_attention import MAX_QUERY_ROWS, supports, verify_attention
 
+        if impl == "auto":
             impl = "pallas" if supports(q, k, v, lengths) else "reference"
-    if impl == "reference":
-        return attention_reference(q, k, v, lengths, scale=scale)
-    from pallas_kernels.verify_attention import verify_attention
-
-    return verify_attention(q, k, v, lengths, scale=scale, interpret=impl == "pallas_interpret")
+        elif q.shape[1] * (q.shape[2] // k.shape[2]) > MAX_QUERY_ROWS:
+            impl = "reference"
+        if impl != "reference":
+            return verify_attention(q, k, v, lengths, scale=scale, interpret=impl == "pallas_interpret")
+    return attention_reference(q, k, v, lengths, scale=scale)
 
 
 def segment_attention_reference(

@@ -37,6 +37,12 @@ BACKENDS = {"triton": verify_attention_triton.partials}
 # Bytes of pipelined K/V blocks per program: leaves room for the query tile within the 164 KiB
 # (A100) to 227 KiB (H100/H200) of shared memory a thread block may use.
 SHARED_MEMORY_BUDGET = 128 * 1024
+# Query rows of one program's tile (T new tokens x the H/G query heads of one KV head): the [M, D]
+# float32 accumulator and the [M, block_s] scores live in registers, which hold 128 x 128 at most
+# without spilling. A verify pass (T = K + 1 <= 17) fits for groups up to 7 and K <= 15 at group 8;
+# a long prefill does not, and `attend` gives it to the reference.
+MAX_QUERY_ROWS = 128
+MAX_HEAD_DIM = 256  # the [M, D] query tile and two [block_s, D] K/V blocks in shared memory
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -124,8 +130,11 @@ def unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
         return f"q {q.shape}, k/v {k.shape} and lengths {lengths.shape} disagree on B or D"
     if heads % k.shape[2]:
         return f"H = {heads} is not a multiple of G = {k.shape[2]}"
-    if not _is_power_of_two(head_dim) or head_dim < 16:
-        return f"D = {head_dim} is not a power of two >= 16"
+    if not _is_power_of_two(head_dim) or not 16 <= head_dim <= MAX_HEAD_DIM:
+        return f"D = {head_dim} is not a power of two in [16, {MAX_HEAD_DIM}]"
+    if q.shape[1] * (heads // k.shape[2]) > MAX_QUERY_ROWS:
+        return (f"T x H/G = {q.shape[1]} x {heads // k.shape[2]} query rows exceed the {MAX_QUERY_ROWS} "
+                "one program holds (a long prefill: use the reference)")
     if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
         return f"q, k, v must share one dtype among bfloat16, float16, float32, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
@@ -168,7 +177,10 @@ def verify_attention(
       q: queries of shape [B, T, H, D]; bfloat16, float16 or float32.
       k, v: caches of shape [B, S, G, D] in q's dtype, H a multiple of G (query head h reads KV
         head h // (H / G)); D a power of two >= 16.
-      lengths: int [B], valid entries per row including the T new tokens (clamped to [0, S]).
+      lengths: int [B], valid entries per row including the T new tokens. A length past S (a
+        verify window reaching past the capacity, whose writes there were dropped) keeps the causal
+        alignment to the end of the row: query t sees `min(lengths[b] - T + t + 1, S)` entries,
+        exactly as the reference.
       scale: softmax scale, default 1/sqrt(D).
       config: a `VerifyAttentionConfig` or the name of one of `PRESETS`.
       backend: "triton" (the only one so far).
@@ -196,7 +208,7 @@ def verify_attention(
     q_tiles = q_tiles.reshape(batch, kv_heads, num_queries * group, head_dim)  # [B, G, T*H/G, D]
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - num_queries * group), (0, 0)))  # [B, G, M, D]
     acc, row_max, row_sum = BACKENDS[backend](
-        q_tiles, k, v, jnp.clip(lengths, 0, cache_len).astype(jnp.int32), num_queries=num_queries, group=group,
+        q_tiles, k, v, lengths.astype(jnp.int32), num_queries=num_queries, group=group,
         scale=float(scale), block_s=config.block_s, num_splits=config.num_splits(batch, kv_heads, cache_len),
         num_warps=config.num_warps, num_stages=config.pipeline_stages(head_dim, q.dtype.itemsize), interpret=interpret)
     out = _combine(acc, row_max, row_sum)[:, :, : num_queries * group]  # [B, G, T*H/G, D]

@@ -28,24 +28,28 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, scal
     """Refs: lengths [] int32, q [M, D], k and v [S, D]; outputs acc [M, D], max [M], sum [M] float32.
 
     Query row r of the tile is new token t = r // group; it sees cache positions
-    `< length - T + t + 1`. Rows past T * group are padding and see nothing.
+    `< min(length - T + t + 1, S)`. Rows past T * group are padding and see nothing. `length` may
+    exceed S (a verify window that reaches past the capacity: its writes there were dropped): the
+    causal limit is aligned to the unclamped length, only the reads stop at S.
     """
     rows = q_ref.shape[0]
     split = pl.program_id(2)
-    length = lengths_ref[...]  # valid entries of this row, clamped to [0, S] by the caller
-    num_blocks = pl.cdiv(length, block_s)
+    length = lengths_ref[...]  # valid entries of this row including the T new ones; may be < 0 or > S
+    stored = jnp.clip(length, 0, k_ref.shape[0])  # entries that exist in the cache
+    num_blocks = pl.cdiv(stored, block_s)
     blocks_per_split = pl.cdiv(num_blocks, num_splits)
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, num_blocks)
 
     row = jnp.arange(rows, dtype=jnp.int32)  # [M]
-    limit = jnp.where(row < num_queries * group, length - num_queries + lax.div(row, group) + 1, 0)  # [M]
+    causal = length - num_queries + lax.div(row, group) + 1  # [M]
+    limit = jnp.where(row < num_queries * group, jnp.minimum(causal, stored), 0)  # [M]
     q = q_ref[...]  # [M, D]
 
     def body(block, carry):
         acc, row_max, row_sum = carry  # [M, D], [M], [M]
         pos = block * block_s + jnp.arange(block_s, dtype=jnp.int32)  # [block_s]
-        live = (pos < length)[:, None]  # [block_s, 1]: never read stale or out-of-range slots
+        live = (pos < stored)[:, None]  # [block_s, 1]: never read stale or out-of-range slots
         k = pltriton.load(k_ref.at[pl.ds(block * block_s, block_s), :], mask=live, other=0)  # [block_s, D]
         v = pltriton.load(v_ref.at[pl.ds(block * block_s, block_s), :], mask=live, other=0)  # [block_s, D]
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale  # [M, block_s] float32

@@ -3,9 +3,11 @@ rollback under NaN-poisoned stale slots, stops inside a block, capacity, relaxed
 metrics and impossible requests.
 
 One model configuration (vocab 8, D = 3) and one capacity S serve every test, so each (method, K) compiles
-once. Two kinds of weights: random (large enough to matter; acceptance is rare) and briefly trained on two
-repetitive cycles (acceptance is partial at first, then mostly full), so steps that accept nothing, some
-and all of the drafts all occur.
+once. Two kinds of weights: random (large enough to matter; acceptance is rare) and scripted (`scripted`:
+the main model runs through two cycles and each MTP module is wrong for chosen tokens, by construction
+with margins of nats), so steps that accept nothing, some and all of the drafts occur on every CPU, and
+every situation a test needs (a stop token accepted as a draft, a cap met inside a block) is built,
+not hoped for.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ import jax
 import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.generate import generate
-from mtp_jax.loss import compute_loss
 from mtp_jax.model import init_model, static_split
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
 from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
@@ -46,11 +46,14 @@ D, V = CFG.num_nextn_predict_layers, CFG.vocab_size
 S = 40  # the cache capacity of every generation here
 W = S + 4  # oracle sequence width: committed tokens plus up to 4 drafts
 THINK, END_THINK = 6, 7  # `<think>`, `</think>`
-CYCLES = [[1, 2, 3, 1, 4, 2, 5, 3], [6, 7, 0, 6, 0, 7]]  # the training data: tokens 1..5, and 0, 6, 7
+CYCLES = [[1, 2, 3, 1, 4, 2, 5, 3], [6, 7, 0, 6, 0, 7]]  # prompt material: tokens 1..5, and 0, 6, 7
 PROMPTS = [[6, 7, 0, 6], [1, 2, 3, 1, 4, 2, 5, 3, 1], [5]]  # lengths 4, 9, 1 (one prompt bucket); B = 3
 MAX_NEW = [25, 20, 30]
 GRID = ([("eagle", k) for k in range(1, 5)] + [("vanilla", k) for k in range(1, D + 1)]
         + [("parallel", k) for k in range(1, D + 1)])
+# The cache attention of every model call: on a GPU `attention_impl="auto"` picks the Pallas kernel, so
+# what holds for the reference must hold for the kernel too (in Pallas' interpreter here).
+IMPLS = ["reference", "pallas_interpret"]
 
 
 def spec(method: str, k: int, **kwargs) -> SpeculativeConfig:
@@ -85,46 +88,84 @@ def make_model(config: ModelConfig, seed: int, std: float):
     return model
 
 
-def trained(config: ModelConfig, steps: int, seed: int = 0):
-    """A few Adam steps of `compute_loss` on the two cycles: the models learn them, not perfectly."""
-    model = make_model(config, seed, config.initializer_range)
-    optimizer = nnx.Optimizer(model, optax.adam(2e-2), wrt=nnx.Param)
+SUCCESSOR = np.array([6, 2, 3, 4, 5, 1, 7, 0])  # scripted main model: 1 -> 2 -> 3 -> 4 -> 5 -> 1, 0 -> 6 -> 7 -> 0
+# READS[k][t]: the token MTP module k + 1 acts on where the token it stands for is t; its draft is right
+# exactly where READS[k][t] == t. Module 1 is wrong for 3 and 4, module 2 for 5, module 3 for 2.
+READS = [np.array([0, 1, 2, 4, 5, 5, 6, 7]), np.array([0, 1, 2, 3, 4, 1, 6, 7]), np.array([0, 1, 3, 3, 4, 5, 6, 7])]
 
-    @nnx.jit
-    def train_step(model, optimizer, tokens):
-        def loss_fn(model):
-            return compute_loss(model, tokens, jnp.ones_like(tokens), mtp_lambda=1.0)[0]
 
-        optimizer.update(model, nnx.grad(loss_fn)(model))
+def scripted(config: ModelConfig, seed: int):
+    """A model whose greedy behaviour is set by construction, not by numerics: the main model continues
+    every token t with SUCCESSOR[t], and MTP module k drafts the successor of READS[k - 1][t] where it
+    stands for token t, so which drafts are accepted (none, some, all) follows from the tokens alone.
 
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        rows = [np.roll(np.tile(CYCLES[r % 2], 8), -int(rng.integers(8)))[:32] for r in range(4)]
-        train_step(model, optimizer, jnp.asarray(np.stack(rows), jnp.int32))
+    Weights ~ N(0, 0.02^2) everywhere (attention and MLPs do shift every logit with the context), plus:
+    embedding rows e_t + noise, so the residual stream carries e_t; the head maps e_t to SUCCESSOR[t]
+    with a logit margin of about sqrt(E) = 5.7 nats, far beyond the noise (~0.1) and any floating-point
+    path. DeepSeek modules: eh_proj's embedding half maps enorm(e_t) to e_{READS[k][t]}. Parallel head k
+    (predicting t_{i+1+k} from h^0 ~ e_{t_i}): its MLP replaces e_t by e_f, f = READS[k] of the k-th
+    successor of t, one SwiGLU unit per token."""
+    model = make_model(config, seed, 0.02)
+    vocab, root = config.vocab_size, config.hidden_size**0.5
+    tokens = np.arange(vocab)
+    one_hot = np.eye(vocab, config.hidden_size)  # [V, E]
+
+    def add(var, index, value):
+        w = np.array(var.get_value())
+        w[index] += value
+        var.set_value(jnp.asarray(w, jnp.float32))
+
+    add(model.embed_tokens.embedding, tokens, one_hot)  # [V, E]
+    add(model.lm_head.kernel, (tokens, SUCCESSOR), 1.0)  # [E, V]
+    silu = root / (1 + np.exp(-root))  # one SwiGLU unit's gate at input root
+    ahead = tokens
+    for k, module in enumerate(model.mtp):
+        if config.mtp_style == "deepseek":  # concat(enorm(embed), hnorm(h)): rows [0, E) read the embedding
+            add(module.eh_proj.kernel, (tokens, READS[k]), 4 / root)  # [2E, E]
+            continue
+        ahead = SUCCESSOR[ahead]  # the token head k + 1 stands for at position i: t_{i+1+k}
+        add(module.mlp.gate_proj.kernel, (tokens, tokens), 1.0)  # [E, I]: unit t opens for e_t
+        add(module.mlp.up_proj.kernel, (tokens, tokens), 1 / root)
+        add(module.mlp.down_proj.kernel, tokens, (2 * one_hot[READS[k][ahead]] - one_hot) * root / silu)  # [I, E]
     return model
 
 
 def main_twin(model):
-    """A DeepSeek-style model with `model`'s main weights: plain decoding reads the main model only, so it
-    decodes exactly as `model` does, with the DeepSeek-style compile."""
-    twin = make_model(CFG, 0, 0.0)
+    """A DeepSeek-style model with `model`'s main weights and attention: plain decoding reads the main model
+    only, so it decodes exactly as `model` does, with the DeepSeek-style compile."""
+    twin = make_model(CFG.replace(attention_impl=model.config.attention_impl), 0, 0.0)
     nnx.update(twin, nnx.state(model, MAIN_PARAMS))
+    return twin
+
+
+def with_impl(model, impl: str):
+    """`model`'s weights in a model whose cache attention is `attention_impl=impl`."""
+    if model.config.attention_impl == impl:
+        return model
+    twin = make_model(model.config.replace(attention_impl=impl), 0, 0.0)
+    nnx.update(twin, nnx.state(model, nnx.Param))
     return twin
 
 
 @pytest.fixture(scope="module")
 def models():
-    """{style: {"random": model, "trained": model}}."""
+    """{style: {"random": model, "scripted": model}}."""
     parallel = CFG.replace(mtp_style="parallel")
-    return {"deepseek": {"random": make_model(CFG, 1, 0.3), "trained": trained(CFG, 40)},
-            "parallel": {"random": make_model(parallel, 3, 0.3), "trained": trained(parallel, 30)}}
+    return {"deepseek": {"random": make_model(CFG, 1, 0.3), "scripted": scripted(CFG, 2)},
+            "parallel": {"random": make_model(parallel, 3, 0.3), "scripted": scripted(parallel, 4)}}
 
 
 @pytest.fixture(scope="module")
 def plain(models):
-    """Plain greedy decoding of PROMPTS by every model: what speculation must reproduce."""
-    return {s: {name: generate(main_twin(m), PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
-                for name, m in by_name.items()} for s, by_name in models.items()}
+    """plain(style, name, impl): plain greedy decoding of PROMPTS by a model, what speculation must
+    reproduce (computed once each)."""
+
+    @functools.cache
+    def run(style_: str, name: str, impl: str = "reference"):
+        model = main_twin(with_impl(models[style_][name], impl))
+        return generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,17 +311,18 @@ def has_zero_partial_full(histogram, k_max: int) -> bool:
 # Lossless greedy; cached drafts == no-cache oracle; NaN in stale slots changes nothing; counters
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("method, k", GRID)
-def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, method, k):
-    """Both models, stale cache slots NaN before every step: the tokens and logprobs equal plain greedy
-    decoding, the drafts at every step boundary equal the no-cache oracle, and the counters equal the
-    acceptances read off the committed blocks. Steps accepting 0, some and all drafts all occur. The think
-    tokens are named with relaxed acceptance off, and row 0's prompt ends in `<think>`: nothing changes."""
+def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, method, k, impl):
+    """Both models, with the reference attention and with the kernel, stale cache slots NaN before every
+    step: the tokens and logprobs equal plain greedy decoding, the drafts at every step boundary equal the
+    no-cache oracle, and the counters equal the acceptances read off the committed blocks. On the scripted
+    model steps accepting 0, some and all drafts all occur. The think tokens are named with relaxed
+    acceptance off, and row 0's prompt ends in `<think>`: nothing changes."""
     sp = spec(method, k)
-    pooled = np.zeros(k + 1, int)
     for name, model in models[style(method)].items():
-        state, trace = drive(model, sp, PROMPTS, MAX_NEW, poison=True)
-        expected = plain[style(method)][name]
+        state, trace = drive(with_impl(model, impl), sp, PROMPTS, MAX_NEW, poison=True)
+        expected = plain(style(method), name, impl)
         assert generated(state, PROMPTS) == expected.tokens, name
         assert [len(t) for t in expected.tokens] == MAX_NEW
         logprobs = np.asarray(state.decode.logprobs)
@@ -305,10 +347,9 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
         # Tokens: 1 from prefill, then a + 1 per step, except a last step cut by max_new_tokens.
         full = 1 + m.num_steps + m.num_accepted
         assert np.all((np.asarray(MAX_NEW) == full) | (np.asarray(MAX_NEW) == full - 1)), full
-        pooled += histogram.sum(0)
-        if name == "trained":  # speculation pays off
+        if name == "scripted":  # by construction: steps accept none, some and all drafts; speculation pays off
+            assert has_zero_partial_full(histogram.sum(0), k), histogram
             assert len(trace) - 1 < max(MAX_NEW) - 1
-    assert has_zero_partial_full(pooled, k), pooled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,29 +357,25 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
 
 
 def test_stop_token_accepted_as_a_draft_ends_its_row_there(models, plain):
-    """Row 0 runs on the cycle of 0, 6, 7 and rows 1, 2 on tokens 1..5: a stop token of the first cycle,
-    accepted as a draft inside a block, ends row 0 right after it while the others go on."""
-    model, sp, k = models["deepseek"]["trained"], spec("eagle", 3), 3
-    free = plain["deepseek"]["trained"].tokens
+    """Scripted model, eagle K = 3. Row 0 runs on the cycle 7 -> 0 -> 6, where module 1 is always right,
+    so its first step accepts the drafts [0, 6, 7]; rows 1, 2 run on 1..5 and never emit 6. Stop token 6,
+    the second accepted draft of that block, ends row 0 right after it (no third draft, no bonus) while
+    the others go on. Row 1 meanwhile meets max_new_tokens inside a block (no bonus: a + 1 > the cut)."""
+    model, sp, k = models["deepseek"]["scripted"], spec("eagle", 3), 3
+    free = plain("deepseek", "scripted").tokens
+    stop = 6
+    assert free[0][:5] == [7, 0, 6, 7, 0] and stop not in free[1] + free[2]  # the construction
     state, trace = drive(model, sp, PROMPTS, MAX_NEW)
-    m = jax.device_get(state.metrics)  # some row met max_new_tokens inside a block: no bonus, a + 1 > cut
-    assert np.any(np.asarray(MAX_NEW) == m.num_steps + m.num_accepted), (m.num_steps, m.num_accepted)
-    candidates = []
-    for step, b, n in observed_accepts(trace, k):
-        start = trace[step]["lengths"][0] - len(PROMPTS[0])
-        for index in range(start, start + n) if b == 0 else ():  # accepted drafts, each followed by a token
-            token = free[0][index]
-            if token not in free[0][:index] and token not in free[1] + free[2]:
-                candidates.append(token)
-    assert candidates, "no stop token to test with: change the prompts"
-    stop = candidates[0]
+    m = jax.device_get(state.metrics)
+    assert trace[1]["lengths"][0] - trace[0]["lengths"][0] == k + 1 and list(trace[0]["drafts"][0]) == [0, 6, 7]
+    assert MAX_NEW[1] == m.num_steps[1] + m.num_accepted[1], (m.num_steps, m.num_accepted)
     state, trace = drive(model, sp, PROMPTS, MAX_NEW, stop_tokens=[stop])
     cut = free[0].index(stop) + 1
     assert generated(state, PROMPTS) == [free[0][:cut], free[1], free[2]]
     # The step that ended row 0 committed the stop token as an accepted draft, and no bonus after it.
     last = next(s for s in range(len(trace) - 1) if trace[s + 1]["done"][0])
     num = trace[last + 1]["lengths"][0] - trace[last]["lengths"][0]
-    assert 1 <= num <= k and trace[last]["drafts"][0, num - 1] == stop
+    assert (last, num) == (0, 2) and trace[0]["drafts"][0, num - 1] == stop
     assert not trace[last + 1]["done"][1:].any()
     result = speculative_generate(model, PROMPTS, sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[stop])
     assert result.tokens == [free[0][:cut], free[1], free[2]]
@@ -347,15 +384,17 @@ def test_stop_token_accepted_as_a_draft_ends_its_row_there(models, plain):
     assert result.num_steps == len(trace) - 1
 
 
-@pytest.mark.parametrize("method, k", [("eagle", 4), ("vanilla", 3)])
-def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, method, k):
-    """Prompts 3 and 1 tokens short of S get exactly 3 and 1 tokens, == plain greedy. Every row runs to the
-    capacity while the verify and draft windows reach past S (stale slots NaN before each step); the live
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method, k", [("eagle", 1), ("eagle", 4), ("eagle", 8), ("vanilla", 3)])
+def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, method, k, impl):
+    """Prompts K and 1 tokens short of S get exactly K and 1 tokens, == plain greedy, with the reference
+    attention and with the kernel. Every row runs to the capacity while the verify and draft windows reach
+    past S (the verify attention then sees lengths beyond S; stale slots NaN before each step); the live
     cache entries then equal a recompute from scratch, so no write was clamped onto them."""
-    model, sp = models["deepseek"]["trained"], spec(method, k)
-    prompts = [(CYCLES[0] * 5)[: S - 3], (CYCLES[1] * 7)[: S - 1], [5]]
+    model, sp = with_impl(models["deepseek"]["scripted"], impl), spec(method, k)
+    prompts = [(CYCLES[0] * 5)[: S - k], (CYCLES[1] * 7)[: S - 1], [5]]
     expected = generate(model, prompts, max_new_tokens=100, max_length=S, stop_tokens=[])
-    assert [len(t) for t in expected.tokens] == [3, 1, S - 1] and expected.finish_reasons == ["capacity"] * 3
+    assert [len(t) for t in expected.tokens] == [k, 1, S - 1] and expected.finish_reasons == ["capacity"] * 3
     state, _ = drive(model, sp, prompts, 100, poison=True)
     assert generated(state, prompts) == expected.tokens
     cache = state.decode.cache
@@ -622,8 +661,8 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
     sp = spec("eagle", 3)
     by_name = models["deepseek"]
     kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
-    speculative_generate(by_name["trained"], PROMPTS, sp, **kwargs)  # warm-up
-    list(speculative_stream(by_name["trained"], PROMPTS, sp, **kwargs))
+    speculative_generate(by_name["scripted"], PROMPTS, sp, **kwargs)  # warm-up
+    list(speculative_stream(by_name["scripted"], PROMPTS, sp, **kwargs))
     compiles = []
 
     def listener(name, _duration, **_):
@@ -635,7 +674,7 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         runs = []
-        for name, n, stop in [("random", 1, [0]), ("trained", 7, [3, 4]), ("random", 25, []), ("trained", 2, [])]:
+        for name, n, stop in [("random", 1, [0]), ("scripted", 7, [3, 4]), ("random", 25, []), ("scripted", 2, [])]:
             prompts = [[2, 3], [1] * 11, [THINK, 7, 7]]
             runs.append(speculative_generate(by_name[name], prompts, sp, max_new_tokens=n, max_length=S,
                                              stop_tokens=stop, sampling=mixed))
@@ -645,7 +684,7 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
     finally:
         jax.monitoring.clear_event_listeners()
     streamed = [sum((step[b] for step in pieces), []) for b in range(3)]
-    assert streamed == speculative_generate(by_name["trained"], PROMPTS, sp, max_new_tokens=[2, 3, 9], max_length=S,
+    assert streamed == speculative_generate(by_name["scripted"], PROMPTS, sp, max_new_tokens=[2, 3, 9], max_length=S,
                                             stop_tokens=[]).tokens
     # The greedy row of a mixed batch still equals plain greedy.
     greedy = generate(by_name["random"], [[2, 3], [1] * 11, [THINK, 7, 7]], max_new_tokens=25, max_length=S,

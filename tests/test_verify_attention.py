@@ -107,10 +107,20 @@ def test_nothing_to_attend_gives_zeros():
     np.testing.assert_allclose(out[1, 2], np.repeat(np.asarray(v[1, 0]).astype(np.float32), 2, axis=0), atol=1e-2)
 
 
-def test_lengths_past_capacity_are_clamped():
-    q, k, v, _ = make_inputs(3, 2, 2, 4, 2, 16, 24, [24, 24], jnp.float32)
-    np.testing.assert_array_equal(np.asarray(kernel(q, k, v, jnp.array([24, 99]))),
-                                  np.asarray(kernel(q, k, v, jnp.array([24, 24]))))
+@pytest.mark.parametrize("group", [1, 4])
+def test_lengths_past_capacity_and_negative_match_the_reference(group):
+    """A verify window that reaches past the capacity (lengths[b] > S: its writes there were dropped) keeps
+    the causal alignment to the end of the row: query t sees min(L - T + t + 1, S) entries, as the
+    reference and the float64 oracle do; a negative length sees nothing. S = 24 is not a multiple of
+    block_s = 16, so the last block reaches past S."""
+    q, k, v, _ = make_inputs(3, 5, 4, 2 * group, 2, 16, 24, [0] * 5, jnp.float32)
+    lengths = jnp.array([25, 27, 99, -3, 24], jnp.int32)  # T = 4: L = 27 is the last length with a visible query
+    out = np.asarray(kernel(q, k, v, lengths))
+    expected = reference_f64(q, k, v, lengths, 16**-0.5)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(attention_reference(q, k, v, lengths)), expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out[3], 0.0)
+    assert not np.allclose(out[0], np.asarray(kernel(q, k, v, jnp.array([24] * 5)))[0])  # not clamped to S
 
 
 def test_every_split_count_agrees():
@@ -186,8 +196,11 @@ def test_unsupported_operands_raise():
 def test_attend_dispatch():
     q, k, v, lengths = make_inputs(6, 2, 3, 4, 2, 16, 30, [3, 25], jnp.float32)
     expected = attention_reference(q, k, v, lengths, scale=0.3)
-    assert jax.default_backend() != "gpu"  # so "auto" means the reference here
-    np.testing.assert_array_equal(np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected))
+    if jax.default_backend() != "gpu":  # "auto" means the reference here (on a GPU, the kernel: checked below)
+        np.testing.assert_array_equal(np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected))
+    else:
+        np.testing.assert_allclose(np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected),
+                                   atol=2e-5, rtol=2e-5)
     out = attend(q, k, v, lengths, scale=0.3, impl="pallas_interpret")
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="impl"):
@@ -213,3 +226,21 @@ def test_model_logits_match_reference():
     logits = {impl: np.asarray(forward(init_model(config.replace(attention_impl=impl)), tokens, cache))
               for impl in ("reference", "pallas_interpret")}
     np.testing.assert_allclose(logits["pallas_interpret"], logits["reference"], atol=1e-5, rtol=1e-5)
+
+
+def test_supports_is_bounded_by_what_one_program_holds():
+    """T x H/G query rows beyond MAX_QUERY_ROWS (a long prefill) and head dims past MAX_HEAD_DIM are not
+    supported; `attend` with an explicit kernel impl gives a long prefill to the reference."""
+    from pallas_kernels.verify_attention import MAX_HEAD_DIM, MAX_QUERY_ROWS
+
+    q, k, v, lengths = make_inputs(7, 1, MAX_QUERY_ROWS // 4, 8, 2, 16, 40, [40], jnp.float32)  # 32 x 4 rows
+    assert supports(q, k, v, lengths)
+    long_q = jnp.concatenate([q, q[:, :1]], axis=1)  # 33 x 4 rows
+    assert not supports(long_q, k, v, lengths)
+    with pytest.raises(ValueError, match="query rows"):
+        kernel(long_q, k, v, lengths)
+    out = attend(long_q, k, v, lengths, impl="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(attention_reference(long_q, k, v, lengths)))
+    wide = jax.ShapeDtypeStruct((1, 2, 4, 2 * MAX_HEAD_DIM), jnp.float32)
+    wide_kv = jax.ShapeDtypeStruct((1, 40, 2, 2 * MAX_HEAD_DIM), jnp.float32)
+    assert not supports(wide, wide_kv, wide_kv, lengths)
