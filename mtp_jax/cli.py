@@ -16,7 +16,18 @@ from tokenizers import Tokenizer
 from mtp_jax import checkpoint, data
 from mtp_jax.config import PRESETS
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
-from mtp_jax.train import TrainConfig, _prepare_run_dir, evaluate, init_from_pretrained, load_run, train
+from mtp_jax.train import (
+    RESUMABLE_FIELDS,
+    NonFiniteError,
+    RunDirInUseError,
+    TrainConfig,
+    check_run_dir,
+    evaluate,
+    init_from_pretrained,
+    load_run,
+    model_config_from_dict,
+    train,
+)
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -116,38 +127,67 @@ def _corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> da
                                tokenizer_path=run_dir / "tokenizer.json" if given else None, verbose=True)
 
 
+def _bounded(kind: type, low: float, high: float | None = None, *, above: bool = False):
+    """An argparse `type`: `kind(text)`, refused unless >= low (> low if `above`) and <= high if given."""
+    def parse(text: str):
+        value = kind(text)
+        if not ((value > low if above else value >= low) and (high is None or value <= high)):
+            bound = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+# (flag, TrainConfig field, argparse type) of `mtp-jax train`'s training settings.
+_TRAIN_FLAGS = (("--steps", "num_steps", _bounded(int, 1)), ("--batch-size", "batch_size", _bounded(int, 1)),
+                ("--seq-len", "seq_len", _bounded(int, 2)), ("--lr", "learning_rate", _bounded(float, 0, above=True)),
+                ("--warmup", "warmup_steps", _bounded(int, 0)),
+                ("--min-lr-ratio", "min_lr_ratio", _bounded(float, 0, 1)),
+                ("--weight-decay", "weight_decay", _bounded(float, 0)),
+                ("--grad-clip", "grad_clip_norm", _bounded(float, 0)),
+                ("--mtp-lambda", "mtp_lambda", _bounded(float, 0)),
+                ("--seed", "seed", int), ("--checkpoint-every", "checkpoint_every", _bounded(int, 1)),
+                ("--eval-every", "eval_every", _bounded(int, 0)), ("--eval-batches", "eval_batches", _bounded(int, 1)),
+                ("--log-every", "log_every", _bounded(int, 1)))
+_FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only": "--mtp-only"}
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `train` (from scratch, `--resume`, `--mtp-only --init-from DIR`) on an argparse subparsers."""
-    p = subparsers.add_parser("train", help="train a model with MTP modules on the Python stdlib corpus",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "train", help="train a model with MTP modules on the Python stdlib corpus",
+        description="Train a decoder with DeepSeek-V3-style MTP modules on the Python standard library's source "
+                    "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). run_dir gets "
+                    "run.json, checkpoints/, log.jsonl and, at the end, export/ (a Hugging Face-format model). "
+                    "--resume continues a run exactly (flags may only raise or lower --steps and change "
+                    "bookkeeping); --overwrite restarts a run dir and never deletes any other folder; one trainer "
+                    "at a time per run dir; a non-finite loss stops the run before it is saved.")
     p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
     mode = p.add_argument_group("mode")
     mode.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
-    mode.add_argument("--overwrite", action="store_true", help="delete a non-empty run_dir and start again")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="delete the run in run_dir and start again (only a run dir: one with its run.json)")
     mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
     mode.add_argument("--init-from", metavar="DIR",
                       help="initialise from a Hugging Face-format dir (config.json, model.safetensors, "
                            "tokenizer.json); its tokenizer is used for the corpus")
     model = p.add_argument_group("model")
-    model.add_argument("--model", default="demo", help="preset name (config.PRESETS); default demo")
-    model.add_argument("--mtp-layers", type=int,
+    model.add_argument("--model", help="preset name (config.PRESETS); default demo")
+    model.add_argument("--mtp-layers", type=_bounded(int, 0),
                        help="D, the number of MTP modules (default: the preset's, 3 for demo; with --init-from, "
                             "the checkpoint's)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"),
                        help="compute dtype (a fresh model keeps float32 weights; with --init-from, both)")
     corpus = p.add_argument_group("corpus")
-    corpus.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
-    corpus.add_argument("--heldout-fraction", type=float, default=data.DEFAULT_HELDOUT_FRACTION)
+    corpus.add_argument("--vocab-size", type=_bounded(int, 1), help="BPE vocabulary to train (default 4096)")
+    corpus.add_argument("--heldout-fraction", type=_bounded(float, 0, 1),
+                        help=f"default {data.DEFAULT_HELDOUT_FRACTION}")
     corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
     opt = p.add_argument_group("training")
     d = TrainConfig()
-    for flag, field, kind in (("--steps", "num_steps", int), ("--batch-size", "batch_size", int),
-                              ("--seq-len", "seq_len", int), ("--lr", "learning_rate", float),
-                              ("--warmup", "warmup_steps", int), ("--min-lr-ratio", "min_lr_ratio", float),
-                              ("--weight-decay", "weight_decay", float), ("--grad-clip", "grad_clip_norm", float),
-                              ("--mtp-lambda", "mtp_lambda", float), ("--seed", "seed", int),
-                              ("--checkpoint-every", "checkpoint_every", int), ("--eval-every", "eval_every", int),
-                              ("--eval-batches", "eval_batches", int), ("--log-every", "log_every", int)):
+    for flag, field, kind in _TRAIN_FLAGS:
         opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
@@ -155,66 +195,124 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+def _train_config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+    """`base` (default `TrainConfig()`) with the training flags given on the command line.
+
+    Raises ValueError (naming the flags) for settings TrainConfig refuses together, e.g. --warmup > --steps.
+    """
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    return TrainConfig(**given)
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None and v is not False}
+    try:
+        return (base or TrainConfig()).replace(**given)
+    except ValueError as error:
+        message = str(error)
+        for field, flag in _FLAG_OF_FIELD.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+
+
+def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict) -> TrainConfig:
+    """The settings `--resume` continues with: the run's, with the flags given.
+
+    Raises ValueError naming each flag whose value differs from the run's (saved and given value)
+    in a setting a resume cannot change (all but --steps and the bookkeeping flags).
+    """
+    saved = TrainConfig(**run["train_config"])
+    config = _train_config_from_args(args, base=saved)
+    differ = [f"{_FLAG_OF_FIELD.get(k, k)} (saved {v!r}, given {getattr(config, k)!r})"
+              for k, v in dataclasses.asdict(saved).items() if getattr(config, k) != v and k not in RESUMABLE_FIELDS]
+    saved_model, saved_corpus = model_config_from_dict(run["model_config"]), run["corpus"]
+    checks = [("--mtp-layers", args.mtp_layers, saved_model.num_nextn_predict_layers),
+              ("--dtype", args.dtype, saved_model.dtype),
+              ("--heldout-fraction", args.heldout_fraction, saved_corpus.get("heldout_fraction"))]
+    if saved_corpus.get("tokenizer_source") != "given":
+        checks.append(("--vocab-size", args.vocab_size, saved_corpus.get("vocab_size")))
+    differ += [f"{flag} (saved {old!r}, given {new!r})" for flag, new, old in checks if new is not None and new != old]
+    if args.model is not None:
+        def as_run(preset):
+            return preset.replace(vocab_size=saved_model.vocab_size, eos_token_id=saved_model.eos_token_id,
+                                  num_nextn_predict_layers=saved_model.num_nextn_predict_layers,
+                                  dtype=saved_model.dtype)
+        old = next((name for name, preset in PRESETS.items() if as_run(preset) == saved_model), None)
+        if old != args.model:
+            differ.append(f"--model (saved {old or 'a model of no preset'!r}, given {args.model!r})")
+    if args.init_from is not None:
+        differ.append(f"--init-from (given {args.init_from!r}; a resume restores the model from the checkpoint)")
+    if differ:
+        raise ValueError(f"--resume: flags differ from the run in {run_dir} where a resume cannot change them: "
+                         + "; ".join(differ) + ". Drop them to continue the run, or start a new one")
+    return config
 
 
 def run_train(args: argparse.Namespace) -> int:
-    run_dir = pathlib.Path(args.run_dir)
-    if args.resume:
-        if not (run_dir / "run.json").is_file():
-            raise FileNotFoundError(f"--resume: no run in {run_dir} (run.json is missing)")
-        run = json.loads((run_dir / "run.json").read_text())
-        corpus = _corpus_of_run(run_dir, run, args.data_dir)
-        result = train(run_dir, corpus, resume=True, progress=not args.no_progress, export=not args.no_export)
-    else:
-        if run_dir.is_dir() and any(run_dir.iterdir()) and not args.overwrite:  # fail before preparing the corpus
-            _prepare_run_dir(run_dir, overwrite=False)
-        train_config = _train_config_from_args(args)
-        model, tokenizer_path, eos_token = None, None, data.EOS_TOKEN
-        if args.init_from:
-            tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
-            if not tokenizer_path.is_file():
-                raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
-            model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
-                                         seed=train_config.seed, dtype=args.dtype)
-            model_config = model.config
-            if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
-                eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
-        data_dir = args.data_dir or default_data_dir(vocab_size=args.vocab_size, tokenizer_path=tokenizer_path)
-        corpus = data.prepare_corpus(data_dir, vocab_size=args.vocab_size, heldout_fraction=args.heldout_fraction,
-                                     tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
-        if not args.init_from:
-            base = PRESETS.get(args.model)
-            if base is None:
-                raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
-            changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
-            if args.mtp_layers is not None:
-                changes["num_nextn_predict_layers"] = args.mtp_layers
-            if args.dtype is not None:
-                changes["dtype"] = args.dtype
-            model_config = base.replace(**changes)
-        if train_config.mtp_only and not args.init_from:
-            print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
-        result = train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
-                       overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
+    """`mtp-jax train`: prints the result as JSON and returns 0; returns 1 (with a one-line message on
+    stderr) if the run dir is in use or training stopped at a non-finite loss."""
+    try:
+        result = _train_from_args(args)
+    except (RunDirInUseError, NonFiniteError) as error:
+        print(f"mtp-jax train: error: {error}", file=sys.stderr)
+        return 1
     print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
                       "heldout": result.eval_metrics}, indent=1))
     return 0
 
 
+def _train_from_args(args: argparse.Namespace):
+    run_dir = pathlib.Path(args.run_dir)
+    check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)  # fail before preparing the corpus
+    if args.resume:
+        run = json.loads((run_dir / "run.json").read_text())
+        train_config = _resume_config(args, run_dir, run)
+        corpus = _corpus_of_run(run_dir, run, args.data_dir)
+        return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
+                     export=not args.no_export)
+    train_config = _train_config_from_args(args)
+    vocab_size = 4096 if args.vocab_size is None else args.vocab_size
+    heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
+    model, tokenizer_path, eos_token = None, None, data.EOS_TOKEN
+    if args.init_from:
+        tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
+        model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
+                                     seed=train_config.seed, dtype=args.dtype)
+        model_config = model.config
+        if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
+            eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
+    data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
+    corpus = data.prepare_corpus(data_dir, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
+                                 tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
+    if not args.init_from:
+        base = PRESETS.get(args.model or "demo")
+        if base is None:
+            raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
+        changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
+        if args.mtp_layers is not None:
+            changes["num_nextn_predict_layers"] = args.mtp_layers
+        if args.dtype is not None:
+            changes["dtype"] = args.dtype
+        model_config = base.replace(**changes)
+    if train_config.mtp_only and not args.init_from:
+        print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
+    return train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
+                 overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `eval` (held-out loss, bits/byte, per-depth MTP loss and agreement) on argparse subparsers."""
-    p = subparsers.add_parser("eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model")
+    p = subparsers.add_parser(
+        "eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model",
+        description="Evaluate a model on the held-out split of the Python stdlib corpus: main loss (nats/token), "
+                    "bits/byte, and per MTP depth its loss and agreement with the main model's argmax "
+                    "(teacher-forced). PATH is a run dir (its latest readable checkpoint, or --step) or a Hugging "
+                    "Face-format dir with tokenizer.json. Prints the metrics as JSON.")
     p.add_argument("path", help="a run dir (latest checkpoint) or a Hugging Face-format dir with tokenizer.json")
-    p.add_argument("--step", type=int, help="checkpoint step of a run dir (default the latest)")
+    p.add_argument("--step", type=_bounded(int, 0), help="checkpoint step of a run dir (default the latest)")
     p.add_argument("--data-dir", help="corpus cache (default: the run's, or one keyed by the tokenizer)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, help="default: the run's, else 256")
-    p.add_argument("--max-batches", type=int, help="evaluate only the first batches")
-    p.add_argument("--mtp-lambda", type=float, default=0.1)
+    p.add_argument("--batch-size", type=_bounded(int, 1), default=16, help="rows per batch (default 16)")
+    p.add_argument("--seq-len", type=_bounded(int, 2), help="tokens per row (default: the run's, else 256)")
+    p.add_argument("--max-batches", type=_bounded(int, 1), help="evaluate only the first batches")
+    p.add_argument("--mtp-lambda", type=_bounded(float, 0), default=0.1, help="weight of the MTP loss (default 0.1)")
     p.set_defaults(func=run_eval)
     return p
 

@@ -13,31 +13,47 @@ Two modes:
     bit-identical (for adding MTP heads to an existing model, e.g. one imported from Hugging Face).
 
 A run lives in a run dir:
-  run.json          model config, train config, corpus fingerprint (written once, at the start)
+  run.json          model config, train config, corpus fingerprint (written at the start; a resume
+                    that changes the step count or the bookkeeping settings rewrites it)
+  train.lock        locked (`fcntl.flock`) by the one trainer working in the dir
   checkpoints/<n>/  orbax: TrainState + frozen state + JSON metadata after step n
   log.jsonl         one line per logged training step and per evaluation
   tokenizer.json    the corpus tokenizer
   export/           the final model (`save_pretrained`: safetensors + config.json + tokenizer.json)
+  corrupt_checkpoints/<n>/  checkpoints that could not be restored, moved aside on resume
 
 Resume is exact: the batch of step n is a pure function of (corpus, seed, n) (`data.PackedBatches`)
 and the checkpoint holds the whole optimizer state, so 2N steps in one go equal N steps, a restart
 and N more. Checkpoints are written every `checkpoint_every` steps, at the end, and when the run is
 stopped by SIGINT (Ctrl-C) or SIGTERM: the signal ends the loop after the current step (a second
-Ctrl-C aborts at once). A fresh run refuses a non-empty run dir unless `overwrite` (or `resume`).
+Ctrl-C aborts at once).
+
+Safety of what is saved:
+  - A fresh run refuses a non-empty dir unless `overwrite`, and `overwrite` deletes only a run dir
+    the trainer made (one holding its run.json), and there only the entries listed above.
+  - One trainer per run dir: the lock is held for the whole of `train` and released by the kernel
+    when the process ends, so a killed trainer leaves no stale lock.
+  - A step whose loss or gradient norm is not finite stops the run before anything is saved
+    (`NonFiniteError`), so the latest checkpoint is always finite and never rotated away.
+  - Resume restores the latest checkpoint that can be read (an unreadable one is reported with a
+    `CheckpointFallbackWarning` and moved aside) and drops the log records of the steps after it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import pathlib
 import shutil
 import signal
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from functools import partial
 
@@ -213,7 +229,12 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
     0 bytes), "loss" (main + mtp_lambda * mean MTP loss), per depth k "mtp_loss_{k}" (nats) and
     "mtp_agreement_{k}" (fraction of depth k's predictions whose argmax equals the main model's
     argmax for the same token), "num_tokens" and "num_bytes".
+
+    Raises ValueError if batch_size < 1, seq_len < 2 or max_batches < 1.
     """
+    if batch_size < 1 or seq_len < 2 or (max_batches is not None and max_batches < 1):
+        raise ValueError(f"need batch_size >= 1, seq_len >= 2 and max_batches >= 1 (or None), got batch_size "
+                         f"{batch_size}, seq_len {seq_len}, max_batches {max_batches}")
     graphdef, params = nnx.split(model)
     token_bytes = jnp.asarray(token_bytes)
     sums: dict[str, float] = {}
@@ -239,7 +260,39 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
 
 
 # ----------------------------------------------------------------------------------------------
-# Run dir: config files, checkpoints, interrupts.
+# Run dir: run file, lock, log, checkpoints, interrupts.
+
+RUN_FILE = "run.json"
+LOCK_FILE = "train.lock"
+# What the trainer writes in a run dir: all that `overwrite` may delete.
+RUN_ENTRIES = (RUN_FILE, "log.jsonl", "tokenizer.json", "checkpoints", "export", "corrupt_checkpoints",
+               f"{RUN_FILE}.tmp", "log.jsonl.tmp")
+# The settings a resume may change: the step count (the run continues to the new total) and bookkeeping.
+RESUMABLE_FIELDS = ("num_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
+
+
+class RunDirInUseError(RuntimeError):
+    """Another trainer holds the run dir's lock (`train.lock`)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss, gradient norm or updated state is not finite; the run stopped before saving it.
+
+    `step` is the step that went wrong; `last_checkpoint` the step of the latest checkpoint (all
+    finite), None if there is none.
+    """
+
+    def __init__(self, message: str, *, step: int, last_checkpoint: int | None):
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+class NoUsableCheckpointError(FileNotFoundError):
+    """No checkpoint of the run (or not the one asked for) can be restored."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The latest checkpoint cannot be restored; an earlier one is used instead."""
 
 
 def config_to_dict(config: ModelConfig | TrainConfig) -> dict:
@@ -253,15 +306,112 @@ def model_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def _prepare_run_dir(run_dir: pathlib.Path, overwrite: bool) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a run this module made: a run.json with a model config, a train config and a corpus."""
+    try:
+        run = json.loads((pathlib.Path(path) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(run, dict) and {"model_config", "train_config", "corpus"} <= run.keys()
+
+
+def _entries(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    return [e for e in run_dir.iterdir() if e.name != LOCK_FILE] if run_dir.is_dir() else []
+
+
+def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Raises what `train` would raise for `run_dir` in this mode, without changing anything there.
+
+    Raises:
+      FileNotFoundError: `resume` and run_dir holds no run (no run.json).
+      FileExistsError: a fresh run where run_dir is not a directory, or is a non-empty directory and
+        `overwrite` is not set, or `overwrite` is set but it is not a run dir (nothing is deleted there).
+      RunDirInUseError: another trainer holds run_dir's lock.
+    """
+    run_dir = pathlib.Path(run_dir)
+    if resume:
+        if not is_run_dir(run_dir):
+            raise FileNotFoundError(f"no run to resume in {run_dir} ({RUN_FILE} is missing or not a run file)")
+    elif run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"run dir {run_dir} exists and is not a directory")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    elif _entries(run_dir):
         if not overwrite:
             raise FileExistsError(f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
                                   "its run or overwrite=True (--overwrite) to delete it and start again")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        if not is_run_dir(run_dir):
+            raise FileExistsError(f"{run_dir} is not a run dir (it has no {RUN_FILE} written by mtp_jax.train): "
+                                  "overwrite (--overwrite) deletes only a run dir, so nothing was deleted; "
+                                  "pick an empty or new directory")
+    if (run_dir / LOCK_FILE).is_file():
+        with _locked(run_dir):
+            pass
+
+
+@contextlib.contextmanager
+def _locked(run_dir: pathlib.Path) -> Iterator[None]:
+    """Holds an exclusive `fcntl.flock` on run_dir/train.lock for the block (the kernel drops it if we die)."""
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise RunDirInUseError(f"run dir {run_dir} is in use by another trainer (process {holder} holds "
+                                   f"{run_dir / LOCK_FILE}); wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above; the lock is the flock
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _clear_run_dir(run_dir: pathlib.Path, overwrite: bool) -> None:
+    """Deletes the entries the trainer wrote in a run dir (RUN_ENTRIES); other files stay. Call under the lock."""
+    if not _entries(run_dir):
+        return
+    if not overwrite or not is_run_dir(run_dir):  # checked again under the lock: the dir may have changed
+        raise FileExistsError(f"run dir {run_dir} is not empty" + (" and not a run dir" if overwrite else "")
+                              + ": nothing was deleted")
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _log(run_dir: pathlib.Path, record: dict) -> None:
+    with open(run_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(run_dir: pathlib.Path, step: int, num_steps: int) -> int:
+    """Drops the log records that a resume from checkpoint `step` writes again (those of later steps, and
+    the final evaluation if `step` is the last) and lines cut short by a kill; returns how many."""
+    path = run_dir / "log.jsonl"
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            final_eval = record["kind"] == "eval" and step >= num_steps  # written again after the resume
+            redone = record["step"] > step or (record["step"] == step and final_eval)
+        except (ValueError, KeyError, TypeError):
+            redone = True
+        if redone:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        _write_atomic(path, "".join(kept))
+    return dropped
 
 
 def _checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.CheckpointManager:
@@ -279,6 +429,20 @@ def _save(manager: ocp.CheckpointManager, state: TrainState, frozen: nnx.State, 
     manager.wait_until_finished()
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
+def _non_finite(run_dir: pathlib.Path, manager: ocp.CheckpointManager, step: int, what: str) -> NonFiniteError:
+    last = manager.latest_step()
+    where = ("no checkpoint was written" if last is None
+             else f"the last checkpoint, step {last}, is finite and a resume continues from it")
+    return NonFiniteError(f"{what} not finite at step {step} in {run_dir}: stopped without saving it ({where})",
+                          step=step, last_checkpoint=last)
+
+
 @contextlib.contextmanager
 def _stop_requests() -> Iterator[threading.Event]:
     """An event set by SIGTERM or a first SIGINT (a second SIGINT raises KeyboardInterrupt at once)."""
@@ -292,7 +456,7 @@ def _stop_requests() -> Iterator[threading.Event]:
             raise KeyboardInterrupt
         stop.set()
         tqdm.write(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
-                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""))
+                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -313,41 +477,49 @@ class TrainResult:
     eval_metrics: dict[str, float] | None
 
 
-def _log(run_dir: pathlib.Path, record: dict) -> None:
-    with open(run_dir / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: ModelConfig | None = None,
           train_config: TrainConfig | None = None, model: Transformer | None = None, resume: bool = False,
           overwrite: bool = False, stop_at_step: int | None = None, progress: bool = True,
           export: bool = True) -> TrainResult:
     """Trains (or resumes) the run in `run_dir` on `corpus` and returns the model.
 
+    The run dir is locked for the whole call (one trainer per run dir). Every step's loss and
+    gradient norm are checked: the first non-finite one ends the run with `NonFiniteError` before
+    anything of that step is saved.
+
     Args:
       run_dir: the run's directory (layout in the module docstring).
       corpus: from `data.prepare_corpus`; on resume it must be the one the run started with.
       model_config: the model to initialise (seed `train_config.seed`) for a fresh run without
-        `model`; ignored (if equal) on resume.
-      train_config: the settings; on resume default to the saved ones and must equal them.
+        `model`; on resume it must equal the saved one if given.
+      train_config: the settings. On resume they default to the saved ones and may differ from them
+        only in `RESUMABLE_FIELDS`: a new `num_steps` continues the run to that total (the cosine
+        schedule is redrawn to end there); the new settings are written to run.json.
       model: a fresh run's initial model instead of a random one (e.g. a Hugging Face import with
         MTP modules added, for `mtp_only`).
-      resume: continue from the latest checkpoint in run_dir.
-      overwrite: for a fresh run, delete a non-empty run_dir first.
+      resume: continue from the latest checkpoint in run_dir that can be restored (an unreadable
+        later one is moved to run_dir/corrupt_checkpoints, with a `CheckpointFallbackWarning`).
+      overwrite: for a fresh run, delete the previous run in run_dir first; only a run dir (one
+        holding this module's run.json), and there only `RUN_ENTRIES` (other files are kept).
       stop_at_step: stop (and checkpoint) after this step, as an interruption would; resume later.
       progress: show a tqdm bar (loss, tokens/s, ETA).
       export: after the last step, write `run_dir/export` with `save_pretrained`.
 
     Raises:
-      FileExistsError: a fresh run in a non-empty run_dir without `overwrite`.
-      FileNotFoundError: `resume` without a run or a checkpoint in run_dir.
-      ValueError: configs that differ from the saved run's, a corpus other than the run's, a
-        vocabulary that does not fit the model, or `mtp_only` with no MTP modules.
+      FileExistsError: a fresh run in a non-empty run_dir without `overwrite`, or with `overwrite`
+        in a directory that is not a run dir (nothing is deleted).
+      FileNotFoundError: `resume` without a run or a checkpoint in run_dir
+        (`NoUsableCheckpointError` if no checkpoint can be restored).
+      RunDirInUseError: another trainer holds run_dir's lock.
+      NonFiniteError: a non-finite loss, gradient norm or updated state; the latest checkpoint is
+        the last finite one.
+      ValueError: settings that differ from the saved run's outside `RESUMABLE_FIELDS` (each field
+        named with its saved and given value), a `num_steps` below the restored step, a corpus
+        other than the run's, a vocabulary that does not fit the model, or `mtp_only` with no MTP
+        modules.
     """
     run_dir = pathlib.Path(run_dir)
-    if resume:
-        model_config, train_config = _load_run(run_dir, corpus, model_config, train_config, model)
-    else:
+    if not resume:
         if model is not None:
             if model_config is not None and model_config != model.config:
                 raise ValueError("model_config differs from model.config; pass one of them")
@@ -355,38 +527,47 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         if model_config is None or train_config is None:
             raise ValueError("a fresh run needs model_config (or model) and train_config")
         _check_compatible(model_config, train_config, corpus)
-        _prepare_run_dir(run_dir, overwrite)
-        corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction", "tokenizer_source")
-        run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
-               "corpus": {"work_dir": str(corpus.work_dir.resolve()),
-                          **{k: corpus.metadata.get(k) for k in corpus_keys}}}
-        (run_dir / "run.json").write_text(json.dumps(run, indent=1))
-        shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
-
-    manager = _checkpoint_manager(run_dir, train_config)
-    try:
+    check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(run_dir):
         if resume:
-            if manager.latest_step() is None:
-                raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
-            graphdef, state, frozen = _restore(manager, manager.latest_step(), model_config, train_config)
+            run, model_config, saved_train, train_config = _load_run(run_dir, corpus, model_config, train_config,
+                                                                      model)
         else:
-            model = model if model is not None else init_model(model_config, train_config.seed)
-            graphdef, params, frozen = split_model(model, train_config)
-            params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
-            state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=make_optimizer(train_config).init(params))
-        end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
-        state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen, train_config,
-                                                  end=end, progress=progress)
-    finally:
-        manager.close()
-    step = int(state.step)
-    model = nnx.merge(graphdef, state.params, frozen)
-    stopped_early = step < train_config.num_steps
-    if not stopped_early:
-        eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step)
-        if export:
-            save_pretrained(model, run_dir / "export", tokenizer=run_dir / "tokenizer.json", overwrite=True)
+            _clear_run_dir(run_dir, overwrite)
+            corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction",
+                           "tokenizer_source")
+            run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
+                   "corpus": {"work_dir": str(corpus.work_dir.resolve()),
+                              **{k: corpus.metadata.get(k) for k in corpus_keys}}}
+            shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
+            _write_atomic(run_dir / RUN_FILE, json.dumps(run, indent=1))  # last: it marks a run dir
+
+        manager = _checkpoint_manager(run_dir, train_config)
+        try:
+            if resume:
+                step, graphdef, state, frozen = _restore_latest(manager, run_dir, model_config, train_config,
+                                                                move_unreadable=True)
+                _record_resume(run_dir, run, saved_train, train_config, step)
+                _truncate_log(run_dir, step, train_config.num_steps)
+            else:
+                model = model if model is not None else init_model(model_config, train_config.seed)
+                graphdef, params, frozen = split_model(model, train_config)
+                params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
+                state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                   opt_state=make_optimizer(train_config).init(params))
+            end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
+            state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen,
+                                                      train_config, end=end, progress=progress)
+        finally:
+            manager.close()
+        step = int(state.step)
+        model = nnx.merge(graphdef, state.params, frozen)
+        stopped_early = step < train_config.num_steps
+        if not stopped_early:
+            eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step)
+            if export:
+                save_pretrained(model, run_dir / "export", tokenizer=run_dir / "tokenizer.json", overwrite=True)
     return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
                        eval_metrics=eval_metrics)
 
@@ -396,14 +577,18 @@ def _evaluate_and_log(run_dir: pathlib.Path, model: Transformer, corpus: data.Co
     result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=config.batch_size,
                       seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches)
     _log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
-    tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+    tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), file=sys.stderr)
     return result
 
 
 def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointManager, graphdef: nnx.GraphDef,
          state: TrainState, frozen: nnx.State, config: TrainConfig, *, end: int,
          progress: bool) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
-    """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics)."""
+    """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics).
+
+    Raises NonFiniteError at the first step whose loss or gradient norm (or, at a checkpoint, whose
+    updated state) is not finite, before saving anything of it.
+    """
     optimizer = _StaticOptimizer(config)
     batches = data.PackedBatches(corpus.train, config.batch_size, config.seq_len, config.seed)
     schedule = learning_rate_schedule(config)
@@ -419,11 +604,11 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
             state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=optimizer)
             step += 1
             bar.update(1)
+            loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"])))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise _non_finite(run_dir, manager, step, f"the loss ({loss}) or the gradient norm ({grad_norm}) is")
             if step % config.log_every == 0 or step == end:
                 train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not math.isfinite(train_metrics["loss"]):
-                    raise FloatingPointError(f"the loss is {train_metrics['loss']} at step {step}; the last "
-                                             f"checkpoint is step {manager.latest_step()} in {run_dir}")
                 now = time.perf_counter()
                 tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
@@ -436,6 +621,8 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
                                                  step)
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
             if step % config.checkpoint_every == 0 or step == end or stop.is_set():
+                if not bool(_all_finite((state.params, state.opt_state))):
+                    raise _non_finite(run_dir, manager, step, "the updated parameters or optimizer state are")
                 _save(manager, state, frozen, meta)
             if stop.is_set():
                 break
@@ -453,23 +640,74 @@ def _restore(manager: ocp.CheckpointManager, step: int, model_config: ModelConfi
     return graphdef, restored.state["train"], restored.state["frozen"]
 
 
-def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, dict]:
-    """The model at checkpoint `step` (default the latest) of a run, and the run's `run.json` dict.
+def _restore_latest(manager: ocp.CheckpointManager, run_dir: pathlib.Path, model_config: ModelConfig,
+                    train_config: TrainConfig, *,
+                    move_unreadable: bool) -> tuple[int, nnx.GraphDef, TrainState, nnx.State]:
+    """(step, graphdef, state, frozen) of the latest checkpoint that can be restored.
 
-    Raises FileNotFoundError if run_dir holds no run or no such checkpoint.
+    Later checkpoints that cannot be restored are named in a CheckpointFallbackWarning and, with
+    `move_unreadable`, moved to run_dir/corrupt_checkpoints (so that new saves do not meet them).
+    Raises FileNotFoundError without checkpoints, NoUsableCheckpointError if none can be restored.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    unreadable: dict[int, str] = {}
+    for step in steps:
+        try:
+            restored = _restore(manager, step, model_config, train_config)
+        except Exception as error:  # orbax and tensorstore raise many kinds (a bare Exception too) on damaged files
+            unreadable[step] = f"{type(error).__name__}: {str(error)[:160]}"
+            continue
+        if unreadable:
+            moved = ""
+            if move_unreadable:
+                aside = run_dir / "corrupt_checkpoints"
+                aside.mkdir(exist_ok=True)
+                for bad in unreadable:
+                    target, n = aside / str(bad), 1
+                    while target.exists():
+                        target, n = aside / f"{bad}-{n}", n + 1
+                    shutil.move(pathlib.Path(manager.directory) / str(bad), target)
+                manager.reload()
+                moved = f"; moved to {aside}"
+            warnings.warn(f"checkpoint step {', '.join(map(str, unreadable))} in {run_dir / 'checkpoints'} cannot "
+                          f"be restored ({'; '.join(unreadable.values())}); falling back to step {step}{moved}",
+                          CheckpointFallbackWarning, stacklevel=3)
+        return (step, *restored)
+    raise NoUsableCheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} can be restored: "
+                                  + "; ".join(f"step {s}: {e}" for s, e in unreadable.items()))
+
+
+def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, dict]:
+    """The model at checkpoint `step` of a run, and the run's `run.json` dict.
+
+    Without `step`, the latest checkpoint that can be restored (falling back past unreadable ones
+    with a `CheckpointFallbackWarning`; nothing is moved). Raises FileNotFoundError if run_dir
+    holds no run or no such checkpoint, NoUsableCheckpointError if it (or every one) cannot be
+    restored.
     """
     run_dir = pathlib.Path(run_dir)
-    if not (run_dir / "run.json").is_file():
-        raise FileNotFoundError(f"no run in {run_dir} (run.json is missing)")
-    run = json.loads((run_dir / "run.json").read_text())
+    if not is_run_dir(run_dir):
+        raise FileNotFoundError(f"no run in {run_dir} ({RUN_FILE} is missing or not a run file)")
+    run = json.loads((run_dir / RUN_FILE).read_text())
     model_config = model_config_from_dict(run["model_config"])
     train_config = TrainConfig(**run["train_config"])
     manager = _checkpoint_manager(run_dir, train_config)
-    step = manager.latest_step() if step is None else step
-    if step is None or step not in manager.all_steps():
-        raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {run_dir / 'checkpoints'}")
-    graphdef, state, frozen = _restore(manager, step, model_config, train_config)
-    manager.close()
+    try:
+        if step is None:
+            _, graphdef, state, frozen = _restore_latest(manager, run_dir, model_config, train_config,
+                                                         move_unreadable=False)
+        elif step not in manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint {step} in {run_dir / 'checkpoints'}")
+        else:
+            try:
+                graphdef, state, frozen = _restore(manager, step, model_config, train_config)
+            except Exception as error:  # as in _restore_latest
+                raise NoUsableCheckpointError(f"checkpoint step {step} in {run_dir / 'checkpoints'} cannot be "
+                                              f"restored ({type(error).__name__}: {str(error)[:160]})") from error
+    finally:
+        manager.close()
     return nnx.merge(graphdef, state.params, frozen), run
 
 
@@ -484,24 +722,45 @@ def _check_compatible(model_config: ModelConfig, train_config: TrainConfig, corp
                          f"({model_config.max_position_embeddings})")
 
 
+def _differences(saved, given) -> dict[str, tuple]:
+    return {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
+
+
 def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelConfig | None,
-              train_config: TrainConfig | None, model: Transformer | None) -> tuple[ModelConfig, TrainConfig]:
+              train_config: TrainConfig | None,
+              model: Transformer | None) -> tuple[dict, ModelConfig, TrainConfig, TrainConfig]:
+    """(run.json dict, model config, saved train config, train config to resume with) of a run."""
     if model is not None:
         raise ValueError("resume restores the model from the checkpoint; do not pass model")
-    if not (run_dir / "run.json").is_file():
-        raise FileNotFoundError(f"no run to resume in {run_dir} (run.json is missing)")
-    run = json.loads((run_dir / "run.json").read_text())
+    run = json.loads((run_dir / RUN_FILE).read_text())
     saved_model = model_config_from_dict(run["model_config"])
     saved_train = TrainConfig(**run["train_config"])
-    for given, saved, what in ((model_config, saved_model, "model_config"),
-                               (train_config, saved_train, "train_config")):
-        if given is not None and given != saved:
-            diff = {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
-            raise ValueError(f"{what} differs from the run's in {run_dir} (field: (saved, given)): {diff}")
+    if model_config is not None and model_config != saved_model:
+        raise ValueError(f"model_config differs from the run's in {run_dir}: "
+                         + "; ".join(f"{k} (saved {a!r}, given {b!r})"
+                                     for k, (a, b) in _differences(saved_model, model_config).items()))
+    if train_config is None:
+        train_config = saved_train
+    fixed = {k: d for k, d in _differences(saved_train, train_config).items() if k not in RESUMABLE_FIELDS}
+    if fixed:
+        raise ValueError(f"train_config differs from the run's in {run_dir} in settings a resume cannot change: "
+                         + "; ".join(f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in fixed.items()))
     if (run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
             or corpus.tokenizer_path.read_bytes() != (run_dir / "tokenizer.json").read_bytes()):
         raise ValueError(f"the corpus or tokenizer differs from the one the run in {run_dir} started with")
-    return saved_model, saved_train
+    return run, saved_model, saved_train, train_config
+
+
+def _record_resume(run_dir: pathlib.Path, run: dict, saved: TrainConfig, config: TrainConfig, step: int) -> None:
+    """Checks a resume's settings against the restored step and writes changed ones to run.json."""
+    if config.num_steps < step:
+        raise ValueError(f"num_steps must be >= {step}, the step of the checkpoint resumed from in {run_dir}, "
+                         f"got {config.num_steps}")
+    changed = _differences(saved, config)
+    if changed:
+        resumes = [*run.get("resumes", []), {"step": step, "changed": {k: list(d) for k, d in changed.items()}}]
+        run = {**run, "train_config": config_to_dict(config), "resumes": resumes}
+        _write_atomic(run_dir / RUN_FILE, json.dumps(run, indent=1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,8 +4,12 @@ Tiny model (1 layer of width 64, D = 2) on a tiny in-memory corpus; every test s
 `TrainConfig` shape so the jitted step compiles once per mode.
 """
 
+import contextlib
+import fcntl
 import json
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -35,8 +39,29 @@ def model_config(corpus):
                                  eos_token_id=corpus.eos_id)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus, model_config):
+    """TRAIN's 6 steps in one go: what every stopped, killed or failed and resumed run must end with."""
+    return train.train(tmp_path_factory.mktemp("straight") / "run", corpus, model_config=model_config,
+                       train_config=TRAIN, progress=False, export=False)
+
+
 def _leaves(state) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _assert_same_model(a, b):
+    for x, y in zip(_leaves(nnx.state(a)), _leaves(nnx.state(b)), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def _log_steps(run_dir, kind="train") -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["kind"] == kind]
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_schedule_warms_up_then_decays():
@@ -61,9 +86,7 @@ def test_loss_decreases_on_a_fixed_batch(corpus, model_config):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_resume_continues_the_same_run(tmp_path, corpus, model_config):
-    straight = train.train(tmp_path / "straight", corpus, model_config=model_config, train_config=TRAIN,
-                           progress=False, export=False)
+def test_resume_continues_the_same_run(tmp_path, corpus, model_config, straight):
     first = train.train(tmp_path / "resumed", corpus, model_config=model_config, train_config=TRAIN,
                         stop_at_step=3, progress=False, export=False)
     assert first.step == 3 and first.stopped_early
@@ -100,19 +123,222 @@ def test_mtp_only_freezes_the_main_model(tmp_path, corpus, model_config):
                     train_config=TRAIN.replace(mtp_only=True), progress=False)
 
 
-def test_refuses_to_overwrite_a_run_dir(tmp_path, corpus, model_config):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "notes.txt").write_text("my results")
+def test_overwrite_deletes_only_a_run_dir(tmp_path, corpus, model_config, capsys):
+    mine = tmp_path / "mine"  # a user's folder, not a run dir
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("my results")
+    (mine / "sub" / "data.bin").write_bytes(b"\x00\x01 precious")
+    before = _files(mine)
     with pytest.raises(FileExistsError, match="not empty"):
+        train.train(mine, corpus, model_config=model_config, train_config=TRAIN, progress=False)
+    with pytest.raises(FileExistsError, match="not a run dir.*nothing was deleted"):
+        train.train(mine, corpus, model_config=model_config, train_config=TRAIN, overwrite=True, progress=False)
+    assert cli.main(["train", str(mine), "--overwrite", "--no-progress"]) == 2
+    assert "not a run dir" in capsys.readouterr().err
+    assert _files(mine) == before  # every file, byte for byte, and nothing added (no lock file either)
+
+    run_dir = tmp_path / "run"  # a run dir the trainer made, with a file of the user's put in it
+    train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, stop_at_step=2, progress=False)
+    (run_dir / "notes.txt").write_text("my notes")
+    with pytest.raises(FileExistsError, match="not empty"):  # a run's own dir is protected too
         train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, progress=False)
-    assert (run_dir / "notes.txt").read_text() == "my results"
     result = train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True,
                          stop_at_step=1, progress=False)
-    assert result.step == 1 and not (run_dir / "notes.txt").exists()
-    with pytest.raises(FileExistsError):  # a run's own dir is protected too
-        train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, progress=False)
+    assert result.step == 1 and _log_steps(run_dir) == [1]  # the old run is gone ...
+    assert (run_dir / "notes.txt").read_text() == "my notes"  # ... the user's file is not
     assert train.train(run_dir, corpus, resume=True, stop_at_step=2, progress=False).step == 2
+
+
+def test_one_trainer_per_run_dir(tmp_path, corpus, model_config, capsys):
+    run_dir = tmp_path / "run"
+    train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, stop_at_step=1, progress=False)
+    holder = subprocess.Popen(  # another trainer: holds the run dir's lock until it is killed
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, b'%d' % os.getpid()); "
+         "print('locked', flush=True); time.sleep(120)", str(run_dir / "train.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(train.RunDirInUseError, match=f"{run_dir} is in use .*process {holder.pid} "):
+            train.train(run_dir, corpus, resume=True, progress=False)
+        with pytest.raises(train.RunDirInUseError):
+            train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True,
+                        progress=False)
+        assert cli.main(["train", str(run_dir), "--resume", "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "in use by another trainer" in err and str(run_dir) in err
+        assert _log_steps(run_dir) == [1] and train.load_run(run_dir)[0] is not None  # untouched
+    finally:
+        holder.kill()  # as a crash would: the kernel drops its lock, the lock file stays
+        holder.wait()
+    assert (run_dir / "train.lock").exists()
+    assert train.train(run_dir, corpus, resume=True, stop_at_step=2, progress=False).step == 2
+    with open(run_dir / "train.lock") as f:  # released when train returns
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _poison_after(monkeypatch, step: int):
+    """Makes the jitted step return NaN parameters once it has done `step` steps (the next loss is NaN)."""
+    real = train._train_step
+
+    def poisoned(state, *args, **kwargs):
+        state, metrics = real(state, *args, **kwargs)
+        if int(state.step) == step:
+            state = state.replace(params=jax.tree.map(lambda p: p * np.nan, state.params))
+        return state, metrics
+
+    monkeypatch.setattr(train, "_train_step", poisoned)
+
+
+def test_a_non_finite_step_is_never_saved(tmp_path, corpus, model_config, straight, monkeypatch, capsys):
+    config = TRAIN.replace(checkpoint_every=2, keep_checkpoints=1)  # one checkpoint kept: rotation would lose it
+    run_dir = tmp_path / "run"
+    train.train(run_dir, corpus, model_config=model_config, train_config=config, stop_at_step=3, progress=False)
+    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    with monkeypatch.context() as m:
+        _poison_after(m, 5)  # step 6's loss is NaN
+        assert cli.main(["train", str(run_dir), "--resume", "--no-progress", "--no-export"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not finite at step 6" in err and "last checkpoint, step 4" in err, err
+    manager = train._checkpoint_manager(run_dir, config)
+    assert manager.all_steps() == [4]  # step 6 not saved, step 4 not rotated away
+    manager.close()
+    assert all(np.isfinite(x).all() for x in _leaves(nnx.state(train.load_run(run_dir)[0])))
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5]
+    # --resume continues from step 4 and ends where the straight run ends; step 5 is logged once.
+    assert cli.main(["train", str(run_dir), "--resume", "--no-progress", "--no-export"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+    _assert_same_model(train.load_run(run_dir)[0], straight.model)
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6] and _log_steps(run_dir, "eval") == [6]
+    # Non-finite parameters whose loss has not been computed yet are caught at the checkpoint.
+    with monkeypatch.context() as m:
+        _poison_after(m, 2)
+        with pytest.raises(train.NonFiniteError, match="parameters.*step 2.*no checkpoint") as error:
+            train.train(tmp_path / "fresh", corpus, model_config=model_config, train_config=config, progress=False)
+    assert (error.value.step, error.value.last_checkpoint) == (2, None)
+    assert not list((tmp_path / "fresh" / "checkpoints").iterdir())
+
+
+def test_resume_applies_more_steps_and_refuses_other_changes(tmp_path, corpus, model_config, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, stop_at_step=3, progress=False)
+    run_before = (run_dir / "run.json").read_text()
+    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    resume = ["train", str(run_dir), "--resume", "--no-progress", "--no-export"]
+    assert cli.main([*resume, "--lr", "1", "--seed", "3", "--mtp-only", "--vocab-size", "512", "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    for named in ("--lr (saved 0.01, given 1.0)", "--seed (saved 0, given 3)", "--mtp-only (saved False, given True)",
+                  "--vocab-size (saved 300, given 512)"):
+        assert named in err, err
+    assert "--steps" not in err and err.count("\n") == 1
+    assert (run_dir / "run.json").read_text() == run_before and _log_steps(run_dir) == [1, 2, 3]
+    assert cli.main([*resume, "--steps", "2"]) == 2
+    assert "num_steps must be >= 3" in capsys.readouterr().err
+    # More steps: the run continues to the new total, and run.json says so.
+    assert cli.main([*resume, "--steps", "8", "--log-every", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 8
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["train_config"]["num_steps"] == 8 and run["resumes"] == [
+        {"step": 3, "changed": {"num_steps": [6, 8], "log_every": [1, 2]}}]
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 6, 8] and _log_steps(run_dir, "eval") == [8]
+    assert train.train(run_dir, corpus, resume=True, progress=False).step == 8  # the new total is kept
+
+
+def _truncate_checkpoint(run_dir, step: int) -> None:
+    """Cuts every data file of checkpoint `step` in half, as a disk filling up mid-write would."""
+    for f in (run_dir / "checkpoints" / str(step)).rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+# A failed orbax restore leaves asyncio callbacks that complain "Event loop is closed" when collected.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_kill_and_corrupt_checkpoint_resume_from_the_last_good_step(tmp_path, corpus, model_config, straight,
+                                                                     monkeypatch):
+    config = TRAIN.replace(checkpoint_every=2)
+    run_dir = tmp_path / "run"
+    real = train._train_step
+
+    def killed_at_step_4(state, *args, **kwargs):
+        if int(state.step) == 3:
+            raise KeyboardInterrupt  # the process dies while computing step 4
+        return real(state, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "_train_step", killed_at_step_4)
+        with pytest.raises(KeyboardInterrupt):
+            train.train(run_dir, corpus, model_config=model_config, train_config=config, progress=False)
+    with open(run_dir / "log.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # a line cut short by the kill
+    assert _log_steps_tolerant(run_dir) == [1, 2, 3]  # checkpoint 2 and the records of steps 1-3
+    result = train.train(run_dir, corpus, resume=True, stop_at_step=4, progress=False)
+    assert result.step == 4 and _log_steps(run_dir) == [1, 2, 3, 4]  # step 3 once, the cut line gone
+
+    # Checkpoint 4 is damaged: restoring falls back to step 2, saying so.
+    _truncate_checkpoint(run_dir, 4)
+    with pytest.warns(train.CheckpointFallbackWarning, match="step 4 .* cannot be restored.*falling back to step 2"):
+        model, _ = train.load_run(run_dir)
+    _assert_same_model(model, train.load_run(run_dir, step=2)[0])
+    with pytest.raises(train.NoUsableCheckpointError, match="step 4"):
+        train.load_run(run_dir, step=4)
+    with pytest.warns(train.CheckpointFallbackWarning, match="step 4 .*falling back to step 2; moved to"):
+        resumed = train.train(run_dir, corpus, resume=True, progress=False, export=False)
+    assert resumed.step == 6 and (run_dir / "corrupt_checkpoints" / "4").is_dir()  # kept, out of orbax's way
+    _assert_same_model(resumed.model, straight.model)
+    assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6] and _log_steps(run_dir, "eval") == [6]
+
+    # Nothing restorable: a named error, and nothing moved.
+    manager = train._checkpoint_manager(run_dir, config)
+    steps = manager.all_steps()
+    manager.close()
+    for step in steps:
+        _truncate_checkpoint(run_dir, step)
+    with pytest.raises(train.NoUsableCheckpointError, match="no checkpoint .* can be restored"):
+        train.train(run_dir, corpus, resume=True, progress=False)
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == steps
+
+
+def _log_steps_tolerant(run_dir) -> list[int]:
+    steps = []
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "x", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    (["eval", "x", "--max-batches", "-2"], "argument --max-batches: must be >= 1, got -2"),
+    (["eval", "x", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+    (["train", "x", "--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
+    (["train", "x", "--lr", "0"], "argument --lr: must be > 0, got 0.0"),
+    (["train", "x", "--lr", "nan"], "argument --lr: must be > 0, got nan"),
+])
+def test_cli_refuses_bad_sizes_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_config_and_evaluate_refuse_bad_sizes(tmp_path, corpus, model_config, capsys):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        TRAIN.replace(batch_size=0)
+    with pytest.raises(ValueError, match="seq_len must be >= 2, got 1"):
+        TRAIN.replace(seq_len=1)
+    with pytest.raises(ValueError, match="batch_size >= 1.*got batch_size 0"):
+        train.evaluate(init_model(model_config), corpus.heldout, data.token_byte_lengths(corpus.tokenizer),
+                       batch_size=0, seq_len=32)
+    assert cli.main(["train", str(tmp_path / "run"), "--warmup", "10", "--steps", "5"]) == 2
+    assert "--warmup must be in [0, --steps=5], got 10" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, description", [("train", "Train a decoder with DeepSeek-V3-style MTP modules"),
+                                                  ("eval", "Evaluate a model on the held-out split")])
+def test_subcommand_help_has_its_own_description(command, description, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0 and description in out and "generate, train, eval" not in out
 
 
 def test_evaluate_pools_over_batches_and_counts_bytes(corpus, model_config):
