@@ -29,26 +29,56 @@ from mtp_jax.train import (
     train,
 )
 
+GENERATE_DESCRIPTION = """\
+Generate continuations of text prompts, with plain decoding or MTP speculative decoding.
+
+The model directory holds config.json, safetensors weights and tokenizer.json (Hugging Face layout;
+default: the bundled demo model). stdout gets each prompt and its continuation (with --stream, the
+one prompt's text as it is committed). stderr gets one timing line and, when speculating, the
+acceptance metrics. The timing line keeps apart: load (reading the model directory), compile (a
+warm-up run of 1-2 tokens that compiles every jitted function; JAX's persistent compilation cache,
+--compilation-cache, makes it short on later runs) and decode (the real run, compiled code only:
+tokens generated / wall time of prefill plus decode)."""
+
+# Parameters of the library that a `generate` flag sets: errors naming them name the flag too.
+_GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b": "--max-length",
+                   r"\btemperature\b": "--temperature", r"\btop_k\b": "--top-k", r"\btop_p\b": "--top-p",
+                   r"\bseed\b": "--seed", r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
+                   r"\bprompt \d+\b": "--prompt"}
+
+
+def default_compilation_cache_dir() -> pathlib.Path:
+    """`$MTP_JAX_CACHE/jax_cache`, else `$XDG_CACHE_HOME/mtp_jax/jax_cache` (default ~/.cache/mtp_jax/jax_cache)."""
+    if os.environ.get("MTP_JAX_CACHE"):
+        return pathlib.Path(os.environ["MTP_JAX_CACHE"]) / "jax_cache"
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "mtp_jax" / "jax_cache"
+
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `generate` (plain or speculative decoding of text prompts) on an argparse subparsers."""
     p = subparsers.add_parser("generate", help="generate text from prompts with a model directory",
-                              description="Generate continuations of text prompts. The model directory holds "
-                                          "config.json, safetensors weights and tokenizer.json (Hugging Face layout).")
+                              description=GENERATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the bundled demo model)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--max-length", type=int, default=None,
-                   help="cache capacity in tokens, prompt included (default: the model's max positions)")
+                   help="cache capacity in tokens, prompt included, at most the model's max positions (the default)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first row; row b uses seed + b")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the first row, in [0, 2**32); row b uses seed + b, which must stay below 2**32")
     p.add_argument("--speculative", default="none", choices=["none", "vanilla", "eagle", "parallel"],
                    help="MTP speculative decoding method (default: none, plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K, drafts per step (default: the model's MTP modules, for eagle 3)")
+                   help="K, drafts per step, 1..16 (default: the model's MTP modules, for eagle 3)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", metavar="DIR", default=None,
+                       help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
+                            "else $XDG_CACHE_HOME/mtp_jax/jax_cache, i.e. ~/.cache/mtp_jax/jax_cache)")
+    cache.add_argument("--no-compilation-cache", action="store_true", help="compile from scratch, cache nothing")
     p.set_defaults(func=run_generate)
     return p
 
@@ -62,44 +92,131 @@ def _prompts(args) -> list[str]:
     return texts
 
 
-def run_generate(args) -> int:
-    from mtp_jax.generate import generate
-    from mtp_jax.pretrained import load_pretrained, stream_text
-    from mtp_jax.sampling import SamplingParams
+def _configure_compilation_cache(args) -> pathlib.Path | None:
+    """Points JAX's persistent compilation cache at the chosen directory (None: off) for this process.
 
-    model, tokenizer = load_pretrained(args.model)
-    texts = _prompts(args)
-    prompts = [tokenizer.encode(t).ids for t in texts]
+    Every compiled function is cached, however quick its compile or small its executable.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = None if args.no_compilation_cache else Path(args.compilation_cache or default_compilation_cache_dir())
+    compilation_cache.reset_cache()  # an earlier call in this process may have used another directory
+    jax.config.update("jax_enable_compilation_cache", path is not None)
+    jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+def _name_flags(error: ValueError) -> ValueError:
+    """The library's error with the `generate` flags it concerns named in front."""
+    import re
+
+    message = str(error)
+    flags = [flag for pattern, flag in _GENERATE_FLAGS.items() if re.search(pattern, message) and flag not in message]
+    return ValueError(f"{', '.join(flags)}: {message}") if flags else error
+
+
+def _generate_kwargs(args, model, num_prompts: int) -> dict:
+    """The keyword arguments of `generate` / `stream` that the flags give; raises ValueError on bad flags."""
+    from mtp_jax.sampling import MAX_SEED, SamplingParams
+    from mtp_jax.speculative import SpeculativeConfig
+
+    if 0 <= args.seed <= MAX_SEED < args.seed + num_prompts - 1:
+        raise ValueError(f"--seed {args.seed}: row b samples with seed + b, and row {num_prompts - 1} would get "
+                         f"{args.seed + num_prompts - 1}, past the largest seed 2**32 - 1")
     sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
-                for b in range(len(prompts))]
+                for b in range(num_prompts)]
     speculative = None
     if args.speculative != "none":
-        from mtp_jax.speculative import SpeculativeConfig
-
         k = args.num_speculative_tokens
         if k is None:
             k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
         speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
-                  speculative=speculative)
-    if args.stream:
-        if len(prompts) != 1:
-            raise ValueError("--stream takes exactly one prompt")
-        sys.stdout.write(texts[0])
-        for piece in stream_text(model, tokenizer, texts[0], **kwargs):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        print()
-        return 0
-    result = generate(model, prompts, **kwargs)
-    for b, (text, tokens) in enumerate(zip(texts, result.tokens, strict=True)):
-        print(f"=== prompt {b} ({len(prompts[b])} tokens) -> {len(tokens)} tokens, {result.finish_reasons[b]}")
-        print(text + tokenizer.decode(tokens))
-    print(f"--- {result.num_generated} tokens in {result.seconds:.2f} s (compile included): "
-          f"{result.tokens_per_second:.1f} tokens/s", file=sys.stderr)
-    if speculative is not None:
-        print(f"--- {args.speculative}, K = {speculative.num_speculative_tokens}: {result.metrics.summary()}",
-              file=sys.stderr)
+    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
+                speculative=speculative)
+
+
+def _warm_up(model, prompts: list[list[int]], kwargs: dict, streaming: bool) -> float:
+    """Compiles what the real run will call; returns the wall time in seconds.
+
+    The same shapes (batch, capacity, prompt bucket) with 1 new token (2 when streaming, so that the
+    one-step function compiles too) and no stop tokens: both are data, never shapes.
+    """
+    import time
+
+    from mtp_jax.generate import generate, stream
+
+    begin = time.perf_counter()
+    if streaming:
+        for _ in stream(model, prompts, **{**kwargs, "max_new_tokens": 2, "stop_tokens": []}):
+            pass
+    else:
+        generate(model, prompts, **{**kwargs, "max_new_tokens": 1, "stop_tokens": []})
+    return time.perf_counter() - begin
+
+
+def _print_stream(model, tokenizer, text: str, prompt: list[int], kwargs: dict):
+    """Prints `text` and its continuation as committed; returns (the stream's result, tokens, seconds)."""
+    import time
+
+    from mtp_jax.generate import stream
+    from mtp_jax.pretrained import TextStream
+
+    sys.stdout.write(text)
+    decoded, steps = TextStream(tokenizer), stream(model, [prompt], **kwargs)
+    begin = time.perf_counter()
+    while True:  # not a for loop, which would drop the generator's return value (the result)
+        try:
+            step = next(steps)
+        except StopIteration as end:
+            result = end.value
+            break
+        sys.stdout.write(decoded.push(step[0]))
+        sys.stdout.flush()
+    sys.stdout.write(decoded.finish() + "\n")
+    return result, len(decoded.ids), time.perf_counter() - begin
+
+
+def run_generate(args) -> int:
+    """`mtp-jax generate`: load, warm up (compile), generate; prints the texts, then timings and metrics."""
+    import time
+
+    from mtp_jax.generate import generate
+    from mtp_jax.pretrained import load_pretrained
+
+    cache_dir = _configure_compilation_cache(args)
+    begin = time.perf_counter()
+    model, tokenizer = load_pretrained(args.model)
+    load_seconds = time.perf_counter() - begin
+    texts = _prompts(args)
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    if args.stream and len(prompts) != 1:
+        raise ValueError("--stream takes exactly one prompt")
+    try:
+        kwargs = _generate_kwargs(args, model, len(prompts))
+        compile_seconds = _warm_up(model, prompts, kwargs, args.stream)
+        if args.stream:
+            result, num_generated, decode_seconds = _print_stream(model, tokenizer, texts[0], prompts[0], kwargs)
+        else:
+            result = generate(model, prompts, **kwargs)
+            num_generated, decode_seconds = result.num_generated, result.seconds
+            for b, (text, tokens) in enumerate(zip(texts, result.tokens, strict=True)):
+                print(f"=== prompt {b} ({len(prompts[b])} tokens) -> {len(tokens)} tokens, {result.finish_reasons[b]}")
+                print(text + tokenizer.decode(tokens))
+    except ValueError as error:
+        raise _name_flags(error) from error
+    cache = f"persistent cache {cache_dir}" if cache_dir is not None else "no persistent cache"
+    rate = num_generated / decode_seconds if decode_seconds > 0 else float("nan")
+    print(f"--- load {load_seconds:.2f} s | compile {compile_seconds:.2f} s (warm-up run, {cache}) | "
+          f"decode {num_generated} tokens in {decode_seconds:.4f} s: {rate:.1f} tokens/s (compiled, prefill included)",
+          file=sys.stderr)
+    spec = kwargs["speculative"]
+    if spec is not None:
+        metrics = getattr(result, "metrics", None)
+        summary = metrics.summary() if metrics is not None else "acceptance metrics not reported by the stream"
+        print(f"--- {args.speculative}, K = {spec.num_speculative_tokens}: {summary}", file=sys.stderr)
     return 0
 
 
@@ -337,8 +454,21 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (`importlib.metadata`), else the package's own."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("mtp-jax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        from mtp_jax import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp-jax", description="Multi-Token Prediction models in JAX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
     add_train_parser(subparsers)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from flax import struct
 
 from mtp_jax.cache import KVCache
 from mtp_jax.model import Transformer, static_split, take_rows
-from mtp_jax.sampling import SamplingParams, SamplingState, sample
+from mtp_jax.sampling import SamplingParams, SamplingState, is_int, sample
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
 _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
@@ -73,34 +74,79 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_length: int) -> list[list[int]]:
-    """Checks prompt token ids on the host; raises ValueError naming the prompt and the problem."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, prompt in enumerate(prompts):
+def _is_token_id(value) -> bool:
+    """A Python or NumPy int, or a 0-d integer array (an element of a NumPy or JAX array); not a bool."""
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return value.ndim == 0 and np.issubdtype(value.dtype, np.integer)
+    return is_int(value)
+
+
+def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:
+    """Prompt i as a list of Python ints, checked (see `validate_prompts`)."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"prompt {i} is a {type(prompt).__name__}: prompts are token ids "
+                        "(e.g. tokenizer.encode(text).ids), not text")
+    if isinstance(prompt, (np.ndarray, jax.Array)):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise TypeError(f"prompt {i} is an array of shape {prompt.shape} and dtype {prompt.dtype}: "
+                            "a prompt array must be 1-D with an integer dtype")
+        ids = np.asarray(prompt).tolist()
+    elif isinstance(prompt, Sequence):
+        for j, t in enumerate(prompt):
+            if not _is_token_id(t):
+                raise TypeError(f"prompt {i} has {t!r} ({type(t).__name__}) at index {j}: token ids must be "
+                                "ints (floats and bools are rejected, not truncated)")
         ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if len(ids) >= max_length:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
-                             "must exceed the prompt length to leave room for generated tokens")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={vocab_size})")
-        out.append(ids)
-    return out
+    else:
+        raise TypeError(f"prompt {i} is {prompt!r} ({type(prompt).__name__}), not a list of token ids: prompts "
+                        "is a batch (wrap a single prompt in a list: [ids])")
+    if not ids:
+        raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if len(ids) >= max_length:
+        raise ValueError(f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
+                         "must exceed the prompt length to leave room for generated tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={vocab_size})")
+    return ids
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
+                     max_length: int) -> list[list[int]]:
+    """Checks a batch of prompts on the host; returns it as B lists of Python ints.
+
+    `prompts`: B prompts, each a sequence of Python or NumPy ints or a 1-D integer array; or one
+    2-D integer array [B, P]. Raises TypeError (naming the prompt and the index) for text instead
+    of ids, float or bool ids, or a flat list of ids (one prompt not wrapped in a batch); raises
+    ValueError for an empty batch or prompt, a prompt of >= `max_length` tokens, or an id outside
+    [0, vocab_size).
+    """
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts is a {type(prompts).__name__}: pass token ids "
+                        "(e.g. [tokenizer.encode(text).ids]), not text")
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        if prompts.ndim != 2:
+            raise TypeError(f"prompts as an array must be 2-D [B, P], got shape {prompts.shape}")
+        prompts = list(prompts)  # rows; each is checked as a 1-D array
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    return [_prompt_ids(p, i, vocab_size, max_length) for i, p in enumerate(prompts)]
 
 
 def _per_row(value, num_rows: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, np.ndarray)):
         if len(value) != num_rows:
             raise ValueError(f"{name} has {len(value)} entries for {num_rows} prompts")
         return list(value)
     return [value] * num_rows
 
 
-def _stop_array(stop_tokens: Sequence[int], vocab_size: int) -> jax.Array:
+def _stop_array(stop_tokens, vocab_size: int) -> jax.Array:
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray, jax.Array)):
+        raise TypeError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}")
+    for t in stop_tokens:
+        if not _is_token_id(t):
+            raise TypeError(f"stop_tokens has {t!r} ({type(t).__name__}): stop tokens must be int token ids")
     stop = sorted(set(int(t) for t in stop_tokens))
     if len(stop) > MAX_STOP_TOKENS:
         raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens are supported, got {len(stop)}")
@@ -196,24 +242,33 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
                stop_tokens: Sequence[int] | None = None) -> tuple[DecodeState, jax.Array]:
     """Validates the request and builds the initial state and the padded prompt array [B, P].
 
-    Raises ValueError for an empty prompt list or prompt, a prompt longer than `max_length`, a token
-    id outside the vocabulary, max_new_tokens < 1, invalid sampling parameters, or bad stop tokens.
+    Raises TypeError for arguments of the wrong type (text or float/bool ids as prompts, a float or
+    bool max_length / max_new_tokens, non-int stop tokens, sampling that is not `SamplingParams`)
+    and ValueError for values out of range: see `validate_prompts`; max_length outside
+    [2, config.max_position_embeddings]; max_new_tokens < 1; more than `MAX_STOP_TOKENS` stop
+    tokens or one outside the vocabulary. Every message names the argument.
     """
     config = model.config
     max_length = config.max_position_embeddings if max_length is None else max_length
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
+    if not is_int(max_length):
+        raise TypeError(f"max_length must be an int (tokens), got {max_length!r}")
+    if not 2 <= max_length <= config.max_position_embeddings:
+        raise ValueError(f"max_length={max_length} must be in [2, {config.max_position_embeddings}]: the cache "
+                         "capacity cannot exceed the model's positions (config.max_position_embeddings="
+                         f"{config.max_position_embeddings})")
     prompts = validate_prompts(prompts, config.vocab_size, max_length)
     batch = len(prompts)
     new_tokens = _per_row(max_new_tokens, batch, "max_new_tokens")
     for n in new_tokens:
-        if not isinstance(n, (int, np.integer)) or n < 1:
+        if not is_int(n):
+            raise TypeError(f"max_new_tokens must be an int (tokens), got {n!r}")
+        if n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
     params = _per_row(SamplingParams() if sampling is None else sampling, batch, "sampling")
     for p in params:
         if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling must be SamplingParams, got {type(p).__name__}")
-    stop = config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
+            raise TypeError(f"sampling must be SamplingParams, got {type(p).__name__}")
+    stop = config.eos_token_ids if stop_tokens is None else stop_tokens
     prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
     bucket = min(-(-int(prompt_lengths.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET, max_length)
     padded = np.zeros((batch, bucket), np.int32)
@@ -223,7 +278,7 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
         tokens[b, : len(p)] = p
     state = DecodeState(
         tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
-        max_new_tokens=jnp.asarray(np.minimum(new_tokens, 2**31 - 1), jnp.int32),
+        max_new_tokens=jnp.asarray([min(int(n), 2**31 - 1) for n in new_tokens], jnp.int32),
         done=jnp.zeros((batch,), bool), cache=KVCache.init(config, batch, max_length),
         sampling=SamplingState.from_params(params), stop_tokens=_stop_array(stop, config.vocab_size),
         logprobs=jnp.zeros((batch, max_length), jnp.float32))
@@ -261,18 +316,20 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
     Args:
       model: the main model.
-      prompts: B lists of token ids (different lengths allowed).
-      max_new_tokens: one int for all rows, or one per row.
+      prompts: B lists of int token ids (Python or NumPy ints; different lengths allowed), B 1-D
+        integer arrays, or one 2-D integer array [B, P]. Text is rejected: encode it first.
+      max_new_tokens: one int >= 1 for all rows, or one per row.
       sampling: `SamplingParams` for all rows or one per row; default greedy.
-      max_length: S, the cache capacity in tokens (prompt + generated); default
-        `config.max_position_embeddings`.
-      stop_tokens: token ids that end a row (kept in its output); default the config's EOS ids.
+      max_length: S, the cache capacity in tokens (prompt + generated), in
+        [2, config.max_position_embeddings]; default `config.max_position_embeddings`.
+      stop_tokens: up to `MAX_STOP_TOKENS` int token ids that end a row (kept in its output);
+        default the config's EOS ids.
       speculative: a `mtp_jax.speculative.SpeculativeConfig` to decode with the model's MTP
         modules (`speculative_generate`); None for plain decoding.
 
     Returns:
       A `GenerationResult` (a `SpeculativeResult`, with metrics, when speculating). Raises
-      ValueError on invalid input (see `init_state`).
+      TypeError / ValueError, naming the argument, on invalid input (see `init_state`).
     """
     if speculative is not None:
         from mtp_jax.speculative import speculative_generate
@@ -292,27 +349,31 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
            sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-           stop_tokens: Sequence[int] | None = None, speculative=None) -> Iterator[list[list[int]]]:
+           stop_tokens: Sequence[int] | None = None,
+           speculative=None) -> Generator[list[list[int]], None, GenerationResult | None]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 
     A finished row yields empty lists. The concatenation of everything yielded for a row equals
-    `generate(...).tokens` for that row with the same arguments.
+    `generate(...).tokens` for that row with the same arguments. The generator's return value
+    (`StopIteration.value`) is what the speculative stream returns when speculating (None today),
+    else a `GenerationResult` whose `seconds` is the wall time from the prefill to the last step,
+    the consumer's time between steps included. Raises as `generate`.
     """
     if speculative is not None:
         from mtp_jax.speculative import speculative_stream
 
-        yield from speculative_stream(model, prompts, speculative, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      max_length=max_length, stop_tokens=stop_tokens)
-        return
+        return (yield from speculative_stream(model, prompts, speculative, max_new_tokens=max_new_tokens,
+                                              sampling=sampling, max_length=max_length, stop_tokens=stop_tokens))
     state, padded = init_state(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                max_length=max_length, stop_tokens=stop_tokens)
     graph, params = static_split(model)
     before = np.asarray(state.lengths)
+    start = time.perf_counter()
     state = _prefill_jit(graph, params, state, padded)
-    while True:
+    for num_steps in itertools.count():
         tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
         yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
         if done.all():
-            return
+            return results_from_state(state, num_steps, time.perf_counter() - start)
         before = lengths
         state = _step_jit(graph, params, state)

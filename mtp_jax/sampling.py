@@ -21,15 +21,32 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+MAX_SEED = 2**32 - 1  # seeds are uint32 on device
+MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
+
+
+def is_int(value) -> bool:
+    """True for a Python or NumPy integer; False for a bool, a float or anything else."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value) -> bool:
+    """True for a Python or NumPy int or float; False for a bool or anything else."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one row samples.
 
     temperature: 0 for greedy decoding, else > 0 (logits are divided by it).
-    top_k: keep the k most likely tokens; 0 disables.
+    top_k: keep the k most likely tokens; 0 disables (an int in [0, 2**31); k >= V keeps all).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 disables.
-    seed: the row's random seed (any int in [0, 2**31)).
+    seed: the row's random seed, an int in [0, 2**32) (`MAX_SEED` + 1): it is stored as uint32 and
+      `jax.random.key` maps every such value to its own key, losslessly.
+
+    Python or NumPy numbers are accepted; a bool is not a number here. Raises TypeError for a
+    value of the wrong type and ValueError for one out of range, naming the field.
     """
 
     temperature: float = 0.0
@@ -38,14 +55,20 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature >= 0):
+        for name in ("temperature", "top_p"):
+            if not is_real(getattr(self, name)):
+                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("top_k", "seed"):
+            if not is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, 2**31) (0 = disabled), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
-        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -51,9 +51,19 @@ from mtp_jax.generate import (
 )
 from mtp_jax.model import Transformer, static_split, take_rows
 from mtp_jax.mtp import initial_hidden
-from mtp_jax.sampling import SamplingParams, SamplingState, all_greedy, row_keys, sample_from, target_probs
+from mtp_jax.sampling import (
+    SamplingParams,
+    SamplingState,
+    all_greedy,
+    is_int,
+    is_real,
+    row_keys,
+    sample_from,
+    target_probs,
+)
 
 METHODS = ("vanilla", "eagle", "parallel")
+MAX_SPECULATIVE_TOKENS = 16  # the largest K a SpeculativeConfig accepts (see its docstring)
 _STREAM_ACCEPT, _STREAM_RESIDUAL, _STREAM_DRAFT = 1, 2, 3  # random streams (plain sampling uses 0)
 
 
@@ -63,7 +73,11 @@ class SpeculativeConfig:
 
     method: "vanilla" (D distinct modules, K <= D), "eagle" (module 1 reused, any K) or
       "parallel" (Gloeckle et al. heads, K <= D).
-    num_speculative_tokens: K >= 1, drafts per step.
+    num_speculative_tokens: K, drafts per step, an int in [1, MAX_SPECULATIVE_TOKENS = 16]. Every
+      step verifies K + 1 tokens whatever is accepted, and draft j is kept only if drafts 1..j all
+      are, so acceptance decays geometrically with j: with the per-position rates measured here
+      (0.5-0.9) a 16th draft is almost never committed, while its cost (a wider verify forward,
+      K MTP passes, draft_probs of [B, K, V]) is paid every step. The benchmarks use K <= 8.
     draft_sampling: "greedy" (drafts are the MTP argmax; q is one-hot) or "sample" (drafts drawn
       from the MTP distribution after the row's temperature/top-k/top-p; q is that distribution).
     relaxed_top_n, relaxed_delta: TensorRT-LLM's relaxed acceptance, on when relaxed_top_n > 0:
@@ -71,6 +85,9 @@ class SpeculativeConfig:
       probability is >= p(top1) - delta (softmax of the raw logits). Greedy rows only.
     think_start_token_id, think_end_token_id: the ids of `<think>` and `</think>`; required with
       relaxed acceptance (take them from the tokenizer; nothing is hard-coded).
+
+    Integer fields take Python or NumPy ints (a bool is not an int). Raises TypeError for a field
+    of the wrong type and ValueError for one out of range, naming the field.
     """
 
     method: str = "eagle"
@@ -84,12 +101,24 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
+        for name in ("num_speculative_tokens", "relaxed_top_n", "think_start_token_id", "think_end_token_id"):
+            value = getattr(self, name)
+            if value is None and name.startswith("think"):
+                continue
+            if not is_int(value):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # NumPy ints become ints: the config is a static arg
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens!r}")
         if self.draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {self.draft_sampling!r}")
-        if self.relaxed_top_n < 0 or not self.relaxed_delta >= 0:
-            raise ValueError("relaxed_top_n must be >= 0 and relaxed_delta >= 0")
+        if self.relaxed_top_n < 0:
+            raise ValueError(f"relaxed_top_n must be >= 0 (0 = relaxed acceptance off), got {self.relaxed_top_n}")
+        if not is_real(self.relaxed_delta):
+            raise TypeError(f"relaxed_delta must be a number, got {self.relaxed_delta!r}")
+        if not (np.isfinite(self.relaxed_delta) and self.relaxed_delta >= 0):
+            raise ValueError(f"relaxed_delta must be a finite number >= 0, got {self.relaxed_delta!r}")
         if self.relaxed and (self.think_start_token_id is None or self.think_end_token_id is None):
             raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
 

@@ -1,6 +1,12 @@
-"""The `mtp-jax generate` command on a small model directory, and its errors."""
+"""The `mtp-jax generate` command on a small model directory: output, timing line, compilation cache, errors."""
 
+import importlib.metadata
+import re
+
+import jax
+import jax.monitoring
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from mtp_jax.cli import main
 from mtp_jax.config import ModelConfig
@@ -9,6 +15,24 @@ from mtp_jax.model import init_model
 from mtp_jax.pretrained import load_pretrained, save_pretrained
 
 TEXT = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "class A:\n    pass\n"] * 20
+
+
+TIMING = re.compile(r"--- load ([\d.]+) s \| compile ([\d.]+) s \(warm-up run, (.+?)\) \| "
+                    r"decode (\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s \(compiled, prefill included\)")
+
+
+@pytest.fixture(autouse=True)
+def compilation_cache_off_afterwards(tmp_path, monkeypatch):
+    """The CLI's default cache goes to a temporary directory, and the process-wide JAX settings it makes
+    are undone after each test (other tests must not write a persistent cache)."""
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "cache"))
+    names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +75,88 @@ def test_speculative_and_plain_cli_print_the_same_text(model_dir, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/nonexistent/model"], "does not exist"),
-    (["--speculative", "vanilla", "--num-speculative-tokens", "3"], "exceeds the model's 2 MTP modules"),
-    (["--temperature", "-1"], "temperature"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--speculative", "vanilla", "--num-speculative-tokens", "3"],
+     "--num-speculative-tokens: method 'vanilla' drafts one token per module: num_speculative_tokens=3 exceeds "
+     "the model's 2 MTP modules"),
+    (["--speculative", "eagle", "--num-speculative-tokens", "17"],
+     "--num-speculative-tokens: num_speculative_tokens must be in [1, 16], got 17"),
+    (["--temperature", "-1"], "--temperature: temperature must be"),
+    (["--top-k", "-1"], "--top-k: top_k must be"),
+    (["--top-p", "0"], "--top-p: top_p must be"),
+    (["--seed", "-1"], "--seed: seed must be in [0, 2**32)"),
+    (["--seed", "4294967295", "--prompt", "y"], "--seed 4294967295: row b samples with seed + b, and row 1 would "
+                                                "get 4294967296, past the largest seed 2**32 - 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: max_new_tokens must be an int >= 1, got 0"),
+    (["--max-length", "300"], "--max-length: max_length=300 must be in [2, 256]"),
+    (["--prompt", "y", "--stream"], "--stream takes exactly one prompt"),
 ])
 def test_errors_are_reported_not_raised(model_dir, capsys, argv, message):
     code = main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-length", "64", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"mtp-jax {importlib.metadata.version('mtp-jax')}\n"
+
+
+def test_generate_help_has_its_own_description(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mtp-jax generate")
+    assert "Generate continuations of text prompts, with plain decoding or MTP speculative decoding." in out
+    assert "warm-up run" in out and "--compilation-cache DIR" in out and "--no-compilation-cache" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--speculative", "eagle", "--num-speculative-tokens", "2"]])
+def test_timing_line_keeps_load_compile_and_decode_apart(model_dir, capsys, extra):
+    argv = ["generate", "--model", str(model_dir), "--prompt", "import os", "--prompt", "def", "--max-new-tokens",
+            "7", "--max-length", "64", *extra]
+    assert main(argv + ["--no-compilation-cache"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    load, compile_, cache, tokens, seconds, rate = TIMING.fullmatch(err[0]).groups()
+    assert cache == "no persistent cache"
+    assert int(tokens) == 14  # 7 per prompt: the tiny model has no reason to emit its EOS early
+    seconds = float(seconds)  # printed to 0.1 ms
+    assert int(tokens) / (seconds + 5e-5) <= float(rate) + 0.05 and float(rate) - 0.05 <= int(tokens) / (seconds - 5e-5)
+    assert float(compile_) > seconds  # the warm-up compiled; the timed run did not
+    assert len(err) == (2 if extra else 1)
+
+
+@pytest.mark.parametrize("extra", [[], ["--speculative", "vanilla", "--num-speculative-tokens", "2"]])
+def test_stream_prints_the_text_and_the_closing_line_of_the_plain_run(model_dir, capsys, extra):
+    argv = ["generate", "--model", str(model_dir), "--prompt", "class A", "--max-new-tokens", "9", "--max-length",
+            "64", "--no-compilation-cache", *extra]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert main(argv + ["--stream"]) == 0
+    streamed_out, streamed_err = capsys.readouterr()
+    assert streamed_out == out.split("\n", 1)[1]  # the text, without the "=== prompt 0 ..." header
+    plain, streamed = TIMING.fullmatch(err.splitlines()[0]), TIMING.fullmatch(streamed_err.splitlines()[0])
+    assert streamed.group(4) == plain.group(4) == "9"  # tokens decoded
+    assert streamed.group(3) == plain.group(3) == "no persistent cache"
+    if extra:  # the acceptance line: the stream does not report its metrics yet (see the report of issue 9)
+        assert err.splitlines()[1].startswith("--- vanilla, K = 2: mean acceptance length")
+        assert streamed_err.splitlines()[1].startswith("--- vanilla, K = 2: ")
+
+
+def test_second_run_loads_from_the_persistent_compilation_cache(model_dir, tmp_path, capsys):
+    cache_dir = tmp_path / "jax_cache"
+    argv = ["generate", "--model", str(model_dir), "--prompt", "def f", "--max-new-tokens", "3", "--max-length",
+            "80", "--compilation-cache", str(cache_dir)]
+    assert main(argv) == 0
+    assert f"persistent cache {cache_dir}" in capsys.readouterr().err
+    assert len(list(cache_dir.iterdir())) > 0
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+    try:
+        jax.clear_caches()  # as in a new process: nothing compiled in memory
+        assert main(argv) == 0
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert len(hits) >= 2  # at least the prefill and the decode loop came from the cache

@@ -1,4 +1,4 @@
-"""Baseline generation: greedy equals a no-cache oracle, stops, streaming, compile counts, input errors."""
+"""Baseline generation: greedy equals a no-cache oracle, stops, streaming, compile counts, input validation."""
 
 import jax
 import jax.monitoring
@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.generate import generate, stream
+from mtp_jax.generate import generate, init_state, stream
 from mtp_jax.model import init_model
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13]]
 
@@ -76,6 +77,17 @@ def test_stream_equals_generate(model):
     assert streamed == generate(model, PROMPTS, **kwargs).tokens
 
 
+def test_stream_returns_the_generation_result(model):
+    steps, pieces = stream(model, PROMPTS, max_new_tokens=[4, 2, 3], max_length=48), []
+    with pytest.raises(StopIteration) as end:
+        while True:
+            pieces.append(next(steps))
+    result, expected = end.value.value, generate(model, PROMPTS, max_new_tokens=[4, 2, 3], max_length=48)
+    assert result.tokens == expected.tokens == [sum((p[b] for p in pieces), []) for b in range(3)]
+    assert result.num_steps == expected.num_steps == 3 and result.finish_reasons == ["length"] * 3
+    assert result.logprobs == expected.logprobs
+
+
 def test_sampled_row_does_not_depend_on_its_batch(model):
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=11)
     alone = generate(model, PROMPTS[1:2], max_new_tokens=6, max_length=48, sampling=params)
@@ -120,10 +132,107 @@ def test_bad_input_raises(model, prompts, kwargs, message):
         generate(model, prompts, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": -2}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed"),
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    ("import os", {}, "prompts is a str"),
+    (["import os"], {}, "prompt 0 is a str"),
+    ([1, 2, 3], {}, "prompt 0 is 1 .int., not a list"),
+    ([[1, 3.7]], {}, r"prompt 0 has 3.7 \(float\) at index 1"),
+    ([[1, 2], [4, True]], {}, r"prompt 1 has True \(bool\) at index 1"),
+    ([[1, np.float32(2.0)]], {}, r"prompt 0 has np.float32\(2.0\) \(float32\)"),
+    (np.array([[1.0, 2.0]]), {}, "dtype float64"),
+    (np.array([1, 2, 3]), {}, "must be 2-D"),
+    ([[1, jnp.float32(2.0)]], {}, "prompt 0 has"),
+    ([jnp.asarray([1.0, 2.0])], {}, "dtype float32"),
+    ([[1]], {"stop_tokens": [2.5]}, "stop_tokens has 2.5"),
+    ([[1]], {"stop_tokens": [True]}, "stop_tokens has True"),
+    ([[1]], {"stop_tokens": 3}, "stop_tokens must be a list"),
+    ([[1]], {"max_length": 40.0}, "max_length must be an int"),
+    ([[1]], {"max_length": True}, "max_length must be an int"),
+    ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+    ([[1]], {"max_new_tokens": [True]}, "max_new_tokens must be an int"),
+    ([[1]], {"sampling": {"temperature": 1.0}}, "sampling must be SamplingParams"),
 ])
-def test_bad_sampling_params_raise(kwargs, message):
+def test_wrong_types_raise_instead_of_being_truncated(model, prompts, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        generate(model, prompts, **kwargs)
+
+
+@pytest.mark.parametrize("max_length, message", [
+    (257, r"max_length=257 must be in \[2, 256\].*max_position_embeddings=256"), (1, "max_length=1"),
+])
+def test_max_length_is_bounded_by_the_model_positions(model, max_length, message):
     with pytest.raises(ValueError, match=message):
+        generate(model, [[1]], max_length=max_length)
+    state, _ = init_state(model, [[1]], max_new_tokens=1, max_length=256)  # the bound itself is fine
+    assert state.tokens.shape == (1, 256)
+
+
+def test_numpy_prompts_give_the_same_tokens_as_lists(model):
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    kwargs = dict(max_length=48, sampling=SamplingParams(temperature=0.9, seed=3))
+    expected = generate(model, prompts, max_new_tokens=5, stop_tokens=[9], **kwargs).tokens
+    as_arrays = [np.asarray(prompts, np.int32), np.asarray(prompts, np.int64), [np.asarray(p) for p in prompts],
+                 [[np.int64(t) for t in p] for p in prompts], jnp.asarray(prompts), list(jnp.asarray(prompts)),
+                 [list(jnp.asarray(p)) for p in prompts]]
+    for p in as_arrays:
+        result = generate(model, p, max_new_tokens=np.int64(5), stop_tokens=np.asarray([9]), **kwargs)
+        assert result.tokens == expected, type(p)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"temperature": True}, TypeError, "temperature"), ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"temperature": -1.0}, ValueError, "temperature"), ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"top_k": -2}, ValueError, "top_k"), ({"top_k": 2.0}, TypeError, "top_k"), ({"top_k": True}, TypeError, "top_k"),
+    ({"top_k": 2**31}, ValueError, "top_k"),
+    ({"top_p": 0.0}, ValueError, "top_p"), ({"top_p": 1.5}, ValueError, "top_p"),
+    ({"top_p": float("nan")}, ValueError, "top_p"), ({"top_p": False}, TypeError, "top_p"),
+    ({"seed": -1}, ValueError, "seed"), ({"seed": 2**32}, ValueError, r"seed must be in \[0, 2\*\*32\)"),
+    ({"seed": 1.0}, TypeError, "seed"), ({"seed": True}, TypeError, "seed"),
+])
+def test_bad_sampling_params_raise(kwargs, error, message):
+    with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(4), top_p=np.float64(0.9),
+                            seed=np.uint32(2**32 - 1))
+    assert params.seed == 2**32 - 1 and params.top_k == 4
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    return init_model(ModelConfig.from_name("tiny", num_nextn_predict_layers=1), seed=4)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_speculative_tokens": 17}, ValueError, r"num_speculative_tokens must be in \[1, 16\], got 17"),
+    ({"num_speculative_tokens": 0}, ValueError, r"num_speculative_tokens must be in \[1, 16\]"),
+    ({"num_speculative_tokens": True}, TypeError, "num_speculative_tokens must be an int"),
+    ({"num_speculative_tokens": 2.0}, TypeError, "num_speculative_tokens must be an int"),
+    ({"relaxed_top_n": 1.5}, TypeError, "relaxed_top_n must be an int"),
+    ({"relaxed_top_n": -1}, ValueError, "relaxed_top_n must be >= 0"),
+    ({"relaxed_delta": float("nan")}, ValueError, "relaxed_delta"),
+    ({"relaxed_delta": "0.1"}, TypeError, "relaxed_delta"),
+    ({"relaxed_top_n": 2, "think_start_token_id": 1.0, "think_end_token_id": 2}, TypeError, "think_start_token_id"),
+])
+def test_bad_speculative_config_raises(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SpeculativeConfig(**kwargs)
+
+
+def test_speculative_config_bounds_and_numpy_ints():
+    assert SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS).num_speculative_tokens == 16
+    from_numpy = SpeculativeConfig(num_speculative_tokens=np.int64(3))
+    assert type(from_numpy.num_speculative_tokens) is int and from_numpy == SpeculativeConfig(num_speculative_tokens=3)
+    assert hash(from_numpy) == hash(SpeculativeConfig(num_speculative_tokens=3))  # one compile for both
+
+
+def test_prompt_within_k_tokens_of_capacity_is_served(mtp_model):
+    """K = 3 drafts with 1 or 2 free slots left: the engine cuts at the capacity, as plain decoding does."""
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+    prompts = [list(range(1, 47)), list(range(1, 46)), [7, 8]]  # S - 2, S - 3 and a short prompt
+    plain = generate(mtp_model, prompts, max_new_tokens=6, max_length=48, stop_tokens=[])
+    fast = generate(mtp_model, prompts, max_new_tokens=6, max_length=48, stop_tokens=[], speculative=spec)
+    assert fast.tokens == plain.tokens and [len(t) for t in fast.tokens] == [2, 3, 6]
+    assert fast.finish_reasons == ["capacity", "capacity", "length"]

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.sampling import SamplingParams, SamplingState, sample, target_probs
+from mtp_jax.sampling import SamplingParams, SamplingState, row_keys, sample, target_probs
 
 LOGITS = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]]))
 
@@ -54,3 +54,13 @@ def test_empirical_distribution_matches_target():
     freq = np.bincount(draws, minlength=4) / n
     p = np.array([0.1, 0.4, 0.2, 0.3])
     assert np.all(np.abs(freq - p) < 4.5 * np.sqrt(p * (1 - p) / n)), freq
+
+
+def test_every_seed_in_range_has_its_own_key():
+    """Seeds are uint32: s and s + 2**31 (which an int32 would wrap together) draw different keys, up to 2**32 - 1."""
+    seeds = [5, 5 + 2**31, 2**31 - 1, 2**31, 2**32 - 1, 0]
+    state = SamplingState.from_params([SamplingParams(seed=s) for s in seeds])
+    keys = jax.random.key_data(row_keys(state, jnp.zeros(len(seeds), jnp.int32)))
+    assert len({tuple(k) for k in np.asarray(keys).tolist()}) == len(seeds)
+    expected = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(np.uint32(2**32 - 1)), 0), 0))
+    np.testing.assert_array_equal(keys[4], expected)
