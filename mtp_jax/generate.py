@@ -350,13 +350,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
            sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
            stop_tokens: Sequence[int] | None = None,
-           speculative=None) -> Generator[list[list[int]], None, GenerationResult | None]:
+           speculative=None) -> Generator[list[list[int]], None, GenerationResult]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 
     A finished row yields empty lists. The concatenation of everything yielded for a row equals
     `generate(...).tokens` for that row with the same arguments. The generator's return value
-    (`StopIteration.value`) is what the speculative stream returns when speculating (None today),
-    else a `GenerationResult` whose `seconds` is the wall time from the prefill to the last step,
+    (`StopIteration.value`) is a `GenerationResult` (a `SpeculativeResult`, with metrics, when
+    speculating) whose `seconds` is the wall time from the prefill to the last step,
     the consumer's time between steps included. Raises as `generate`.
     """
     if speculative is not None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -531,27 +531,35 @@ def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], s
     state = _prefill_jit(graph, params, spec, state, padded)
     state = _loop_jit(graph, params, spec, state)
     jax.block_until_ready(state.decode.lengths)
-    seconds = time.perf_counter() - begin
-    metrics = SpeculativeMetrics.from_counters(state.metrics)
+    return _result(state, time.perf_counter() - begin)
+
+
+def _result(state: SpecState, seconds: float) -> SpeculativeResult:
+    """Host-side view of a finished speculative state; `num_steps` counts the verify steps."""
     base = results_from_state(state.decode, int(np.max(jax.device_get(state.metrics.num_steps))), seconds)
-    return SpeculativeResult(**vars(base), metrics=metrics)
+    return SpeculativeResult(**vars(base), metrics=SpeculativeMetrics.from_counters(state.metrics))
 
 
 def speculative_stream(model: Transformer, prompts: Sequence[Sequence[int]], spec: SpeculativeConfig, *,
                        max_new_tokens: int | Sequence[int] = 64,
                        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                        max_length: int | None = None,
-                       stop_tokens: Sequence[int] | None = None) -> Iterator[list[list[int]]]:
-    """Like `speculative_generate`, one step per iteration: yields the tokens each row just committed."""
+                       stop_tokens: Sequence[int] | None = None) -> Generator[list[list[int]], None, SpeculativeResult]:
+    """Like `speculative_generate`, one step per iteration: yields the tokens each row just committed.
+
+    Returns (as `StopIteration.value`) the `SpeculativeResult` that `speculative_generate` would, its
+    `seconds` the wall time from the prefill to the last step, the consumer's time between steps included.
+    """
     state, padded = init_spec_state(model, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                     max_length=max_length, stop_tokens=stop_tokens)
     graph, params = static_split(model)
     before = np.asarray(state.decode.lengths)
+    begin = time.perf_counter()
     state = _prefill_jit(graph, params, spec, state, padded)
     while True:
         tokens, lengths, done = jax.device_get((state.decode.tokens, state.decode.lengths, state.decode.done))
         yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
         if done.all():
-            return
+            return _result(state, time.perf_counter() - begin)
         before = lengths
         state = _step_jit(graph, params, spec, state)

@@ -746,3 +746,22 @@ def test_impossible_requests_raise(models, style_, kwargs, message):
 def test_bad_speculative_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
+
+
+def test_stream_returns_the_result_of_generate(models):
+    """The stream's return value (StopIteration.value) carries the tokens, finish reasons, verify steps and
+    metrics that `speculative_generate` returns for the same request."""
+    model, sp = models["deepseek"]["scripted"], spec("eagle", 3)
+    kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[6])
+    steps = speculative_stream(model, PROMPTS, sp, **kwargs)
+    pieces = []
+    while True:
+        try:
+            pieces.append(next(steps))
+        except StopIteration as end:
+            streamed = end.value
+            break
+    expected = speculative_generate(model, PROMPTS, sp, **kwargs)
+    assert streamed.tokens == expected.tokens == [sum((p[b] for p in pieces), []) for b in range(3)]
+    assert streamed.finish_reasons == expected.finish_reasons == ["stop", "length", "length"]
+    assert streamed.metrics == expected.metrics and streamed.num_steps == expected.num_steps == len(pieces) - 1
