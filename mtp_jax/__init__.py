@@ -4,9 +4,9 @@ Dimension letters, used in every shape in this package:
   B batch rows, T new tokens per row in a forward, S cache capacity (tokens), E hidden size,
   H query heads, G key/value heads, D head size, V vocabulary, K draft tokens per step
   (`num_speculative_tokens`), L_b committed tokens of row b (`lengths[b]`). The number of MTP
-  modules is `num_nextn_predict_layers` (DeepSeek's name; "D" in MTP_SPEC.md).
+  modules is `num_nextn_predict_layers` (DeepSeek's name; "D" in docs/MTP_SPEC.md).
 
-The semantics every part keeps are pinned in MTP_SPEC.md (cache, MTP modules, acceptance, commit,
+The semantics every part keeps are pinned in docs/MTP_SPEC.md (cache, MTP modules, acceptance, commit,
 metrics, fixed shapes).
 """
 

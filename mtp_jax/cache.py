@@ -1,6 +1,6 @@
 """Preallocated, fixed-shape KV cache with per-row lengths.
 
-Semantics (`MTP_SPEC.md`, "The main model's cache"): row b's cache holds positions
+Semantics (`docs/MTP_SPEC.md`, "The main model's cache"): row b's cache holds positions
 `0 .. lengths[b] - 1`; a forward of T new tokens writes them at `lengths[b] .. lengths[b] + T - 1`
 and advances `lengths` by the number of tokens the caller commits. Rollback is a length update,
 never a copy: entries past `lengths[b]` are stale, invisible to attention and overwritten later.

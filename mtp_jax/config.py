@@ -91,7 +91,7 @@ class ModelConfig:
     # Token ids the tokenizer defines; generation stops at eos_token_id unless told otherwise.
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    # Multi-Token Prediction modules (`mtp_jax.mtp`; MTP_SPEC.md "MTP modules"). D = 0: none.
+    # Multi-Token Prediction modules (`mtp_jax.mtp`; docs/MTP_SPEC.md "MTP modules"). D = 0: none.
     num_nextn_predict_layers: int = 0  # D, as in DeepSeek-V3's config.json
     # "deepseek": DeepSeek-V3's sequential modules (arXiv 2412.19437 §2.2); "parallel": Gloeckle et al.
     # 2024 (arXiv 2404.19737) independent heads, each one block over the trunk's hidden state.

@@ -5,7 +5,7 @@
 streaming. Both compile once per (B, S, prompt bucket, model): generation length, sampling
 parameters, stop tokens and prompt contents are data, never shapes.
 
-State at every step boundary (`MTP_SPEC.md`): `lengths[b]` = L_b committed tokens in
+State at every step boundary (`docs/MTP_SPEC.md`): `lengths[b]` = L_b committed tokens in
 `tokens[b, :L_b]`; the main cache holds positions 0 .. L_b - 2.
 """
 

@@ -1,6 +1,6 @@
 """Multi-Token Prediction (MTP) modules, attached to the main model as `Transformer.mtp`.
 
-DeepSeek-V3 style (`mtp_style="deepseek"`, arXiv 2412.19437 §2.2; MTP_SPEC.md "MTP modules").
+DeepSeek-V3 style (`mtp_style="deepseek"`, arXiv 2412.19437 §2.2; docs/MTP_SPEC.md "MTP modules").
 Module k = 1..D at sequence index i combines the previous depth's hidden state h_i^{k-1} with the
 embedding of token t_{i+k} and predicts t_{i+k+1}:
 

@@ -2,7 +2,7 @@
 
 One function, `target_probs`, turns logits into the distribution a row samples from. The plain
 sampler draws from it and the speculative acceptance uses the very same function for its target p,
-which is what makes rejection sampling lossless (`MTP_SPEC.md`, "Acceptance").
+which is what makes rejection sampling lossless (`docs/MTP_SPEC.md`, "Acceptance").
 
 Order of the filters, as in Hugging Face's and vLLM's samplers: temperature, then top-k, then
 top-p. Greedy rows (temperature 0) get a one-hot distribution at the argmax (lowest index on ties).

@@ -1,7 +1,7 @@
 """MTP speculative decoding in one jitted, fixed-shape step: draft, verify, accept, commit, roll back.
 
-The design of TensorRT-LLM's MTP (its write-up is in `shared/seeds/`) with the semantics of
-`MTP_SPEC.md`:
+The design of TensorRT-LLM's MTP (its tech blog "DeepSeek R1 MTP Implementation and Optimization")
+with the semantics of `docs/MTP_SPEC.md`:
 
 - **Verify**: row b feeds `[t_{L-1}, d_1, ..., d_K]` at positions `L-1 .. L-1+K` through the main
   model in one forward; output j is the target distribution p_j for position L + j.
@@ -159,7 +159,7 @@ class SpeculativeConfig:
 
 @struct.dataclass
 class SpecMetrics:
-    """Per-row counters (device arrays); pooled over rows on the host (`MTP_SPEC.md`, "Metrics")."""
+    """Per-row counters (device arrays); pooled over rows on the host (`docs/MTP_SPEC.md`, "Metrics")."""
 
     num_steps: jax.Array  # int32 [B]: verify steps the row took part in
     num_drafts: jax.Array  # int32 [B]: drafts proposed

@@ -41,7 +41,7 @@ def make_model(seed: int = 0, **overrides) -> Transformer:
     return randomize(init_model(TINY.replace(**overrides), seed=seed), seed + 1)
 
 
-# ---- A numpy transcription of the equations (MTP_SPEC.md "MTP modules"). ----
+# ---- A numpy transcription of the equations (docs/MTP_SPEC.md "MTP modules"). ----
 
 def np_rms(x, w, eps=TINY.rms_norm_eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w

@@ -1,4 +1,4 @@
-"""Speculative decoding (`MTP_SPEC.md`): lossless greedy and sampling, cached drafts == a no-cache oracle,
+"""Speculative decoding (`docs/MTP_SPEC.md`): lossless greedy and sampling, cached drafts == a no-cache oracle,
 rollback under NaN-poisoned stale slots, stops inside a block, capacity, relaxed acceptance, fixed shapes,
 metrics and impossible requests.
 
