@@ -47,11 +47,17 @@ _GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b":
                    r"\bprompt \d+\b": "--prompt"}
 
 
-def default_compilation_cache_dir() -> pathlib.Path:
-    """`$MTP_JAX_CACHE/jax_cache`, else `$XDG_CACHE_HOME/mtp_jax/jax_cache` (default ~/.cache/mtp_jax/jax_cache)."""
+def cache_root() -> pathlib.Path:
+    """Where the CLI keeps what it can rebuild (tokenized corpora, compiled programs): `$MTP_JAX_CACHE`,
+    else `$XDG_CACHE_HOME/mtp_jax`, else `~/.cache/mtp_jax`."""
     if os.environ.get("MTP_JAX_CACHE"):
-        return pathlib.Path(os.environ["MTP_JAX_CACHE"]) / "jax_cache"
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "mtp_jax" / "jax_cache"
+        return pathlib.Path(os.environ["MTP_JAX_CACHE"])
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "mtp_jax"
+
+
+def default_compilation_cache_dir() -> pathlib.Path:
+    """JAX's persistent compilation cache of the CLI: `cache_root() / "jax_cache"`."""
+    return cache_root() / "jax_cache"
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -224,9 +230,9 @@ def run_generate(args) -> int:
 
 
 def default_data_dir(*, vocab_size: int | None = None, tokenizer_path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The corpus cache for this interpreter: `$MTP_JAX_CACHE` (default ~/.cache/mtp_jax) /
-    `stdlib-py3.X-v<vocab>` for a trained tokenizer, `stdlib-py3.X-tok<sha256[:12]>` for a given one."""
-    root = pathlib.Path(os.environ.get("MTP_JAX_CACHE", pathlib.Path.home() / ".cache" / "mtp_jax"))
+    """The corpus cache for this interpreter: `cache_root()` / `stdlib-py3.X-v<vocab>` for a trained
+    tokenizer, `stdlib-py3.X-tok<sha256[:12]>` for a given one."""
+    root = cache_root()
     tag = f"py{sys.version_info.major}.{sys.version_info.minor}"
     if tokenizer_path is not None:
         return root / f"stdlib-{tag}-tok{hashlib.sha256(pathlib.Path(tokenizer_path).read_bytes()).hexdigest()[:12]}"
