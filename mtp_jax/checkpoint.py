@@ -1,9 +1,8 @@
 """Hugging Face checkpoint import and export: `config.json` plus safetensors weights.
 
 Format (what `transformers`' `save_pretrained` writes and `from_pretrained` reads):
-  - `config.json`: a `LlamaConfig` / `Qwen2Config` / `MistralConfig` as JSON. Both RoPE spellings
-    are read: transformers 4.x's `rope_theta` + `rope_scaling`, and transformers 5's
-    `rope_parameters` dict (which holds `rope_theta`); both are written.
+  - `config.json`: a `LlamaConfig` / `Qwen2Config` / `MistralConfig` as JSON, mapped to and from
+    `ModelConfig` by `mtp_jax.hf_config` (`config_from_hf`, `config_to_hf`, re-exported here).
   - `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
     `model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {name: file}}.
 
@@ -19,10 +18,9 @@ filled, with the stored shape; otherwise a `CheckpointError` lists what is missi
 mis-shaped. Two documented exceptions: `*.rotary_emb.inv_freq` buffers (old exports) are
 ignored, and with tied embeddings a `lm_head.weight` equal to `model.embed_tokens.weight` is
 accepted as a redundant copy (a *different* one is an error: the checkpoint is not tied).
-Every field of config.json that is read is type-checked (no coercion: "64" is not an int, 64.0
-is not an int, "false" is not a bool), and a corrupt file (invalid JSON, a truncated or garbage
-safetensors file, an index without `weight_map` or with a shard name that is not a plain file
-name) raises a `CheckpointError` naming the file.
+Every field of config.json that is read is type-checked (`mtp_jax.hf_config`), and a corrupt
+file (invalid JSON, a truncated or garbage safetensors file, an index without `weight_map` or
+with a shard name that is not a plain file name) raises a `CheckpointError` naming the file.
 
 Saving is atomic (`mtp_jax.atomic_dir`): the checkpoint is written to a temporary sibling
 directory and swapped in, so a kill at any point leaves the old or the new checkpoint at `path`.
@@ -34,7 +32,7 @@ import contextlib
 import fnmatch
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mtp_jax import atomic_dir
-from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.config import ModelConfig
+from mtp_jax.hf_config import (
+    DTYPE_NAMES,
+    MTP_CONVENTION_FIELDS,  # noqa: F401  (re-exported)
+    config_from_hf,
+    config_to_hf,
+)
 from mtp_jax.model import Transformer
 
 CONFIG_FILE = "config.json"
@@ -57,23 +61,7 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5_000_000_000  # transformers 4.x's default "5GB"
-
-# mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
-# (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
-MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
-
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # the HF config classes' defaults
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
-# RoPE keys per type, besides "rope_type"/"type", "rope_theta" and "partial_rotary_factor".
-_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-             "mscale", "mscale_all_dim", "truncate"),
-}
 _MAX_LISTED = 20  # names shown per category in a CheckpointError message
 
 
@@ -93,251 +81,6 @@ class CheckpointError(ValueError):
                 more = f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
                 parts.append(f"{label} ({len(names)}): {shown}{more}")
         super().__init__("; ".join(parts))
-
-
-# ----------------------------------------------------------------------------------------------
-# Config
-
-
-_KINDS = {"int": "an int", "number": "a number", "bool": "a bool (true or false)", "str": "a string",
-          "object": "an object", "list": "a list"}
-
-
-def _read(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, where: str = "") -> Any:
-    """hf[name], checked to be JSON of `kind` (see `_KINDS`); `default` when absent or null.
-
-    No coercion: an int is not a bool, a float or a string is not an int; "number" accepts ints
-    and returns a float. `where` prefixes the field name in the error ("rope_scaling.").
-    """
-    value = hf.get(name)
-    if value is None:
-        return default
-    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-          "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-          "bool": isinstance(value, bool), "str": isinstance(value, str),
-          "object": isinstance(value, Mapping), "list": isinstance(value, list)}[kind]
-    if not ok:
-        raise ValueError(f"{where}{name} must be {_KINDS[kind]}, got {value!r}")
-    return float(value) if kind == "number" else value
-
-
-def _read_positive(hf: Mapping[str, Any], name: str, default: int | None = None, *, where: str = "") -> int | None:
-    """hf[name] as an int >= 1 (`default` when absent or null); 0 and negatives are errors."""
-    value = _read(hf, name, "int", where=where)
-    if value is not None and value < 1:
-        raise ValueError(f"{where}{name} must be >= 1, got {value}")
-    return default if value is None else value
-
-
-def _read_token_ids(hf: Mapping[str, Any], name: str) -> int | tuple[int, ...] | None:
-    """A token id, or a list of them (returned as a tuple)."""
-    value = hf.get(name)
-    if not isinstance(value, list):
-        return _read(hf, name, "int")
-    for i, token in enumerate(value):
-        if not isinstance(token, int) or isinstance(token, bool):
-            raise ValueError(f"{name}[{i}] must be an int, got {token!r}")
-    return tuple(value)
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
-    """(rope_theta, RopeScaling) from either RoPE spelling, with transformers 5's precedence rules."""
-    scaling, parameters = _read(hf, "rope_scaling", "object"), _read(hf, "rope_parameters", "object")
-    field = "rope_scaling" if scaling else "rope_parameters"
-    params, where = dict(scaling or parameters or {}), f"{field}."
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError(f"{field}: per-layer-type RoPE parameters are not supported")
-    theta = _read(params, "rope_theta", "number", where=where)
-    theta = _or(theta, _read(hf, "rope_theta", "number", 10000.0))
-    rope_type = _read(params, "rope_type", "str", where=where) or _read(params, "type", "str", where=where)
-    rope_type = rope_type or "default"
-    partial = _read(params, "partial_rotary_factor", "number", where=where)
-    partial = _or(partial, _read(hf, "partial_rotary_factor", "number", 1.0))
-    for key in ("rope_theta", "rope_type", "type", "partial_rotary_factor"):
-        params.pop(key, None)
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE on every dim), got {partial!r}")
-    if rope_type not in _ROPE_KEYS:
-        raise ValueError(f"{field}.rope_type {rope_type!r} is not supported (supported: {tuple(_ROPE_KEYS)})")
-    unknown = sorted(set(params) - set(_ROPE_KEYS[rope_type]))
-    if unknown:
-        raise ValueError(f"{field}.{unknown[0]} is not supported for rope_type {rope_type!r}")
-    if rope_type == "default":
-        return theta, RopeScaling()
-    numbers = {key: _read(params, key, "number", where=where)
-               for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
-                           "beta_slow", "mscale", "mscale_all_dim")}
-    factor = numbers["factor"]
-    if rope_type in ("linear", "llama3") and factor is None:
-        raise ValueError(f"{field}.factor is required for rope_type {rope_type!r}")
-    if rope_type == "linear":
-        return theta, RopeScaling(rope_type="linear", factor=factor)
-    # transformers 5: a top-level original_max_position_embeddings (Phi-3 style) wins, then the
-    # dict's, then max_position_embeddings.
-    original = (_read_positive(hf, "original_max_position_embeddings")
-                or _read_positive(params, "original_max_position_embeddings", where=where) or max_positions)
-    if rope_type == "llama3":
-        return theta, RopeScaling(rope_type="llama3", factor=factor, original_max_position_embeddings=original,
-                                  low_freq_factor=_or(numbers["low_freq_factor"], 1.0),
-                                  high_freq_factor=_or(numbers["high_freq_factor"], 4.0))
-    return theta, RopeScaling(
-        rope_type="yarn", factor=max_positions / original if factor is None else factor,
-        original_max_position_embeddings=original, beta_fast=numbers["beta_fast"] or 32.0,
-        beta_slow=numbers["beta_slow"] or 1.0, truncate=_read(params, "truncate", "bool", True, where=where),
-        **{key: numbers[key] for key in ("attention_factor", "mscale", "mscale_all_dim")})
-
-
-def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions: int, num_layers: int) -> None:
-    window = _read_positive(hf, "sliding_window")
-    layer_types = _read(hf, "layer_types", "list")
-    use_sliding_window = _read(hf, "use_sliding_window", "bool", False)
-    max_window_layers = _read(hf, "max_window_layers", "int", 28)
-    if window is None or window >= max_positions:
-        return  # no window, or one that never binds
-    if model_type == "mistral":
-        raise ValueError(f"sliding_window={window} < max_position_embeddings={max_positions}: "
-                         "sliding-window attention is not supported")
-    if model_type == "qwen2" and use_sliding_window:
-        in_use = "sliding_attention" in layer_types if layer_types is not None else max_window_layers < num_layers
-        if in_use:
-            raise ValueError(f"use_sliding_window=True with sliding_window={window}: "
-                             "sliding-window attention is not supported")
-
-
-def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face `config.json` dict (model_type llama, qwen2 or mistral).
-
-    Reads transformers 4.x (`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x
-    (`rope_parameters`) RoPE fields, rope types default / linear / llama3 / yarn. The stored
-    `dtype` (or 4.x `torch_dtype`) becomes both `dtype` and `param_dtype` (float32 when absent).
-    Fields with no effect on the forward pass (dropout, use_cache, pad_token_id, ...) are ignored.
-    Every field read is type-checked as JSON, without coercion (see `_read`); null means absent.
-
-    Raises:
-      ValueError naming the field for anything this model cannot reproduce: another model_type,
-      hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings, a
-      sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or mlp_bias,
-      quantization_config, a missing size field; and for a field of the wrong JSON type (a string
-      or a float where an int is expected, a string where a bool is, a list where an object is)
-      or a size that is 0 or negative.
-    """
-    if not isinstance(hf_config, Mapping):
-        raise ValueError(f"the config must be a JSON object, got {type(hf_config).__name__}")
-    hf = dict(hf_config)
-    model_type = _read(hf, "model_type", "str")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
-    sizes = {}
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        sizes[name] = _read_positive(hf, name)
-        if sizes[name] is None:
-            raise ValueError(f"{name} is missing from the config")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("quantization_config: quantized checkpoints are not supported")
-    if _read(hf, "mlp_bias", "bool", False):
-        raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
-    if _read(hf, "attention_bias", "bool", False) and model_type in ("llama", "mistral"):
-        raise ValueError(f"attention_bias=True is not supported for {model_type} (it adds an o_proj bias)")
-    max_positions = _read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
-    _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
-    theta, scaling = _rope_from_hf(hf, max_positions)
-    dtype = _read(hf, "dtype", "str") or _read(hf, "torch_dtype", "str") or "float32"
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {dtype!r}")
-    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
-    head_dim = _read_positive(hf, "head_dim")
-    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
-        head_dim = None  # the derived default: keep configs canonical
-    mtp_kinds = {"mtp_style": "str", "mtp_concat_order": "str", "mtp_hidden_after_norm": "bool",
-                 "mtp_chain_after_shared_head_norm": "bool"}
-    mtp_conventions = {name: _read(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
-    return ModelConfig(
-        **sizes, num_key_value_heads=_read_positive(hf, "num_key_value_heads", heads), head_dim=head_dim,
-        max_position_embeddings=max_positions, rms_norm_eps=_read(hf, "rms_norm_eps", "number", 1e-6),
-        rope_theta=theta, rope_scaling=scaling, attention_bias=model_type == "qwen2",
-        tie_word_embeddings=_read(hf, "tie_word_embeddings", "bool", False),
-        hidden_act=_read(hf, "hidden_act", "str", "silu"), dtype=dtype, param_dtype=dtype,
-        initializer_range=_read(hf, "initializer_range", "number", 0.02),
-        bos_token_id=_read(hf, "bos_token_id", "int"), eos_token_id=_read_token_ids(hf, "eos_token_id"),
-        num_nextn_predict_layers=_read(hf, "num_nextn_predict_layers", "int", 0),
-        **{name: value for name, value in mtp_conventions.items() if value is not None})
-
-
-def _rope_to_hf(s: RopeScaling) -> dict[str, Any] | None:
-    """The `rope_scaling` dict (without rope_theta) for `s`, None for the default."""
-    if s.rope_type == "default":
-        return None
-    out: dict[str, Any] = {"rope_type": s.rope_type, "factor": s.factor}
-    if s.rope_type == "llama3":
-        out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                   original_max_position_embeddings=s.original_max_position_embeddings)
-    elif s.rope_type == "yarn":
-        out.update(original_max_position_embeddings=s.original_max_position_embeddings,
-                   beta_fast=s.beta_fast, beta_slow=s.beta_slow)
-        out.update({k: getattr(s, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
-                    if getattr(s, k) is not None})
-        if not s.truncate:
-            out["truncate"] = False
-    return out
-
-
-def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict for `config`; `config_from_hf` inverts it.
-
-    model_type: "llama", "qwen2" or "mistral"; default "qwen2" when `attention_bias` (Qwen2's
-    q/k/v bias without an o_proj bias) else "llama". RoPE is written both ways, and they agree:
-    `rope_parameters` (transformers 5) and `rope_theta` + `rope_scaling` (4.x). `dtype` is
-    written as `param_dtype`, the weights' storage dtype: config.json holds one dtype, so a
-    mixed-precision compute dtype is not recorded and the inverse is exact when
-    `dtype == param_dtype`.
-
-    Raises:
-      ValueError when the chosen model_type cannot express the config (attention_bias must be True
-      for qwen2 and False otherwise).
-    """
-    model_type = model_type or ("qwen2" if config.attention_bias else "llama")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
-    if config.attention_bias != (model_type == "qwen2"):
-        raise ValueError(f"attention_bias={config.attention_bias} cannot be expressed as model_type {model_type!r}")
-    scaling = _rope_to_hf(config.rope_scaling)
-    eos = config.eos_token_id
-    hf: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.resolved_head_dim,
-        "hidden_act": config.hidden_act,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta},
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "initializer_range": config.initializer_range,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "dtype": config.param_dtype,
-    }
-    if config.num_nextn_predict_layers:  # DeepSeek-V3's field, plus mtp_jax's conventions (others ignore them)
-        hf["num_nextn_predict_layers"] = config.num_nextn_predict_layers
-        hf.update({name: getattr(config, name) for name in MTP_CONVENTION_FIELDS})
-    if model_type == "llama":
-        hf.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "qwen2":
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
-    else:
-        hf.update(sliding_window=None)
-    return hf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,8 +248,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
             dtype = jnp.dtype(dtype).name
         except TypeError:
             pass  # not a dtype at all: reported below
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {dtype!r}")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
         config = config.replace(dtype=dtype, param_dtype=dtype)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)

@@ -12,15 +12,9 @@ Two modes:
     The main parameters travel in `frozen`, get no gradient and no optimizer state, and come out
     bit-identical (for adding MTP heads to an existing model, e.g. one imported from Hugging Face).
 
-A run lives in a run dir:
-  run.json          model config, train config, corpus fingerprint (written at the start; a resume
-                    that changes the step count or the bookkeeping settings rewrites it)
-  train.lock        locked (`fcntl.flock`) by the one trainer working in the dir
-  checkpoints/<n>/  orbax: TrainState + frozen state + JSON metadata after step n
-  log.jsonl         one line per logged training step and per evaluation
-  tokenizer.json    the corpus tokenizer
-  export/           the final model (`save_pretrained`: safetensors + config.json + tokenizer.json)
-  corrupt_checkpoints/<n>/  checkpoints that could not be restored, moved aside on resume
+A run lives in a run dir (`mtp_jax.run_dir`: its layout, the lock, the overwrite rules, the log
+and checkpoint fallback). A checkpoint holds {"train": TrainState, "frozen": the frozen state}
+and the JSON metadata {"tokens_per_step", "step"}.
 
 Resume is exact: the batch of step n is a pure function of (corpus, seed, n) (`data.PackedBatches`)
 and the checkpoint holds the whole optimizer state, so 2N steps in one go equal N steps, a restart
@@ -30,7 +24,7 @@ Ctrl-C aborts at once).
 
 Safety of what is saved:
   - A fresh run refuses a non-empty dir unless `overwrite`, and `overwrite` deletes only a run dir
-    the trainer made (one holding its run.json), and there only the entries listed above.
+    the trainer made (one holding its run.json), and there only its entries (`run_dir.RUN_ENTRIES`).
   - One trainer per run dir: the lock is held for the whole of `train` and released by the kernel
     when the process ends, so a killed trainer leaves no stale lock.
   - A step whose loss or gradient norm is not finite stops the run before anything is saved
@@ -43,17 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import json
 import math
 import os
 import pathlib
-import shutil
 import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from functools import partial
 
@@ -66,11 +56,34 @@ from flax import nnx, struct
 from tqdm.auto import tqdm
 
 from mtp_jax import checkpoint, data
-from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.config import ModelConfig
 from mtp_jax.loss import compute_loss, label_mask
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.mtp import MTP_PARAMS, make_mtp_modules, shift_left
 from mtp_jax.pretrained import save_pretrained
+from mtp_jax.run_dir import (
+    EXPORT_DIR,
+    RUN_ENTRIES,  # noqa: F401  (re-exported: part of this module's interface)
+    RUN_FILE,
+    TOKENIZER_FILE,
+    CheckpointFallbackWarning,  # noqa: F401  (re-exported)
+    NoUsableCheckpointError,  # noqa: F401  (re-exported)
+    RunDirInUseError,  # noqa: F401  (re-exported)
+    append_log,
+    check_run_dir,
+    checkpoint_manager,
+    config_to_dict,
+    is_run_dir,
+    locked,
+    model_config_from_dict,
+    read_run,
+    restore_checkpoint,
+    restore_latest,
+    save_checkpoint,
+    start_run,
+    truncate_log,
+    write_run,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,6 +138,10 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+# The settings a resume may change: the step count (the run continues to the new total) and bookkeeping.
+RESUMABLE_FIELDS = ("num_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,19 +277,7 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
 
 
 # ----------------------------------------------------------------------------------------------
-# Run dir: run file, lock, log, checkpoints, interrupts.
-
-RUN_FILE = "run.json"
-LOCK_FILE = "train.lock"
-# What the trainer writes in a run dir: all that `overwrite` may delete.
-RUN_ENTRIES = (RUN_FILE, "log.jsonl", "tokenizer.json", "checkpoints", "export", "corrupt_checkpoints",
-               f"{RUN_FILE}.tmp", "log.jsonl.tmp")
-# The settings a resume may change: the step count (the run continues to the new total) and bookkeeping.
-RESUMABLE_FIELDS = ("num_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
-
-
-class RunDirInUseError(RuntimeError):
-    """Another trainer holds the run dir's lock (`train.lock`)."""
+# Checkpointed state, non-finite steps, interrupts.
 
 
 class NonFiniteError(FloatingPointError):
@@ -287,146 +292,22 @@ class NonFiniteError(FloatingPointError):
         self.step, self.last_checkpoint = step, last_checkpoint
 
 
-class NoUsableCheckpointError(FileNotFoundError):
-    """No checkpoint of the run (or not the one asked for) can be restored."""
-
-
-class CheckpointFallbackWarning(UserWarning):
-    """The latest checkpoint cannot be restored; an earlier one is used instead."""
-
-
-def config_to_dict(config: ModelConfig | TrainConfig) -> dict:
-    return dataclasses.asdict(config)
-
-
-def model_config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d, rope_scaling=RopeScaling(**d["rope_scaling"]))
-    if isinstance(d.get("eos_token_id"), list):
-        d["eos_token_id"] = tuple(d["eos_token_id"])
-    return ModelConfig(**d)
-
-
-def is_run_dir(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a run this module made: a run.json with a model config, a train config and a corpus."""
-    try:
-        run = json.loads((pathlib.Path(path) / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(run, dict) and {"model_config", "train_config", "corpus"} <= run.keys()
-
-
-def _entries(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    return [e for e in run_dir.iterdir() if e.name != LOCK_FILE] if run_dir.is_dir() else []
-
-
-def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False) -> None:
-    """Raises what `train` would raise for `run_dir` in this mode, without changing anything there.
-
-    Raises:
-      FileNotFoundError: `resume` and run_dir holds no run (no run.json).
-      FileExistsError: a fresh run where run_dir is not a directory, or is a non-empty directory and
-        `overwrite` is not set, or `overwrite` is set but it is not a run dir (nothing is deleted there).
-      RunDirInUseError: another trainer holds run_dir's lock.
-    """
-    run_dir = pathlib.Path(run_dir)
-    if resume:
-        if not is_run_dir(run_dir):
-            raise FileNotFoundError(f"no run to resume in {run_dir} ({RUN_FILE} is missing or not a run file)")
-    elif run_dir.exists() and not run_dir.is_dir():
-        raise FileExistsError(f"run dir {run_dir} exists and is not a directory")
-    elif _entries(run_dir):
-        if not overwrite:
-            raise FileExistsError(f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
-                                  "its run or overwrite=True (--overwrite) to delete it and start again")
-        if not is_run_dir(run_dir):
-            raise FileExistsError(f"{run_dir} is not a run dir (it has no {RUN_FILE} written by mtp_jax.train): "
-                                  "overwrite (--overwrite) deletes only a run dir, so nothing was deleted; "
-                                  "pick an empty or new directory")
-    if (run_dir / LOCK_FILE).is_file():
-        with _locked(run_dir):
-            pass
-
-
-@contextlib.contextmanager
-def _locked(run_dir: pathlib.Path) -> Iterator[None]:
-    """Holds an exclusive `fcntl.flock` on run_dir/train.lock for the block (the kernel drops it if we die)."""
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise RunDirInUseError(f"run dir {run_dir} is in use by another trainer (process {holder} holds "
-                                   f"{run_dir / LOCK_FILE}); wait for it to end or stop it") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above; the lock is the flock
-        yield
-    finally:
-        os.close(fd)  # releases the flock
-
-
-def _clear_run_dir(run_dir: pathlib.Path, overwrite: bool) -> None:
-    """Deletes the entries the trainer wrote in a run dir (RUN_ENTRIES); other files stay. Call under the lock."""
-    if not _entries(run_dir):
-        return
-    if not overwrite or not is_run_dir(run_dir):  # checked again under the lock: the dir may have changed
-        raise FileExistsError(f"run dir {run_dir} is not empty" + (" and not a run dir" if overwrite else "")
-                              + ": nothing was deleted")
-    for name in RUN_ENTRIES:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-
-
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _log(run_dir: pathlib.Path, record: dict) -> None:
-    with open(run_dir / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _truncate_log(run_dir: pathlib.Path, step: int, num_steps: int) -> int:
-    """Drops the log records that a resume from checkpoint `step` writes again (those of later steps, and
-    the final evaluation if `step` is the last) and lines cut short by a kill; returns how many."""
-    path = run_dir / "log.jsonl"
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-            final_eval = record["kind"] == "eval" and step >= num_steps  # written again after the resume
-            redone = record["step"] > step or (record["step"] == step and final_eval)
-        except (ValueError, KeyError, TypeError):
-            redone = True
-        if redone:
-            dropped += 1
-        else:
-            kept.append(line + "\n")
-    if dropped:
-        _write_atomic(path, "".join(kept))
-    return dropped
-
-
 def _checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
-                                           enable_async_checkpointing=False)  # the state is donated next step
-    return ocp.CheckpointManager((run_dir / "checkpoints").resolve(), options=options)
+    return checkpoint_manager(run_dir, max_to_keep=config.keep_checkpoints)
 
 
 def _save(manager: ocp.CheckpointManager, state: TrainState, frozen: nnx.State, meta: dict) -> None:
-    step = int(state.step)
-    if manager.latest_step() == step:
-        return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"train": state, "frozen": frozen}),
-                                               meta=ocp.args.JsonSave({**meta, "step": step})), force=True)
-    manager.wait_until_finished()
+    save_checkpoint(manager, int(state.step), {"train": state, "frozen": frozen}, meta)
+
+
+def _abstract_state(model_config: ModelConfig, train_config: TrainConfig) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, the abstract {"train": TrainState, "frozen": ...} that a checkpoint restores into)."""
+    abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
+    graphdef, params, frozen = split_model(abstract, train_config)
+    target = {"train": TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                                  opt_state=jax.eval_shape(_StaticOptimizer(train_config).tx.init, params)),
+              "frozen": frozen}
+    return graphdef, target
 
 
 @jax.jit
@@ -529,27 +410,26 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         _check_compatible(model_config, train_config, corpus)
     check_run_dir(run_dir, resume=resume, overwrite=overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(run_dir):
+    with locked(run_dir):
         if resume:
             run, model_config, saved_train, train_config = _load_run(run_dir, corpus, model_config, train_config,
                                                                       model)
         else:
-            _clear_run_dir(run_dir, overwrite)
             corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction",
                            "tokenizer_source")
             run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
                    "corpus": {"work_dir": str(corpus.work_dir.resolve()),
                               **{k: corpus.metadata.get(k) for k in corpus_keys}}}
-            shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
-            _write_atomic(run_dir / RUN_FILE, json.dumps(run, indent=1))  # last: it marks a run dir
+            start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
 
         manager = _checkpoint_manager(run_dir, train_config)
         try:
             if resume:
-                step, graphdef, state, frozen = _restore_latest(manager, run_dir, model_config, train_config,
-                                                                move_unreadable=True)
+                graphdef, target = _abstract_state(model_config, train_config)
+                step, restored = restore_latest(manager, run_dir, target, move_unreadable=True)
+                state, frozen = restored["train"], restored["frozen"]
                 _record_resume(run_dir, run, saved_train, train_config, step)
-                _truncate_log(run_dir, step, train_config.num_steps)
+                truncate_log(run_dir, step, train_config.num_steps)
             else:
                 model = model if model is not None else init_model(model_config, train_config.seed)
                 graphdef, params, frozen = split_model(model, train_config)
@@ -567,7 +447,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         if not stopped_early:
             eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step)
             if export:
-                save_pretrained(model, run_dir / "export", tokenizer=run_dir / "tokenizer.json", overwrite=True)
+                save_pretrained(model, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
     return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
                        eval_metrics=eval_metrics)
 
@@ -576,7 +456,7 @@ def _evaluate_and_log(run_dir: pathlib.Path, model: Transformer, corpus: data.Co
                       step: int) -> dict[str, float]:
     result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=config.batch_size,
                       seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches)
-    _log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
+    append_log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
     tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), file=sys.stderr)
     return result
 
@@ -613,7 +493,8 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
                 tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
                 train_metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s)
-                _log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step, **train_metrics})
+                append_log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step,
+                                     **train_metrics})
                 bar.set_postfix(loss=f"{train_metrics['loss']:.3f}", main=f"{train_metrics['main_loss']:.3f}",
                                 tok_s=f"{tokens_per_s:.0f}")
             if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
@@ -629,56 +510,6 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
     return state, train_metrics, eval_metrics
 
 
-def _restore(manager: ocp.CheckpointManager, step: int, model_config: ModelConfig,
-             train_config: TrainConfig) -> tuple[nnx.GraphDef, TrainState, nnx.State]:
-    abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
-    graphdef, params, frozen = split_model(abstract, train_config)
-    target = {"train": TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                                  opt_state=jax.eval_shape(_StaticOptimizer(train_config).tx.init, params)),
-              "frozen": frozen}
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    return graphdef, restored.state["train"], restored.state["frozen"]
-
-
-def _restore_latest(manager: ocp.CheckpointManager, run_dir: pathlib.Path, model_config: ModelConfig,
-                    train_config: TrainConfig, *,
-                    move_unreadable: bool) -> tuple[int, nnx.GraphDef, TrainState, nnx.State]:
-    """(step, graphdef, state, frozen) of the latest checkpoint that can be restored.
-
-    Later checkpoints that cannot be restored are named in a CheckpointFallbackWarning and, with
-    `move_unreadable`, moved to run_dir/corrupt_checkpoints (so that new saves do not meet them).
-    Raises FileNotFoundError without checkpoints, NoUsableCheckpointError if none can be restored.
-    """
-    steps = sorted(manager.all_steps(), reverse=True)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    unreadable: dict[int, str] = {}
-    for step in steps:
-        try:
-            restored = _restore(manager, step, model_config, train_config)
-        except Exception as error:  # orbax and tensorstore raise many kinds (a bare Exception too) on damaged files
-            unreadable[step] = f"{type(error).__name__}: {str(error)[:160]}"
-            continue
-        if unreadable:
-            moved = ""
-            if move_unreadable:
-                aside = run_dir / "corrupt_checkpoints"
-                aside.mkdir(exist_ok=True)
-                for bad in unreadable:
-                    target, n = aside / str(bad), 1
-                    while target.exists():
-                        target, n = aside / f"{bad}-{n}", n + 1
-                    shutil.move(pathlib.Path(manager.directory) / str(bad), target)
-                manager.reload()
-                moved = f"; moved to {aside}"
-            warnings.warn(f"checkpoint step {', '.join(map(str, unreadable))} in {run_dir / 'checkpoints'} cannot "
-                          f"be restored ({'; '.join(unreadable.values())}); falling back to step {step}{moved}",
-                          CheckpointFallbackWarning, stacklevel=3)
-        return (step, *restored)
-    raise NoUsableCheckpointError(f"no checkpoint in {run_dir / 'checkpoints'} can be restored: "
-                                  + "; ".join(f"step {s}: {e}" for s, e in unreadable.items()))
-
-
 def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, dict]:
     """The model at checkpoint `step` of a run, and the run's `run.json` dict.
 
@@ -690,25 +521,18 @@ def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Trans
     run_dir = pathlib.Path(run_dir)
     if not is_run_dir(run_dir):
         raise FileNotFoundError(f"no run in {run_dir} ({RUN_FILE} is missing or not a run file)")
-    run = json.loads((run_dir / RUN_FILE).read_text())
-    model_config = model_config_from_dict(run["model_config"])
+    run = read_run(run_dir)
     train_config = TrainConfig(**run["train_config"])
+    graphdef, target = _abstract_state(model_config_from_dict(run["model_config"]), train_config)
     manager = _checkpoint_manager(run_dir, train_config)
     try:
         if step is None:
-            _, graphdef, state, frozen = _restore_latest(manager, run_dir, model_config, train_config,
-                                                         move_unreadable=False)
-        elif step not in manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint {step} in {run_dir / 'checkpoints'}")
+            _, restored = restore_latest(manager, run_dir, target, move_unreadable=False)
         else:
-            try:
-                graphdef, state, frozen = _restore(manager, step, model_config, train_config)
-            except Exception as error:  # as in _restore_latest
-                raise NoUsableCheckpointError(f"checkpoint step {step} in {run_dir / 'checkpoints'} cannot be "
-                                              f"restored ({type(error).__name__}: {str(error)[:160]})") from error
+            restored = restore_checkpoint(manager, run_dir, step, target)
     finally:
         manager.close()
-    return nnx.merge(graphdef, state.params, frozen), run
+    return nnx.merge(graphdef, restored["train"].params, restored["frozen"]), run
 
 
 def _check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
@@ -732,7 +556,7 @@ def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelCon
     """(run.json dict, model config, saved train config, train config to resume with) of a run."""
     if model is not None:
         raise ValueError("resume restores the model from the checkpoint; do not pass model")
-    run = json.loads((run_dir / RUN_FILE).read_text())
+    run = read_run(run_dir)
     saved_model = model_config_from_dict(run["model_config"])
     saved_train = TrainConfig(**run["train_config"])
     if model_config is not None and model_config != saved_model:
@@ -746,7 +570,7 @@ def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelCon
         raise ValueError(f"train_config differs from the run's in {run_dir} in settings a resume cannot change: "
                          + "; ".join(f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in fixed.items()))
     if (run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
-            or corpus.tokenizer_path.read_bytes() != (run_dir / "tokenizer.json").read_bytes()):
+            or corpus.tokenizer_path.read_bytes() != (run_dir / TOKENIZER_FILE).read_bytes()):
         raise ValueError(f"the corpus or tokenizer differs from the one the run in {run_dir} started with")
     return run, saved_model, saved_train, train_config
 
@@ -760,7 +584,7 @@ def _record_resume(run_dir: pathlib.Path, run: dict, saved: TrainConfig, config:
     if changed:
         resumes = [*run.get("resumes", []), {"step": step, "changed": {k: list(d) for k, d in changed.items()}}]
         run = {**run, "train_config": config_to_dict(config), "resumes": resumes}
-        _write_atomic(run_dir / RUN_FILE, json.dumps(run, indent=1))
+        write_run(run_dir, run)
 
 
 # ----------------------------------------------------------------------------------------------
