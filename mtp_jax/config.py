@@ -4,9 +4,12 @@ The fields follow Hugging Face's `LlamaConfig` / `Qwen2Config` names so that `co
 maps onto them one to one (see `mtp_jax.checkpoint`). Invalid combinations raise a
 `ValueError` that names the field.
 
-Room for later architectures: `attention_type` selects the attention and cache layout
-("gqa" today; DeepSeek-V3's "mla" with a compressed latent cache comes later) and
-`ffn_type` the feed-forward block ("dense" today; "moe" later).
+Architectures: `attention_type` selects the attention and its cache layout ("gqa"; DeepSeek-V3's
+"mla", multi-head latent attention with a compressed latent cache, arXiv 2405.04434 §2.1) and
+`ffn_type` the feed-forward block ("dense" SwiGLU; "moe", DeepSeek-V3's mixture of experts with
+shared experts, arXiv 2412.19437 §2.1.2). The MLA and MoE fields carry DeepSeek-V3's config.json
+names; they are read only when their type is selected. The Transformer runs "gqa" + "dense" today;
+the MLA and MoE layers live in `mtp_jax.layers`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from mtp_jax.attention import ATTENTION_IMPLS
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_STYLES = ("deepseek", "parallel")
 MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
+ATTENTION_TYPES = ("gqa", "mla")
+FFN_TYPES = ("dense", "moe")
+MOE_SCORING_FUNCS = ("sigmoid", "softmax")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -83,6 +89,34 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_type: str = "gqa"
     ffn_type: str = "dense"
+    # GLM-4.5 style GQA: RoPE on the first partial_rotary_factor of each head, optional q/k RMSNorm.
+    partial_rotary_factor: float = 1.0
+    use_qk_norm: bool = False
+    # MLA (attention_type="mla", DeepSeek-V2/V3): q_lora_rank None = a full-rank q_proj; the cache holds
+    # kv_lora_rank latent + qk_rope_head_dim rope-key entries per position; heads have qk_nope_head_dim +
+    # qk_rope_head_dim query/key and v_head_dim value entries. rope_interleave: the rope dims of q and
+    # k_pe come interleaved (DeepSeek's checkpoints) and are permuted to rotate-half before RoPE.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    # MoE (ffn_type="moe", DeepSeek-V3 / GLM-4.5): the first first_k_dense_replace layers stay dense
+    # (intermediate_size); the others route each token to num_experts_per_tok of n_routed_experts experts
+    # (moe_intermediate_size each) chosen within the topk_group best of n_group groups by
+    # scores + e_score_correction_bias, weighted by the scores (normalised if norm_topk_prob) times
+    # routed_scaling_factor, plus n_shared_experts always-on experts.
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+    scoring_func: str = "sigmoid"
     dtype: str = "float32"
     param_dtype: str = "float32"
     # Cache attention (`mtp_jax.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
@@ -131,10 +165,22 @@ class ModelConfig:
             raise ValueError(f"rope_scaling must be a RopeScaling, got {type(self.rope_scaling).__name__}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
-        if self.attention_type != "gqa":
-            raise ValueError(f"attention_type must be 'gqa' (MLA is not implemented yet), got {self.attention_type!r}")
-        if self.ffn_type != "dense":
-            raise ValueError(f"ffn_type must be 'dense' (MoE is not implemented yet), got {self.ffn_type!r}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        if self.ffn_type not in FFN_TYPES:
+            raise ValueError(f"ffn_type must be one of {FFN_TYPES}, got {self.ffn_type!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        if self.rotary_dim % 2:
+            raise ValueError(f"the rotary part of a head (partial_rotary_factor x head_dim = {self.rotary_dim}) "
+                             "must be even")
+        for name in ("use_qk_norm", "rope_interleave", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attention_type == "mla":
+            self._check_mla()
+        if self.ffn_type == "moe":
+            self._check_moe()
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {tuple(_DTYPES)}, got {getattr(self, name)!r}")
@@ -158,7 +204,45 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check_positive_int(self, name)
+        if self.q_lora_rank is not None:
+            _check_positive_int(self, "q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+
+    def _check_moe(self) -> None:
+        for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
+            _check_positive_int(self, name)
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
+                             f"({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        per_group = self.n_routed_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {self.topk_group} x "
+                             f"{per_group} experts of the topk_group best groups")
+        if self.scoring_func not in MOE_SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {MOE_SCORING_FUNCS}, got {self.scoring_func!r}")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+
     # Derived values.
+    @property
+    def rotary_dim(self) -> int:
+        """Entries of each GQA head that RoPE rotates (all, unless partial_rotary_factor < 1)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has the MoE feed-forward block."""
+        return self.ffn_type == "moe" and layer >= self.first_k_dense_replace
+
     @property
     def resolved_head_dim(self) -> int:
         """D, the per-head size."""
@@ -199,6 +283,12 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def _check_positive_int(config: ModelConfig, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {

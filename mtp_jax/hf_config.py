@@ -239,6 +239,9 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
       ValueError when the chosen model_type cannot express the config (attention_bias must be True
       for qwen2 and False otherwise).
     """
+    if config.attention_type != "gqa" or config.ffn_type != "dense":
+        raise ValueError(f"config_to_hf writes Llama / Qwen2 / Mistral configs: attention_type="
+                         f"{config.attention_type!r} with ffn_type={config.ffn_type!r} has no mapping yet")
     model_type = model_type or ("qwen2" if config.attention_bias else "llama")
     if model_type not in _ARCHITECTURES:
         raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")

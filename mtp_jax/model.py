@@ -123,6 +123,12 @@ class Transformer(nnx.Module):
     """Decoder-only language model (HF `LlamaForCausalLM` / `Qwen2ForCausalLM` layout)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if config.attention_type != "gqa" or config.ffn_type != "dense" or config.partial_rotary_factor != 1 \
+                or config.use_qk_norm:
+            raise ValueError("the Transformer runs attention_type='gqa' with full rotary and no qk-norm, and "
+                             f"ffn_type='dense' (got {config.attention_type!r}, partial_rotary_factor="
+                             f"{config.partial_rotary_factor}, use_qk_norm={config.use_qk_norm}, {config.ffn_type!r}): "
+                             "MLA, MoE and GLM-4.5 attention are layers in mtp_jax.layers, not yet wired into it")
         self.config = config
         self.embed_tokens = nnx.Embed(
             config.vocab_size,
