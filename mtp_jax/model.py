@@ -20,6 +20,9 @@ from jaxtyping import Array, Float, Int
 from mtp_jax.attention import attend, segment_attention_reference
 from mtp_jax.cache import KVCache, write_at
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.ffn import MLP
+from mtp_jax.layers.linear import linear
+from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.rope import apply_rope
 
 
@@ -28,41 +31,16 @@ def take_rows(x: Float[Array, "B T ..."], index: Int[Array, " B"]) -> Float[Arra
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, then scaled in the input dtype (as in HF)."""
-
-    def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
-
-
-def _linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(
-        fan_in,
-        fan_out,
-        use_bias=bias,
-        dtype=config.compute_dtype,
-        param_dtype=config.weight_dtype,
-        kernel_init=nnx.initializers.normal(config.initializer_range),
-        rngs=rngs,
-    )
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = _linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
-        self.k_proj = _linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
-        self.v_proj = _linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
-        self.o_proj = _linear(config, h * d, config.hidden_size, rngs)
+        self.q_proj = linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
+        self.k_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.v_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.o_proj = linear(config, h * d, config.hidden_size, rngs)
 
     def __call__(
         self,
@@ -88,18 +66,6 @@ class Attention(nnx.Module):
         else:  # whole packed sequences from an empty cache (training): attend within each segment only
             out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, num_new, h * d)), k_cache, v_cache
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.gate_proj = _linear(config, config.hidden_size, config.intermediate_size, rngs)
-        self.up_proj = _linear(config, config.hidden_size, config.intermediate_size, rngs)
-        self.down_proj = _linear(config, config.intermediate_size, config.hidden_size, rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
@@ -141,7 +107,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = (
-            None if config.tie_word_embeddings else _linear(config, config.hidden_size, config.vocab_size, rngs)
+            None if config.tie_word_embeddings else linear(config, config.hidden_size, config.vocab_size, rngs)
         )
         from mtp_jax.mtp import make_mtp_modules  # mtp.py builds on this module's DecoderLayer
 

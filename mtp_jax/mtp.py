@@ -38,7 +38,9 @@ from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.model import DecoderLayer, RMSNorm, Transformer, _linear, take_rows
+from mtp_jax.layers.linear import linear
+from mtp_jax.layers.norm import RMSNorm
+from mtp_jax.model import DecoderLayer, Transformer, take_rows
 
 # Filters for `nnx.state`, `nnx.Optimizer(..., wrt=...)` and `nnx.DiffState`: the MTP modules'
 # parameters, and the main model's. Training only the MTP modules (frozen main model) is an
@@ -91,7 +93,7 @@ class MTPModule(_MTPBlock):
         super().__init__(config, rngs)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.eh_proj = _linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
+        self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
 
     def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
                  embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
