@@ -52,9 +52,13 @@ def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
-    """Per-pair inverse frequencies, float32 of shape [D/2], and the cos/sin scale (YaRN's attention factor)."""
-    dim, base, s = config.resolved_head_dim, config.rope_theta, config.rope_scaling
+def inverse_frequencies(config: ModelConfig, dim: int | None = None) -> tuple[np.ndarray, float]:
+    """Per-pair inverse frequencies, float32 of shape [dim/2], and the cos/sin scale (YaRN's attention factor).
+
+    dim: the rotated size, default `config.resolved_head_dim` (MLA passes `qk_rope_head_dim`).
+    """
+    dim = config.resolved_head_dim if dim is None else dim
+    base, s = config.rope_theta, config.rope_scaling
     inv_freq = (1.0 / base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)).astype(np.float32)
     if s.rope_type == "linear":
         return (inv_freq / s.factor).astype(np.float32), 1.0
@@ -66,14 +70,15 @@ def inverse_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def apply_rope(
-    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], config: ModelConfig
+    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], config: ModelConfig, dim: int | None = None
 ) -> Float[Array, "B T N D"]:
     """Rotate q or k of shape [B, T, N, D] by their absolute positions [B, T] (int32).
 
     Computed in float32 and cast back to x's dtype; rotate-half layout (first half pairs with
-    second half), as in Hugging Face's Llama.
+    second half), as in Hugging Face's Llama. dim: the frequencies' size (see `inverse_frequencies`),
+    default `config.resolved_head_dim`; it must equal D, x's last axis.
     """
-    inv_freq, scale = inverse_frequencies(config)
+    inv_freq, scale = inverse_frequencies(config, dim)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
