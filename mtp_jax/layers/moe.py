@@ -1,0 +1,188 @@
+"""DeepSeek-V3's mixture-of-experts feed-forward block (arXiv 2412.19437 §2.1.2), with DeepSeek-V3's names.
+
+Each token's hidden state goes to `num_experts_per_tok` of `n_routed_experts` SwiGLU experts plus
+`n_shared_experts` always-on ones (fused into one MLP of width `moe_intermediate_size * n_shared_experts`):
+
+    s = sigmoid(x @ gate.weight.T)                     (softmax when scoring_func == "softmax")
+    chosen = top-k of (s + e_score_correction_bias), restricted to the topk_group best of n_group groups,
+             a group's score being the sum of its two largest biased scores ("node-limited routing", §2.1.2)
+    g = s[chosen] / (sum(s[chosen]) + 1e-20) if norm_topk_prob else s[chosen];  g *= routed_scaling_factor
+    y = shared_experts(x) + sum_j g_j * expert_{chosen_j}(x)
+
+The bias is the auxiliary-loss-free load-balancing term (§2.1.2, eq. 16): it steers which experts are
+chosen and never enters the weights `g`. Its update rule (raise the bias of under-loaded experts, lower
+the overloaded, by a fixed step after each training step) is not a gradient, so the bias is a
+`ScoreCorrectionBias`, an `nnx.Param` subclass: checkpoints load and save it with the other parameters
+and an optimizer can leave it out with `nnx.All(nnx.Param, nnx.Not(ScoreCorrectionBias))`.
+
+The routing (`route`) and the semantics match Hugging Face's `DeepseekV3TopkRouter` / `DeepseekV3MoE`;
+GLM-4.5's `Glm4MoeTopkRouter` / `Glm4MoeMoE` compute the same (there `n_group = topk_group = 1` by
+default, which turns group limiting off; `tests/test_moe.py` checks both).
+
+Checkpoint layout (DeepSeek-V3 safetensors, prefix `model.layers.{l}.mlp.`):
+  `gate.weight` [R, E]                      -> `gate.weight` (as is)
+  `gate.e_score_correction_bias` [R]        -> `gate.e_score_correction_bias` (as is)
+  `experts.{r}.gate_proj.weight` [I, E]     -> `experts.gate_proj` [R, E, I] = stack over r, then transpose(0, 2, 1)
+  `experts.{r}.up_proj.weight` [I, E]       -> `experts.up_proj` [R, E, I]   (likewise)
+  `experts.{r}.down_proj.weight` [E, I]     -> `experts.down_proj` [R, I, E] = stack over r, then transpose(0, 2, 1)
+  `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts` (an `MLP`; kernels are the transposes)
+transformers 5 holds the stacked experts as `gate_up_proj` [R, 2I, E] (gate rows first, then up) and
+`down_proj` [R, E, I]; ours are `gate_up_proj[:, :I].transpose(0, 2, 1)`, `gate_up_proj[:, I:]...` and
+`down_proj.transpose(0, 2, 1)`.
+
+The routed experts run as grouped matmuls (`jax.lax.ragged_dot`) over the N*k token-expert assignments
+sorted by expert; every shape is fixed (no data-dependent shapes, no loop over experts). On TPU and GPU
+jax lowers it to XLA's `ragged_dot` instruction (GPU: optionally a Pallas Triton kernel,
+`jax_ragged_dot_use_gpu_pallas_triton_lowering`), meant to do the chosen experts' work only (not
+measured here on GPU). On CPU jax 0.10
+expands it into a dense contraction over all R groups of a masked [R, M, E] copy of its input: k times the
+work of running every expert on every token, and slower than that beyond toy sizes (E 256, I 128, R 32, k 4,
+N 512: 301 ms against 56 ms). Fine for tests; not for CPU serving.
+
+Letters (beside the package's B, T, E): N = B*T tokens, R routed experts, k experts per token, M = N*k
+assignments, I = moe_intermediate_size, P = n_group, Q = R / P experts per group.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.layers.ffn import MLP
+
+
+class ScoreCorrectionBias(nnx.Param):
+    """The router's load-balancing bias `e_score_correction_bias` (selection only; not trained by gradient)."""
+
+
+def route(
+    logits: jax.Array,
+    bias: jax.Array,
+    *,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> tuple[jax.Array, jax.Array]:
+    """Choose `top_k` experts per token and their weights, DeepSeek-V3's group-limited routing.
+
+    Args:
+      logits: router logits of shape [N, R] (computed in float32).
+      bias: `e_score_correction_bias` of shape [R]; added to the scores for the choice only.
+      top_k: k, experts per token. n_group / topk_group: the R experts form n_group equal groups and only
+        the topk_group groups with the largest sum of their two best biased scores are eligible
+        (n_group = 1 turns this off). norm_topk_prob: divide the k weights by their sum (+1e-20).
+      scoring_func: "sigmoid" (DeepSeek-V3) or "softmax" (over the R logits; the rest is unchanged).
+
+    Returns:
+      (indices int32 [N, k], weights float32 [N, k]): the chosen experts, in descending biased score, and
+      their weights, the unbiased scores (normalised if asked) times routed_scaling_factor.
+
+    Shapes are fixed; `lax.top_k` breaks exact ties toward the lower index.
+    """
+    logits = logits.astype(jnp.float32)
+    num_tokens, num_experts = logits.shape
+    if scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)  # [N, R]
+    elif scoring_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)  # [N, R]
+    else:
+        raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
+    choice = scores + bias.astype(jnp.float32)  # [N, R]
+    if n_group > 1:
+        per_group = num_experts // n_group
+        grouped = choice.reshape(num_tokens, n_group, per_group)  # [N, P, Q]
+        group_scores = jax.lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [N, P]
+        _, best_groups = jax.lax.top_k(group_scores, topk_group)  # [N, topk_group]
+        group_mask = jax.nn.one_hot(best_groups, n_group, dtype=jnp.bool_).any(axis=-2)  # [N, P]
+        expert_mask = jnp.repeat(group_mask, per_group, axis=-1)  # [N, R]
+        choice = jnp.where(expert_mask, choice, -jnp.inf)  # [N, R]
+    _, indices = jax.lax.top_k(choice, top_k)  # [N, k]
+    weights = jnp.take_along_axis(scores, indices, axis=-1)  # [N, k]
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)  # [N, k]
+    return indices.astype(jnp.int32), weights * routed_scaling_factor
+
+
+class Router(nnx.Module):
+    """DeepSeek-V3's `mlp.gate`: `weight` [R, E] and `e_score_correction_bias` [R], both float32.
+
+    `__call__(x [N, E]) -> (indices int32 [N, k], weights float32 [N, k])`, computed in float32.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        shape = (config.n_routed_experts, config.hidden_size)
+        self.weight = nnx.Param(nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32))
+        self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        logits = jnp.einsum("ne,re->nr", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))  # [N, R]
+        return route(logits, self.e_score_correction_bias[...], top_k=c.num_experts_per_tok, n_group=c.n_group,
+                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                     routed_scaling_factor=c.routed_scaling_factor, scoring_func=c.scoring_func)
+
+
+class Experts(nnx.Module):
+    """The R routed SwiGLU experts, stacked: `gate_proj`, `up_proj` [R, E, I] and `down_proj` [R, I, E].
+
+    `__call__(x [N, E], indices int32 [N, k], weights float32 [N, k]) -> [N, E]`:
+    `sum_j weights[:, j] * down(silu(x @ gate[indices[:, j]]) * (x @ up[indices[:, j]]))`, as three
+    `lax.ragged_dot`s over the N*k assignments sorted by expert.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        init = nnx.initializers.normal(config.initializer_range)
+        self.gate_proj = nnx.Param(init(rngs.params(), (r, e, i), config.weight_dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (r, e, i), config.weight_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (r, i, e), config.weight_dtype))
+
+    def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
+        num_tokens, top_k = indices.shape
+        dtype = self.config.compute_dtype
+        flat = indices.reshape(-1)  # [M], assignment m = token m // k, slot m % k
+        order = jnp.argsort(flat, stable=True)  # [M], assignments grouped by expert
+        group_sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)  # [R]
+        xs = x.astype(dtype)[order // top_k]  # [M, E], the token of each sorted assignment
+        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dtype), group_sizes)  # [M, I]
+        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dtype), group_sizes)  # [M, I]
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dtype), group_sizes)  # [M, E]
+        inverse = jnp.argsort(order)  # [M], sorted position of each assignment
+        y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
+        out = jnp.einsum("nke,nk->ne", y.astype(jnp.float32), weights.astype(jnp.float32))  # [N, E]
+        return out.astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """DeepSeek-V3's MoE feed-forward block: `gate` (a `Router`), `experts` (stacked `Experts`) and,
+    when `n_shared_experts > 0`, `shared_experts` (an `MLP` of width moe_intermediate_size * n_shared_experts).
+
+    `__call__(x [B, T, E]) -> [B, T, E]` in x's dtype; the router runs in float32, the experts in
+    `config.compute_dtype`. Requires `config.ffn_type == "moe"`. Source: arXiv 2412.19437 §2.1.2 and
+    Hugging Face's `DeepseekV3MoE` (see the module docstring for the semantics and the checkpoint layout).
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        if config.ffn_type != "moe":
+            raise ValueError(f"MoE needs ffn_type='moe', got {config.ffn_type!r}")
+        self.gate = Router(config, rngs)
+        self.experts = Experts(config, rngs)
+        self.shared_experts = (
+            MLP(config, rngs, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts > 0 else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, e = x.shape
+        tokens = x.reshape(b * t, e)  # [N, E]
+        indices, weights = self.gate(tokens)  # [N, k], [N, k]
+        y = self.experts(tokens, indices, weights).reshape(b, t, e)  # [B, T, E]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)  # [B, T, E]
+        return y
