@@ -39,11 +39,10 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import data, speculative
-from mtp_jax.cache import KVCache
 from mtp_jax.generate import _loop_jit as plain_loop_jit
 from mtp_jax.generate import _prefill_jit as plain_prefill_jit
 from mtp_jax.generate import generate, init_state
-from mtp_jax.model import static_split
+from mtp_jax.model import sequence_positions, static_split
 from mtp_jax.speculative import SpeculativeConfig
 
 
@@ -124,15 +123,16 @@ def _looped_time(body, params, carry, steps: int, repeats: int) -> float:
 def _forward_timer(model, batch: int, prefix: int, capacity: int, steps: int = 20):
     """time(T): one main-model forward of T tokens on a cache holding `prefix` tokens, in a device loop."""
     graphdef, params = nnx.split(model)
-    cache = KVCache.init(model.config, batch, capacity).replace(lengths=jnp.full((batch,), prefix, jnp.int32))
+    cache = model.init_cache(batch, capacity)
 
     def time_tokens(num: int, repeats: int) -> float:
         tokens = jnp.ones((batch, num), jnp.int32)
+        positions = sequence_positions(batch, num, prefix)
 
         def body(params, carry):
             cache, acc = carry
-            logits, _, new = nnx.merge(graphdef, params)(tokens, cache)
-            return new.replace(lengths=cache.lengths), acc + jnp.sum(logits)
+            logits, _, new = nnx.merge(graphdef, params)(tokens, positions, cache)
+            return new, acc + jnp.sum(logits)
 
         return _looped_time(body, params, (cache, jnp.float32(0)), steps, repeats)
 
@@ -143,7 +143,7 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     """Seconds of `speculative.draft` alone (all K draft forwards) after a verify step, in a device loop."""
     graphdef, params = nnx.split(model)
     config = model.config
-    caches = tuple(KVCache.init(config, batch, capacity, num_layers=1) for _ in range(spec.num_caches))
+    caches = tuple(model.mtp[j].init_cache(batch, capacity) for j in range(spec.num_caches))
     width = spec.hidden_window or spec.num_speculative_tokens + 1
     hidden = jnp.zeros((batch, width, config.hidden_size), config.compute_dtype)
     lengths = jnp.full((batch,), prefix, jnp.int32)
@@ -163,16 +163,15 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
 def _module_timer(model, batch: int, prefix: int, capacity: int, steps: int = 20):
     """Seconds of one MTP module forward of one token on its cache (one draft forward), in a device loop."""
     graphdef, params = nnx.split(model)
-    cache = KVCache.init(model.config, batch, capacity, num_layers=1).replace(
-        lengths=jnp.full((batch,), prefix, jnp.int32))
+    cache = model.mtp[0].init_cache(batch, capacity)
     hidden = jnp.zeros((batch, 1, model.config.hidden_size), model.config.compute_dtype)
-    tokens = jnp.ones((batch, 1), jnp.int32)
+    tokens, positions = jnp.ones((batch, 1), jnp.int32), sequence_positions(batch, 1, prefix)
 
     def body(params, carry):
         cache, acc = carry
         m = nnx.merge(graphdef, params)
-        logits, _, new = m.mtp[0](hidden, tokens, cache, embed=m.embed, head=m.head)
-        return new.replace(lengths=cache.lengths), acc + jnp.sum(logits)
+        logits, _, new = m.mtp[0](hidden, tokens, positions, cache, embed=m.embed, head=m.head)
+        return new, acc + jnp.sum(logits)
 
     return lambda repeats: _looped_time(body, params, (cache, jnp.float32(0)), steps, repeats)
 

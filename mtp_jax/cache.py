@@ -1,11 +1,20 @@
-"""Preallocated, fixed-shape KV cache with per-row lengths.
+"""Per-layer, preallocated, fixed-shape caches: the model's only state between forwards.
 
-Semantics (`docs/MTP_SPEC.md`, "The main model's cache"): row b's cache holds positions
-`0 .. lengths[b] - 1`; a forward of T new tokens writes them at `lengths[b] .. lengths[b] + T - 1`
-and advances `lengths` by the number of tokens the caller commits. Rollback is a length update,
-never a copy: entries past `lengths[b]` are stale, invisible to attention and overwritten later.
+The model contract (`docs/MTP_SPEC.md`, "The main model's cache"; STYLE point 14): a forward takes
+tokens, their absolute positions and a per-layer cache pytree, writes the new entries at those
+positions and returns the new cache. It never decides lengths. Lengths live in the decode state
+(`engine.DecodeState.lengths`, the committed tokens L_b) and nowhere else: at a step boundary
+every cache of row b holds positions `0 .. L_b - 2`, so advancing is committing tokens and rolling
+back is nothing at all. Entries past a row's positions are stale: invisible to attention (a query
+at position p sees cache positions <= p), overwritten later, and NaN there changes nothing.
+
 Writes are scatters with out-of-range indices dropped, so no write can land outside `[0, S)` or
 clobber a live entry (JAX would clamp a `dynamic_update_slice` start instead).
+
+`KVCache` is the grouped-query attention layer's cache (keys and values); other attention types
+bring their own (`mtp_jax.layers.mla.MLACache`: compressed latent and rope key). A model's cache is
+the tuple of its layers' caches (`Transformer.init_cache`); every array in it has the shape
+[B, S, ...], so `fill_stale` and `capacity` work on any of them.
 """
 
 from __future__ import annotations
@@ -20,55 +29,57 @@ from mtp_jax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    """Per-layer caches `k[i]`, `v[i]` of shape [B, S, G, D] and `lengths` int32 [B]."""
+    """One grouped-query attention layer's cache: `k`, `v` of shape [B, S, G, D]."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def max_length(self) -> int:
-        """S, the capacity in tokens."""
-        return self.k[0].shape[1]
+    k: jax.Array
+    v: jax.Array
 
     @classmethod
-    def init(
-        cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None, num_layers: int | None = None
-    ) -> KVCache:
-        """An empty cache (all lengths 0) of capacity `max_length` tokens for `num_layers` layers."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
-        num_layers = config.num_hidden_layers if num_layers is None else num_layers
+    def init(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """Zeros of shape [batch_size, max_length, G, D] in `dtype` (default the compute dtype).
+
+        Raises ValueError for a batch size or capacity below 1.
+        """
+        check_shape(batch_size, max_length)
         dtype = config.compute_dtype if dtype is None else dtype
         shape = (batch_size, max_length, config.num_key_value_heads, config.resolved_head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(
-            k=zeros,
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            lengths=jnp.zeros((batch_size,), jnp.int32),
-        )
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    def fill_stale(self, value: float) -> KVCache:
-        """Every entry at or past a row's length set to `value` (tests: NaN there must change nothing)."""
-        stale = (jnp.arange(self.max_length)[None, :] >= self.lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
-        return self.replace(
-            k=tuple(jnp.where(stale, value, x) for x in self.k), v=tuple(jnp.where(stale, value, x) for x in self.v)
-        )
+    def write(self, positions: Int[Array, "B T"], k: Float[Array, "B T G D"], v: Float[Array, "B T G D"]) -> KVCache:
+        """The cache with the new keys and values at `positions` (out of range: dropped)."""
+        return KVCache(k=write_at(self.k, k, positions), v=write_at(self.v, v, positions))
 
 
-def write_at(cache: Float[Array, "B S G D"], new: Float[Array, "B T G D"], start: Int[Array, " B"]) -> jax.Array:
-    """`cache` with row b's new entries written at positions start[b] .. start[b] + T - 1.
+def check_shape(batch_size: int, max_length: int) -> None:
+    """Raises ValueError unless both are ints >= 1 (a cache's batch size and capacity S)."""
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], positions: Int[Array, "B T"]) -> jax.Array:
+    """`cache` with `new[b, t]` written at position `positions[b, t]` of row b.
 
     Positions outside [0, S) are dropped, never clamped or wrapped.
     """
-    batch, num_new = new.shape[:2]
-    positions = start[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
     positions = jnp.where(positions < 0, cache.shape[1], positions)  # negative would wrap: send past the end
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)  # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], positions.shape)  # [B, T]
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def capacity(cache) -> int:
+    """S, the capacity in tokens of a cache pytree (every array is [B, S, ...])."""
+    return jax.tree.leaves(cache)[0].shape[1]
+
+
+def fill_stale(cache, lengths: Int[Array, " B"], value: float):
+    """`cache` (any cache pytree) with every entry at or past row b's `lengths[b]` set to `value`.
+
+    Tests: NaN there must change nothing.
+    """
+
+    def fill(x):
+        stale = jnp.arange(x.shape[1])[None, :] >= lengths[:, None]  # [B, S]
+        return jnp.where(stale.reshape(stale.shape + (1,) * (x.ndim - 2)), value, x)
+
+    return jax.tree.map(fill, cache)

@@ -20,8 +20,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mtp_jax.attention import ATTENTION_IMPLS
-
+# Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU where it applies.
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_STYLES = ("deepseek", "parallel")
 MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
@@ -119,7 +119,7 @@ class ModelConfig:
     scoring_func: str = "sigmoid"
     dtype: str = "float32"
     param_dtype: str = "float32"
-    # Cache attention (`mtp_jax.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
+    # Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
     attention_impl: str = "auto"
     initializer_range: float = 0.02
     # Token ids the tokenizer defines; generation stops at eos_token_id unless told otherwise.

@@ -4,8 +4,9 @@ Module and parameter names follow Hugging Face's `LlamaForCausalLM` (`embed_toke
 `layers[i].self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `norm`, `lm_head`), which are
 also DeepSeek-V3's names, so checkpoint import is a rename-free walk (`mtp_jax.checkpoint`).
 
-`Transformer.__call__` runs T >= 1 new tokens per row at per-row positions against a cache and
-returns the logits, the final hidden states (which the MTP modules consume) and the new cache.
+`Transformer.__call__(tokens, positions, cache)` runs T >= 1 new tokens per row at the positions the
+caller gives against a per-layer cache and returns the logits, the final hidden states (which the MTP
+modules consume) and the new cache; it never decides lengths (`mtp_jax.cache`).
 """
 
 from __future__ import annotations
@@ -17,72 +18,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.attention import attend, segment_attention_reference
-from mtp_jax.cache import KVCache, write_at
+from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers.ffn import MLP
+from mtp_jax.layers.decoder import DecoderLayer
+from mtp_jax.layers.indexing import sequence_positions, take_rows
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
-from mtp_jax.rope import apply_rope
-
-
-def take_rows(x: Float[Array, "B T ..."], index: Int[Array, " B"]) -> Float[Array, "B 1 ..."]:
-    """`x[b, index[b]]` for each row b, keeping a length-1 T axis."""
-    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
-
-
-class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.config = config
-        d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
-        self.k_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
-        self.v_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
-        self.o_proj = linear(config, h * d, config.hidden_size, rngs)
-
-    def __call__(
-        self,
-        x: Float[Array, "B T E"],
-        positions: Int[Array, "B T"],
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        start: Int[Array, " B"],
-        segment_ids: Int[Array, "B T"] | None = None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        c = self.config
-        batch, num_new, _ = x.shape
-        d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
-        q = self.q_proj(x).reshape(batch, num_new, h, d)  # [B, T, H, D]
-        k = self.k_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
-        v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
-        q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
-        k_cache, v_cache = write_at(k_cache, k, start), write_at(v_cache, v, start)
-        if segment_ids is None:
-            out = attend(
-                q, k_cache, v_cache, start + num_new, scale=c.attention_scale, impl=c.attention_impl
-            )  # [B, T, H, D]
-        else:  # whole packed sequences from an empty cache (training): attend within each segment only
-            out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
-        return self.o_proj(out.reshape(batch, num_new, h * d)), k_cache, v_cache
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.self_attn = Attention(config, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.mlp = MLP(config, rngs)
-
-    def __call__(self, x, positions, k_cache, v_cache, start, segment_ids=None):
-        attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, start, segment_ids
-        )
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+from mtp_jax.mtp import make_mtp_modules
 
 
 class Transformer(nnx.Module):
@@ -109,8 +51,6 @@ class Transformer(nnx.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else linear(config, config.hidden_size, config.vocab_size, rngs)
         )
-        from mtp_jax.mtp import make_mtp_modules  # mtp.py builds on this module's DecoderLayer
-
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
         self.mtp = make_mtp_modules(config, rngs)
 
@@ -123,16 +63,26 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
 
+    def init_cache(self, batch_size: int, max_length: int) -> tuple[KVCache, ...]:
+        """The main model's empty cache: one cache per layer, capacity `max_length` tokens.
+
+        Raises ValueError for a batch size or capacity below 1.
+        """
+        return tuple(layer.init_cache(batch_size, max_length) for layer in self.layers)
+
     def __call__(
-        self, tokens: Int[Array, "B T"], cache: KVCache, segment_ids: Int[Array, "B T"] | None = None, *,
-        logits_at: Int[Array, " B"] | None = None,
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
-        """Forward of T new tokens per row, at positions `cache.lengths[b] + t`.
+        self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: tuple[KVCache, ...],
+        segment_ids: Int[Array, "B T"] | None = None, *, logits_at: Int[Array, " B"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, tuple[KVCache, ...]]:
+        """Forward of T new tokens per row at the positions the caller gives (the model contract).
 
         Args:
           tokens: int32 [B, T]; ids must lie in [0, V) (not checked inside jit).
-          cache: a `KVCache` with `lengths[b] + T <= S` (writes past S are dropped, so rows that
-            would overflow give wrong results rather than corrupt others; callers bound T).
+          positions: int32 [B, T], each row's T contiguous absolute positions. The new entries are
+            written there and token t attends to cache positions <= positions[b, t]; positions at
+            or past S are dropped (such rows give wrong results rather than corrupt others; callers
+            bound them).
+          cache: one cache per layer (`init_cache`), holding each row's earlier positions.
           segment_ids: optional int32 [B, T] document ids of packed rows (training). When given, the
             cache must be empty: token t attends only to new tokens s <= t of its own segment.
           logits_at: optional int32 [B]: compute the logits of row b's new token `logits_at[b]`
@@ -140,19 +90,16 @@ class Transformer(nnx.Module):
 
         Returns:
           logits float32 [B, T, V] ([B, 1, V] with `logits_at`); hidden states [B, T, E] *before*
-          the final norm (the input of `norm` and `head`); the cache with the T new entries written
-          and `lengths + T`. Rolling back to fewer committed tokens is `cache.replace(lengths=...)`.
+          the final norm (the input of `norm` and `head`); the cache with the T new entries written.
+          The model keeps no lengths: which positions are live is the caller's state.
         """
-        start = cache.lengths
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
         x = self.embed(tokens)
-        new_k, new_v = [], []
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            x, k_cache, v_cache = layer(x, positions, k_cache, v_cache, start, segment_ids)
-            new_k.append(k_cache)
-            new_v.append(v_cache)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x, layer_cache = layer(x, positions, layer_cache, segment_ids)
+            new_cache.append(layer_cache)
         logits = self.head(self.norm(x if logits_at is None else take_rows(x, logits_at)))
-        return logits, x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=start + tokens.shape[1])
+        return logits, x, tuple(new_cache)
 
     def forward_full(
         self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
@@ -161,8 +108,8 @@ class Transformer(nnx.Module):
 
         With `segment_ids` (int32 [B, T]), packed documents do not attend to each other.
         """
-        cache = KVCache.init(self.config, tokens.shape[0], tokens.shape[1])
-        logits, hidden, _ = self(tokens, cache, segment_ids)
+        batch, num = tokens.shape
+        logits, hidden, _ = self(tokens, sequence_positions(batch, num), self.init_cache(batch, num), segment_ids)
         return logits, hidden
 
 

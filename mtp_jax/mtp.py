@@ -23,7 +23,7 @@ Parameter names follow DeepSeek-V3's README_WEIGHTS.md: module k holds `enorm`, 
 `post_attention_layernorm`, `mlp.*` directly (the modules subclass `DecoderLayer`), so checkpoint
 key `model.layers.{L + k - 1}.<name>` maps onto `mtp[k - 1].<name>`.
 
-Positions: a module call runs its T rows at positions `cache.lengths[b] + t` of its own one-layer
+Positions: a module call runs its T rows at the positions the caller gives, in its own one-layer
 cache, like the main model: row i of a depth sits at position i, the position of h_i^{k-1}.
 """
 
@@ -38,9 +38,10 @@ from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.decoder import DecoderLayer
+from mtp_jax.layers.indexing import sequence_positions, take_rows
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
-from mtp_jax.model import DecoderLayer, Transformer, take_rows
 
 # Filters for `nnx.state`, `nnx.Optimizer(..., wrt=...)` and `nnx.DiffState`: the MTP modules'
 # parameters, and the main model's. Training only the MTP modules (frozen main model) is an
@@ -67,19 +68,14 @@ class _MTPBlock(DecoderLayer):
         self.config = config
         self.shared_head = SharedHead(config)
 
-    def _block_and_head(self, x: Float[Array, "B T E"], cache: KVCache, head: Head,
+    def _block_and_head(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: KVCache, head: Head,
                         segment_ids: Int[Array, "B T"] | None,
                         logits_at: Int[Array, " B"] | None) -> tuple[jax.Array, jax.Array, KVCache]:
-        if len(cache.k) != 1:
-            raise ValueError(f"an MTP module takes a one-layer KVCache, got {len(cache.k)} layers")
-        start = cache.lengths
-        num_new = x.shape[1]
-        positions = start[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]  # [B, T]
-        out, k, v = DecoderLayer.__call__(self, x, positions, cache.k[0], cache.v[0], start, segment_ids)
+        out, cache = DecoderLayer.__call__(self, x, positions, cache, segment_ids)
         normed = self.shared_head.norm(out)
         chained = normed if self.config.mtp_chain_after_shared_head_norm else out
         logits = head(normed if logits_at is None else take_rows(normed, logits_at))
-        return logits, chained, KVCache(k=(k,), v=(v,), lengths=start + num_new)
+        return logits, chained, cache
 
 
 class MTPModule(_MTPBlock):
@@ -95,16 +91,17 @@ class MTPModule(_MTPBlock):
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
 
-    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
-                 embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
+    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 cache: KVCache, *, embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
                  logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
         """One depth over T rows per batch row.
 
         Args:
           hidden: h^{k-1} of shape [B, T, E] (h^0 for k = 1, see `initial_hidden`).
           tokens: int32 [B, T], t_{i+k} for row i.
-          cache: this module's one-layer `KVCache` (`KVCache.init(config, B, S, num_layers=1)`);
-            rows run at positions `cache.lengths + t`.
+          positions: int32 [B, T], the contiguous positions i of the rows (row i of a depth sits at
+            the position of h_i^{k-1}), written into and attended over in `cache`.
+          cache: this module's one-layer cache (`init_cache`).
           embed, head: the main model's `embed` and `head` (shared, not copied).
           segment_ids: optional int32 [B, T] packed-document ids; needs an empty cache (training).
           logits_at: optional int32 [B]: logits of row b's row `logits_at[b]` only, [B, 1, V] (drafting
@@ -113,28 +110,28 @@ class MTPModule(_MTPBlock):
         Returns:
           logits float32 [B, T, V] (row i predicts t_{i+k+1}; [B, 1, V] with `logits_at`); h^k of
           shape [B, T, E], as chained to
-          depth k + 1 (`config.mtp_chain_after_shared_head_norm`); the cache with `lengths + T`.
+          depth k + 1 (`config.mtp_chain_after_shared_head_norm`); the cache with the T entries written.
         """
         e, h = self.enorm(embed(tokens)), self.hnorm(hidden)  # [B, T, E] each
         parts = (e, h) if self.config.mtp_concat_order == "embedding_first" else (h, e)
         x = self.eh_proj(jnp.concatenate(parts, axis=-1))  # [B, T, 2E] -> [B, T, E]
-        return self._block_and_head(x, cache, head, segment_ids, logits_at)
+        return self._block_and_head(x, positions, cache, head, segment_ids, logits_at)
 
 
 class ParallelMTPHead(_MTPBlock):
     """Gloeckle et al. 2024 head: one transformer block over the trunk's h^0, then `shared_head.norm`."""
 
-    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], cache: KVCache, *,
-                 embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
+    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 cache: KVCache, *, embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
                  logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
         """Same interface as `MTPModule.__call__`; `hidden` is always h^0 and `tokens`, `embed` are unused.
 
         Returns logits float32 [B, T, V] (head k's row i predicts t_{i+1+k}), the head's hidden
         [B, T, E] (after or before `shared_head.norm`, as configured; nothing is chained: every head
-        reads h^0) and the cache with `lengths + T`.
+        reads h^0) and the cache with the T entries written.
         """
         del tokens, embed  # no token input: every head reads the shared trunk only
-        return self._block_and_head(hidden, cache, head, segment_ids, logits_at)
+        return self._block_and_head(hidden, positions, cache, head, segment_ids, logits_at)
 
 
 def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
@@ -143,7 +140,7 @@ def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     return nnx.List([cls(config, rngs) for _ in range(config.num_nextn_predict_layers)])
 
 
-def initial_hidden(model: Transformer, main_hidden: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+def initial_hidden(model: nnx.Module, main_hidden: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
     """h^0 from the main model's hidden state (as `Transformer.__call__` returns it, before the final
     norm): `model.norm(main_hidden)` when `config.mtp_hidden_after_norm`, else unchanged."""
     return model.norm(main_hidden) if model.config.mtp_hidden_after_norm else main_hidden
@@ -156,7 +153,7 @@ def shift_left(tokens: Int[Array, "B T"], n: int, fill: int = 0) -> Int[Array, "
     return jnp.concatenate([tokens[:, n:], jnp.full((tokens.shape[0], n), fill, tokens.dtype)], axis=1)
 
 
-def mtp_forward_full(model: Transformer, main_hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"],
+def mtp_forward_full(model: nnx.Module, main_hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"],
                      segment_ids: Int[Array, "B T"] | None = None) -> list[Float[Array, "B T V"]]:
     """All D depths over whole sequences from position 0, no prior cache (training; the decoding oracle).
 
@@ -174,10 +171,10 @@ def mtp_forward_full(model: Transformer, main_hidden: Float[Array, "B T E"], tok
     batch, num = tokens.shape
     h0 = initial_hidden(model, main_hidden)
     hidden, all_logits = h0, []
+    positions = sequence_positions(batch, num)
     for k, module in enumerate(model.mtp, start=1):
-        cache = KVCache.init(model.config, batch, num, num_layers=1)
         source = h0 if model.config.mtp_style == "parallel" else hidden
-        logits, hidden, _ = module(source, shift_left(tokens, k), cache, embed=model.embed, head=model.head,
-                                   segment_ids=segment_ids)
+        logits, hidden, _ = module(source, shift_left(tokens, k), positions, module.init_cache(batch, num),
+                                   embed=model.embed, head=model.head, segment_ids=segment_ids)
         all_logits.append(logits)
     return all_logits

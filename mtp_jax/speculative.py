@@ -11,9 +11,10 @@ with the semantics of `docs/MTP_SPEC.md`:
   first rejection the row emits a sample of `norm(max(0, p - q))`, after K acceptances a bonus
   sample of p_K; greedy rows take the argmax. Optionally TensorRT-LLM's relaxed acceptance in a
   reasoning model's thinking phase (greedy rows only; lossy by design).
-- **Commit** (`generate.commit_tokens`): the accepted prefix plus the correction/bonus token, cut at
+- **Commit** (`engine.commit_tokens`): the accepted prefix plus the correction/bonus token, cut at
   the first stop token, `max_new_tokens` and the capacity.
-- **Roll back**: every cache's length is set to its committed length; rejected entries stay
+- **Roll back**: nothing to do: caches keep no lengths, and every cache of a row holds the
+  positions before its last committed token; rejected entries stay
   behind as stale data, masked out and overwritten later.
 - **Draft** the next K tokens with the MTP modules (`draft`):
   * `eagle`: module 1 reused K times over one cache: one pass over the verify window, then K - 1
@@ -41,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from mtp_jax.cache import KVCache
-from mtp_jax.generate import (
+from mtp_jax.engine import (
     DecodeState,
     GenerationResult,
     commit_tokens,
@@ -49,7 +50,7 @@ from mtp_jax.generate import (
     results_from_state,
     token_logprobs,
 )
-from mtp_jax.model import Transformer, static_split, take_rows
+from mtp_jax.model import Transformer, sequence_positions, static_split, take_rows
 from mtp_jax.mtp import initial_hidden
 from mtp_jax.sampling import (
     SamplingParams,
@@ -326,7 +327,7 @@ def draft(model: Transformer, spec: SpeculativeConfig, sampling: SamplingState, 
 
     Returns:
       draft_tokens int32 [B, K] for positions L .. L+K-1, draft_probs ([B, K, V] or [B, K, 0]), and
-      the caches rolled back to L - 1 entries.
+      the caches with the window and draft passes written (live: positions 0 .. L - 2).
     """
     k_max = spec.num_speculative_tokens
     width = hidden.shape[1]
@@ -340,31 +341,30 @@ def draft(model: Transformer, spec: SpeculativeConfig, sampling: SamplingState, 
     drafts, probs, new_caches = [], [], []
     call = dict(embed=model.embed, head=model.head)
     if spec.method == "eagle":
-        module, cache = model.mtp[0], caches[0].replace(lengths=start)
-        logits, chained, cache = module(hidden, token_at(window + 1), cache, logits_at=last, **call)
+        module = model.mtp[0]
+        logits, chained, cache = module(hidden, token_at(window + 1), window, caches[0], logits_at=last, **call)
         chained = take_rows(chained, last)  # [B, 1, E]
-        cache = cache.replace(lengths=lengths - 1)
         for j in range(k_max):
             token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
             drafts.append(token)
             probs.append(q)
             if j + 1 < k_max:  # one more pass at position L - 1 + j, chaining the module's own hidden
-                logits, chained, cache = module(chained, token[:, None], cache, **call)
-        new_caches.append(cache.replace(lengths=lengths - 1))
+                logits, chained, cache = module(chained, token[:, None], (lengths - 1 + j)[:, None], cache, **call)
+        new_caches.append(cache)
     else:
         depth_hidden = hidden
         for j in range(k_max):
-            module, cache = model.mtp[j], caches[j].replace(lengths=start)
+            module = model.mtp[j]
             if spec.method == "parallel":
-                logits, _, cache = module(hidden, window, cache, logits_at=last, **call)
+                logits, _, cache = module(hidden, window, window, caches[j], logits_at=last, **call)
             else:  # module j+1 at position i reads t_{i+j+1}, a draft where i + j + 1 >= L
-                logits, depth_hidden, cache = module(depth_hidden, token_at(window + j + 1), cache, logits_at=last,
-                                                     **call)
+                logits, depth_hidden, cache = module(depth_hidden, token_at(window + j + 1), window, caches[j],
+                                                     logits_at=last, **call)
             token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
             ext = ext.at[jnp.arange(ext.shape[0]), lengths + j].set(token, mode="drop")
             drafts.append(token)
             probs.append(q)
-            new_caches.append(cache.replace(lengths=lengths - 1))
+            new_caches.append(cache)
     return jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1), tuple(new_caches)
 
 
@@ -385,9 +385,10 @@ def speculative_prefill(model: Transformer, spec: SpeculativeConfig, state: Spec
                         padded_prompts: jax.Array) -> SpecState:
     """Prompts [B, P] through the main model, the first token committed, the first K drafts made."""
     d = state.decode
-    logits, hidden, cache = model(padded_prompts, d.cache, logits_at=d.prompt_lengths - 1)
+    positions = sequence_positions(*padded_prompts.shape)  # padding past a prompt is stale from the start
+    logits, hidden, cache = model(padded_prompts, positions, d.cache, logits_at=d.prompt_lengths - 1)
     last_logits = logits[:, 0]  # [B, V]
-    d = d.replace(cache=cache.replace(lengths=d.prompt_lengths))
+    d = d.replace(cache=cache)
     token = sample_from(target_probs(last_logits, d.sampling), last_logits, d.sampling, d.lengths)
     d, num = commit_tokens(d, token[:, None], jnp.ones_like(token), token_logprobs(last_logits, token)[:, None])
     thinking = _update_phase(spec, state.thinking, token[:, None], num)
@@ -406,7 +407,7 @@ def verify_and_commit(model: Transformer, spec: SpeculativeConfig,
                       state: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify the K drafts of every row in one forward, accept, commit, roll back, count.
 
-    Returns the state with the committed tokens, rolled-back main cache, thinking phase, metrics
+    Returns the state with the committed tokens, the written main cache, thinking phase, metrics
     and (vanilla) hidden window updated, but `draft_tokens` / `draft_probs` / `mtp_caches` still
     the old ones; and the inputs of `draft`: h^0 [B, W, E] and the position of its first row [B].
     Finished rows commit nothing.
@@ -418,15 +419,15 @@ def verify_and_commit(model: Transformer, spec: SpeculativeConfig,
     last = _at(d.tokens, jnp.maximum(lengths - 1, 0))  # t_{L-1}, [B]
     verify_tokens = jnp.concatenate([last[:, None], state.draft_tokens], axis=1)  # [B, K+1]
     with jax.named_scope("verify_forward"):  # named scopes: `benchmarks/profile_step.py` groups time by them
-        logits, hidden, cache = model(verify_tokens, d.cache)  # positions L-1 .. L-1+K
+        logits, hidden, cache = model(verify_tokens, sequence_positions(*verify_tokens.shape, lengths - 1), d.cache)
     num_accepted, token = accept(spec, logits, state.draft_tokens, state.draft_probs, d.sampling, lengths,
                                  state.thinking)
     index = jnp.arange(k_max + 1)[None, :]
     candidates = jnp.where(index < num_accepted[:, None], jnp.pad(state.draft_tokens, ((0, 0), (0, 1))),
                            token[:, None])  # [B, K+1]: accepted drafts, then the emitted token
+    # Commit; rolling back is nothing more: with L' committed tokens the main cache holds 0 .. L' - 2,
+    # and the entries written for rejected drafts are past that, stale.
     d, num = commit_tokens(d.replace(cache=cache), candidates, num_accepted + 1, token_logprobs(logits, candidates))
-    # Roll back: the main cache keeps positions 0 .. L' - 2.
-    d = d.replace(cache=d.cache.replace(lengths=jnp.where(active, d.lengths - 1, state.decode.cache.lengths)))
     thinking = _update_phase(spec, state.thinking, candidates, num)
 
     h0 = initial_hidden(model, hidden)  # [B, K+1, E] at positions L-1 .. L-1+K
@@ -498,7 +499,7 @@ def init_spec_state(model: Transformer, spec: SpeculativeConfig, prompts: Sequen
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     return SpecState(
         decode=decode,
-        mtp_caches=tuple(KVCache.init(config, batch, capacity, num_layers=1) for _ in range(spec.num_caches)),
+        mtp_caches=tuple(model.mtp[j].init_cache(batch, capacity) for j in range(spec.num_caches)),
         draft_tokens=zeros((batch, k_max)), draft_probs=jnp.zeros((batch, k_max, vocab), jnp.float32),
         hidden_window=jnp.zeros((batch, spec.hidden_window, config.hidden_size), config.compute_dtype),
         thinking=jnp.asarray([spec.relaxed and _initial_phase(p, spec) for p in prompts], bool),

@@ -1,6 +1,6 @@
 """Attention of the verify pass: T = K + 1 new queries per row against a long KV cache.
 
-`verify_attention` computes exactly what `verify_attention_reference` (`mtp_jax.attention.
+`verify_attention` computes exactly what `verify_attention_reference` (`pallas_kernels.
 attention_reference`) computes, as a GPU kernel: grouped-query attention with per-row lengths
 that include the T new tokens and a causal mask aligned to the end of each row (query t of row b
 sees cache positions `< lengths[b] - T + t + 1`). Stale entries at or past `lengths[b]` are never
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.attention import attention_reference as verify_attention_reference
 from pallas_kernels import verify_attention_triton
+from pallas_kernels.attention_reference import verify_attention_reference
 
 __all__ = ["PRESETS", "VerifyAttentionConfig", "supports", "verify_attention", "verify_attention_reference"]
 
@@ -171,7 +171,7 @@ def verify_attention(
 ) -> Float[Array, "B T H D"]:
     """Causal grouped-query attention of T new queries per row against a KV cache, as a GPU kernel.
 
-    Same contract as `mtp_jax.attention.attention_reference`.
+    Same contract as `verify_attention_reference`.
 
     Args:
       q: queries of shape [B, T, H, D]; bfloat16, float16 or float32.

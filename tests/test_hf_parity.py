@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.cache import KVCache
 from mtp_jax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.generate import SamplingParams, generate
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, sequence_positions
 
 torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
 transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
@@ -150,19 +149,20 @@ def test_exported_checkpoint_matches_in_transformers(tmp_path, name, rope, shard
 
 
 def _greedy_loop(model: Transformer, prompts: np.ndarray, steps: int) -> np.ndarray:
-    """Plain greedy decoding with `model(tokens, cache)`: the prompt, then one token per step."""
+    """Plain greedy decoding with `model(tokens, positions, cache)`: the prompt, then one token per step."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def step(state, tokens, cache):
-        logits, _, cache = nnx.merge(graphdef, state)(tokens, cache)
+    def step(state, tokens, start, cache):
+        positions = sequence_positions(*tokens.shape, start)
+        logits, _, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
-    cache = KVCache.init(model.config, prompts.shape[0], prompts.shape[1] + steps)
-    token, cache = step(state, jnp.asarray(prompts), cache)
+    batch, length = prompts.shape
+    token, cache = step(state, jnp.asarray(prompts), 0, model.init_cache(batch, length + steps))
     out = [token]
-    for _ in range(steps - 1):
-        token, cache = step(state, token[:, None], cache)
+    for i in range(steps - 1):
+        token, cache = step(state, token[:, None], length + i, cache)
         out.append(token)
     return np.asarray(jnp.stack(out, axis=1))
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.cache import KVCache, write_at
+from mtp_jax.cache import fill_stale, write_at
 from mtp_jax.config import ModelConfig
-from mtp_jax.model import init_model
+from mtp_jax.model import init_model, sequence_positions
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +16,9 @@ def model():
 
 
 @nnx.jit
-def _step(model, tokens, cache):
-    return model(tokens, cache)
+def _step(model, tokens, start, cache):
+    """T = tokens.shape[1] tokens per row at positions start[b] .. start[b] + T - 1."""
+    return model(tokens, sequence_positions(*tokens.shape, start), cache)
 
 
 @nnx.jit
@@ -36,16 +37,14 @@ def test_cached_decode_equals_full_forward(model, step):
     full, _ = _full(model, seqs)
     prompt_lengths = jnp.asarray([3, 7, 1], jnp.int32)
     # Prefill the three rows to different lengths (right-padded), then step.
-    cache = KVCache.init(model.config, 3, 32)
-    _, _, cache = _step(model, seqs[:, :7], cache)
-    cache = cache.replace(lengths=prompt_lengths)
+    _, _, cache = _step(model, seqs[:, :7], 0, model.init_cache(3, 32))  # live: each row's prompt only
+    lengths = np.asarray(prompt_lengths)
     for _ in range(2):
-        start = np.asarray(cache.lengths)
-        chunk = jnp.stack([seqs[b, start[b]: start[b] + step] for b in range(3)])  # [B, T]
-        logits, _, cache = _step(model, chunk, cache)
+        chunk = jnp.stack([seqs[b, lengths[b]: lengths[b] + step] for b in range(3)])  # [B, T]
+        logits, _, cache = _step(model, chunk, jnp.asarray(lengths), cache)
         for b in range(3):
-            np.testing.assert_allclose(logits[b], full[b, start[b]: start[b] + step], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(cache.lengths, prompt_lengths + 2 * step)
+            np.testing.assert_allclose(logits[b], full[b, lengths[b]: lengths[b] + step], atol=1e-5, rtol=1e-5)
+        lengths = lengths + step
 
 
 def test_batch_equals_rows_alone(model):
@@ -61,26 +60,26 @@ def test_logits_at_one_row_equal_that_row_of_all_logits(model):
     """`logits_at` (prefill, drafting) gives row b's logits at logits_at[b], for the model and an MTP module."""
     tiny = init_model(ModelConfig.from_name("tiny", num_nextn_predict_layers=1), seed=2)
     seqs, index = _tokens((3, 9), seed=4), jnp.asarray([8, 0, 5], jnp.int32)
-    cache = KVCache.init(tiny.config, 3, 16)
-    logits, hidden, _ = tiny(seqs, cache)
-    one, hidden_one, _ = tiny(seqs, cache, logits_at=index)
+    cache, positions = tiny.init_cache(3, 16), sequence_positions(3, 9)
+    logits, hidden, _ = tiny(seqs, positions, cache)
+    one, hidden_one, _ = tiny(seqs, positions, cache, logits_at=index)
     assert one.shape == (3, 1, tiny.config.vocab_size)
     np.testing.assert_array_equal(hidden_one, hidden)
     np.testing.assert_allclose(one[:, 0], logits[jnp.arange(3), index], atol=1e-6)
-    module, mtp_cache = tiny.mtp[0], KVCache.init(tiny.config, 3, 16, num_layers=1)
-    logits, _, _ = module(hidden, seqs, mtp_cache, embed=tiny.embed, head=tiny.head)
-    one, _, _ = module(hidden, seqs, mtp_cache, embed=tiny.embed, head=tiny.head, logits_at=index)
+    module = tiny.mtp[0]
+    mtp_cache = module.init_cache(3, 16)
+    logits, _, _ = module(hidden, seqs, positions, mtp_cache, embed=tiny.embed, head=tiny.head)
+    one, _, _ = module(hidden, seqs, positions, mtp_cache, embed=tiny.embed, head=tiny.head, logits_at=index)
     np.testing.assert_allclose(one[:, 0], logits[jnp.arange(3), index], atol=1e-6)
 
 
 def test_nan_past_lengths_changes_nothing(model):
     seqs = _tokens((2, 12), seed=4)
-    cache = KVCache.init(model.config, 2, 24)
-    _, _, cache = _step(model, seqs[:, :8], cache)
-    cache = cache.replace(lengths=jnp.asarray([5, 8], jnp.int32))  # row 0 rolled back by 3
+    _, _, cache = _step(model, seqs[:, :8], 0, model.init_cache(2, 24))
+    lengths = jnp.asarray([5, 8], jnp.int32)  # row 0 rolled back by 3
     chunk = jnp.stack([seqs[0, 5:8], seqs[1, 8:11]])
-    clean, _, _ = _step(model, chunk, cache)
-    poisoned, _, _ = _step(model, chunk, cache.fill_stale(jnp.nan))
+    clean, _, _ = _step(model, chunk, lengths, cache)
+    poisoned, _, _ = _step(model, chunk, lengths, fill_stale(cache, lengths, jnp.nan))
     assert np.isfinite(np.asarray(poisoned)).all()
     np.testing.assert_array_equal(clean, poisoned)
 
@@ -88,7 +87,7 @@ def test_nan_past_lengths_changes_nothing(model):
 def test_write_at_never_lands_outside_the_cache():
     cache = jnp.zeros((2, 4, 1, 1))
     new = jnp.ones((2, 3, 1, 1))
-    out = write_at(cache, new, jnp.asarray([2, -2], jnp.int32))
+    out = write_at(cache, new, sequence_positions(2, 3, jnp.asarray([2, -2], jnp.int32)))
     # Row 0: positions 2, 3 written, 4 dropped (not clamped back onto 1..3). Row 1: -2, -1 dropped, 0 written.
     np.testing.assert_array_equal(out[:, :, 0, 0], [[0, 0, 1, 1], [1, 0, 0, 0]])
 

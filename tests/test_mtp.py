@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
-from mtp_jax.model import Transformer, init_model
+from mtp_jax.model import Transformer, init_model, sequence_positions
 from mtp_jax.mtp import (
     MAIN_PARAMS,
     MTP_PARAMS,
@@ -171,19 +171,21 @@ def test_parallel_heads_follow_the_equations():
 
 
 @nnx.jit
-def decode_chunk(model, tokens, shifted, main_cache, caches):
+def decode_chunk(model, tokens, start, shifted, main_cache, caches):
     """One step of a decoder: the main model, then every depth on the same n rows against its own
-    cache, each after a 2-token junk step that is rolled back and its entries poisoned with NaN
-    (as rejected drafts are). tokens int32 [B, n]; shifted[k - 1] = t_{i+k}, int32 [B, n]."""
-    _, h_main, main_cache = model(tokens, main_cache)
+    cache, each after a 2-token junk step at the same positions whose entries are then poisoned with NaN
+    (as rejected drafts are). tokens int32 [B, n] at positions start .. start + n - 1;
+    shifted[k - 1] = t_{i+k}, int32 [B, n]."""
+    positions = sequence_positions(*tokens.shape, start)
+    _, h_main, main_cache = model(tokens, positions, main_cache)
     h0 = hidden = initial_hidden(model, h_main)
     all_logits, new_caches = [], []
     for module, depth_tokens, cache in zip(model.mtp, shifted, caches, strict=True):
-        _, _, junk = module(jnp.ones((B, 2, TINY.hidden_size)), jnp.full((B, 2), 5, jnp.int32), cache,
-                            embed=model.embed, head=model.head)
-        rolled = junk.replace(lengths=cache.lengths).fill_stale(jnp.nan)
+        _, _, junk = module(jnp.ones((B, 2, TINY.hidden_size)), jnp.full((B, 2), 5, jnp.int32), positions[:, :2],
+                            cache, embed=model.embed, head=model.head)
+        rolled = fill_stale(junk, jnp.full((B,), start), jnp.nan)
         source = h0 if model.config.mtp_style == "parallel" else hidden
-        logits, hidden, cache = module(source, depth_tokens, rolled, embed=model.embed, head=model.head)
+        logits, hidden, cache = module(source, depth_tokens, positions, rolled, embed=model.embed, head=model.head)
         all_logits.append(logits)
         new_caches.append(cache)
     return all_logits, main_cache, new_caches
@@ -197,14 +199,13 @@ def test_cached_steps_equal_full_forward(style):
     _, hidden = model.forward_full(tokens)
     full = mtp_forward_full(model, hidden, tokens)
 
-    main_cache = KVCache.init(model.config, B, T)
-    caches = [KVCache.init(model.config, B, T, num_layers=1) for _ in model.mtp]
-    for a, b in [(0, 3), (3, 5), (5, 7)]:  # a prefill, then two steps (each leaves room for the junk)
+    main_cache = model.init_cache(B, T)
+    caches = [module.init_cache(B, T) for module in model.mtp]
+    for a, b in [(0, 3), (3, 5), (5, 7)]:  # a prefill, then two steps
         shifted = [shift_left(tokens, k)[:, a:b] for k in (1, 2)]
-        logits, main_cache, caches = decode_chunk(model, tokens[:, a:b], shifted, main_cache, caches)
+        logits, main_cache, caches = decode_chunk(model, tokens[:, a:b], a, shifted, main_cache, caches)
         for k in range(2):
             np.testing.assert_allclose(logits[k], full[k][:, a:b], rtol=1e-4, atol=1e-4)
-        assert [int(x) for x in caches[1].lengths] == [b, b]
 
 
 def test_parameter_names_follow_the_deepseek_layout():

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
 from mtp_jax.generate import generate
-from mtp_jax.model import init_model, static_split
+from mtp_jax.model import init_model, sequence_positions, static_split
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
 from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
 from mtp_jax.speculative import (
@@ -193,19 +193,20 @@ def _main_h0(model, tokens):
 @nnx.jit
 def _module_full(model, hidden, tokens):
     """MTP module 1 over whole sequences from position 0 with an empty cache: (logits, chained hidden)."""
-    cache = KVCache.init(model.config, tokens.shape[0], tokens.shape[1], num_layers=1)
-    logits, chained, _ = model.mtp[0](hidden, tokens, cache, embed=model.embed, head=model.head)
+    module, batch, num = model.mtp[0], *tokens.shape
+    logits, chained, _ = module(hidden, tokens, sequence_positions(batch, num), module.init_cache(batch, num),
+                                embed=model.embed, head=model.head)
     return logits, chained
 
 
 @nnx.jit
 def _fresh_caches(model, tokens):
     """The main cache and eagle's module cache recomputed from scratch over committed tokens [B, S]."""
-    batch = tokens.shape[0]
-    _, hidden, main = model(tokens, KVCache.init(model.config, batch, S))
-    module_cache = KVCache.init(model.config, batch, S, num_layers=1)
-    _, _, module_cache = model.mtp[0](initial_hidden(model, hidden), shift_left(tokens, 1), module_cache,
-                                      embed=model.embed, head=model.head)
+    batch, module = tokens.shape[0], model.mtp[0]
+    positions = sequence_positions(batch, S)
+    _, hidden, main = model(tokens, positions, model.init_cache(batch, S))
+    _, _, module_cache = module(initial_hidden(model, hidden), shift_left(tokens, 1), positions,
+                                module.init_cache(batch, S), embed=model.embed, head=model.head)
     return main, module_cache
 
 
@@ -247,16 +248,12 @@ def oracle_drafts(model, method: str, tokens: np.ndarray, lengths: np.ndarray, d
 
 @functools.partial(jax.jit, static_argnames="margin")
 def _poison(state, margin: int = 0):
-    """NaN in every main-cache slot at or past each row's length, in every MTP-cache slot at or past its
-    length - margin, and in the entries of vanilla's hidden window that stand for positions before 0."""
-
-    def poisoned(cache, margin):
-        return cache.replace(lengths=cache.lengths - margin).fill_stale(jnp.nan).replace(lengths=cache.lengths)
-
+    """NaN in every cache slot past what a row's caches hold (positions 0 .. L - 2; for the MTP caches
+    0 .. L - 2 - margin), and in the entries of vanilla's hidden window that stand for positions before 0."""
     d, window = state.decode, state.hidden_window.shape[1]
     positions = d.lengths[:, None] - 1 - window + jnp.arange(window)[None, :]  # [B, W]
-    return state.replace(decode=d.replace(cache=poisoned(d.cache, 0)),
-                         mtp_caches=tuple(poisoned(c, margin) for c in state.mtp_caches),
+    return state.replace(decode=d.replace(cache=fill_stale(d.cache, d.lengths - 1, jnp.nan)),
+                         mtp_caches=fill_stale(state.mtp_caches, d.lengths - 1 - margin, jnp.nan),
                          hidden_window=jnp.where((positions < 0)[..., None], jnp.nan, state.hidden_window))
 
 
@@ -279,8 +276,8 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
     while not trace[-1]["done"].all():
         if poison:
             state = _poison(state, margin=sp.num_speculative_tokens - 1 if sp.method == "vanilla" else 0)
-            assert np.isnan(np.asarray(state.decode.cache.k[0])).any()
-            assert all(np.isnan(np.asarray(c.k[0])).any() for c in state.mtp_caches)
+            assert np.isnan(np.asarray(state.decode.cache[0].k)).any()
+            assert all(np.isnan(np.asarray(c.k)).any() for c in state.mtp_caches)
         state = _step_jit(graph, params, sp, state)
         trace.append(_snapshot(state))
     return state, trace
@@ -398,15 +395,12 @@ def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, m
     assert [len(t) for t in expected.tokens] == [k, 1, S - 1] and expected.finish_reasons == ["capacity"] * 3
     state, _ = drive(model, sp, prompts, 100, poison=True)
     assert generated(state, prompts) == expected.tokens
-    cache = state.decode.cache
-    np.testing.assert_array_equal(cache.lengths, [S - 1] * 3)
+    np.testing.assert_array_equal(state.decode.lengths, [S] * 3)  # the caches hold positions 0 .. S - 2
     main, module = _fresh_caches(model, state.decode.tokens)
-    fresh = [(main.k, cache.k), (main.v, cache.v)]
-    if method == "eagle":
-        fresh += [(module.k, state.mtp_caches[0].k), (module.v, state.mtp_caches[0].v)]
+    fresh = [(main, state.decode.cache)] + ([(module, state.mtp_caches[0])] if method == "eagle" else [])
     for want, got in fresh:
-        for layer_want, layer_got in zip(want, got, strict=True):
-            np.testing.assert_allclose(np.asarray(layer_got)[:, : S - 1], np.asarray(layer_want)[:, : S - 1],
+        for leaf_want, leaf_got in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(np.asarray(leaf_got)[:, : S - 1], np.asarray(leaf_want)[:, : S - 1],
                                        atol=1e-5)
 
 

@@ -17,10 +17,10 @@ from flax import nnx
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from mtp_jax.attention import ATTENTION_IMPLS, attend, attention_reference
-from mtp_jax.cache import KVCache
-from mtp_jax.config import ModelConfig
-from mtp_jax.model import init_model
+from mtp_jax.cache import KVCache, fill_stale
+from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
+from mtp_jax.layers.attention import attend, attention_reference
+from mtp_jax.model import init_model, sequence_positions
 from pallas_kernels import PRESETS, VerifyAttentionConfig, supports, verify_attention
 
 TOLERANCES = {jnp.float32: 2e-5, jnp.float16: 3e-3, jnp.bfloat16: 2.5e-2}  # atol = rtol, per input dtype
@@ -28,7 +28,7 @@ kernel = functools.partial(verify_attention, config="interpret", interpret=True)
 
 
 def reference_f64(q, k, v, lengths, scale: float) -> np.ndarray:
-    """The attention of `mtp_jax.attention`'s docstring, query by query in numpy float64."""
+    """The attention of `pallas_kernels.attention_reference`'s docstring, query by query in numpy float64."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, num_queries, heads, _ = q.shape
     group = heads // k.shape[2]
@@ -88,10 +88,9 @@ def test_matches_float64_reference(batch, num_queries, group, kv_heads, head_dim
 
 def test_stale_nan_changes_nothing():
     q, k, v, lengths = make_inputs(1, 3, 4, 8, 2, 16, 45, [4, 45, 19], jnp.float32)
-    cache = KVCache(k=(k,), v=(v,), lengths=lengths)
-    nan = cache.fill_stale(jnp.nan)
-    out = kernel(q, nan.k[0], nan.v[0], lengths)
-    assert bool(jnp.isnan(nan.k[0]).any())
+    nan = fill_stale(KVCache(k=k, v=v), lengths, jnp.nan)
+    out = kernel(q, nan.k, nan.v, lengths)
+    assert bool(jnp.isnan(nan.k).any())
     np.testing.assert_array_equal(np.asarray(out), np.asarray(kernel(q, k, v, lengths)))
     np.testing.assert_allclose(np.asarray(out), reference_f64(q, k, v, lengths, 16**-0.5), atol=2e-5, rtol=2e-5)
 
@@ -220,9 +219,10 @@ def test_model_logits_match_reference():
     shape = (2, 24, config.num_key_value_heads, config.resolved_head_dim)  # [B, S, G, D]
     keys = jax.random.split(jax.random.key(0), 2 * config.num_hidden_layers + 1)
     kv = [jax.random.normal(key, shape) for key in keys[1:]]
-    cache = KVCache(k=tuple(kv[::2]), v=tuple(kv[1::2]), lengths=jnp.array([11, 3], jnp.int32))
+    cache = tuple(KVCache(k=k, v=v) for k, v in zip(kv[::2], kv[1::2], strict=True))
     tokens = jax.random.randint(keys[0], (2, 4), 0, config.vocab_size)
-    forward = nnx.jit(lambda model, tokens, cache: model(tokens, cache)[0])
+    positions = sequence_positions(2, 4, jnp.array([7, 0], jnp.int32))  # rows of 11 and 4 entries
+    forward = nnx.jit(lambda model, tokens, cache: model(tokens, positions, cache)[0])
     logits = {impl: np.asarray(forward(init_model(config.replace(attention_impl=impl)), tokens, cache))
               for impl in ("reference", "pallas_interpret")}
     np.testing.assert_allclose(logits["pallas_interpret"], logits["reference"], atol=1e-5, rtol=1e-5)

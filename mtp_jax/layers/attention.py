@@ -1,0 +1,127 @@
+"""Attention: the grouped-query attention layer, and the choice of implementation under it.
+
+`attend` computes `pallas_kernels.verify_attention_reference`'s attention (T new queries per row
+against a cache) by the implementation `ModelConfig.attention_impl` names: the plain-jnp reference
+or the Pallas kernel. `segment_attention_reference` is the training variant: whole packed
+sequences with no cache. `Attention` is the GQA layer (Llama / Qwen2 / Mistral names) that writes
+its `KVCache` at the positions it is given.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from mtp_jax.cache import KVCache
+from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
+from mtp_jax.layers.linear import linear
+from mtp_jax.rope import apply_rope
+from pallas_kernels.attention_reference import masked_attention
+from pallas_kernels.attention_reference import verify_attention_reference as attention_reference
+
+
+def attend(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G D"],
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> Float[Array, "B T H D"]:
+    """`attention_reference`'s attention (`pallas_kernels.verify_attention_reference`), computed by the
+    implementation `impl` names.
+
+    impl: "reference" (plain jnp, any backend); "pallas" (`pallas_kernels.verify_attention`, the
+    Triton kernel, GPU only); "pallas_interpret" (the same kernel in Pallas' interpreter, any
+    backend: tests); "auto" (the kernel when `jax.default_backend()` is "gpu" and it supports the
+    shapes and dtypes, else the reference). With "pallas" or "pallas_interpret", calls with more
+    query rows than one kernel program holds (T x H/G > `pallas_kernels.verify_attention.
+    MAX_QUERY_ROWS`: a long prefill, not a verify pass) take the reference too. Raises ValueError
+    for an unknown `impl`, or for operands the kernel does not support (dtype, head dim) when
+    "pallas" or "pallas_interpret" is asked for explicitly.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl != "reference" and (impl != "auto" or jax.default_backend() == "gpu"):
+        # Lazily: Pallas is only needed here.
+        from pallas_kernels.verify_attention import MAX_QUERY_ROWS, supports, verify_attention
+
+        if impl == "auto":
+            impl = "pallas" if supports(q, k, v, lengths) else "reference"
+        elif q.shape[1] * (q.shape[2] // k.shape[2]) > MAX_QUERY_ROWS:
+            impl = "reference"
+        if impl != "reference":
+            return verify_attention(q, k, v, lengths, scale=scale, interpret=impl == "pallas_interpret")
+    return attention_reference(q, k, v, lengths, scale=scale)
+
+
+def segment_attention_reference(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B T G D"],
+    v: Float[Array, "B T G D"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T H D"]:
+    """Causal attention within packed segments, over whole sequences with no cache (training).
+
+    Query t of row b attends key s iff `s <= t` and `segment_ids[b, s] == segment_ids[b, t]`, so
+    documents packed into one row never see each other (padding, segment 0, attends only to
+    padding, which keeps it finite). Every query sees at least itself, so no row is empty.
+
+    Args:
+      q: queries of shape [B, T, H, D].
+      k, v: keys and values of the same T tokens, shape [B, T, G, D], H a multiple of G.
+      segment_ids: int32 [B, T], equal ids for tokens of one document.
+      scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+      [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
+    """
+    t = jnp.arange(q.shape[1])
+    causal = t[None, :, None] >= t[None, None, :]  # [1, T, T]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+    return masked_attention(q, k, v, causal & same_segment, scale)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
+        self.k_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.v_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.o_proj = linear(config, h * d, config.hidden_size, rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        segment_ids: Int[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], KVCache]:
+        """Attention of T new tokens at contiguous `positions` (int32 [B, T]) over `cache` and themselves.
+
+        The new keys and values are written at `positions`; query t sees cache positions
+        <= positions[b, t]. With `segment_ids` (training, from an empty cache) it attends within its
+        own segment only. Returns the output [B, T, E] and the written cache.
+        """
+        c = self.config
+        batch, num_new, _ = x.shape
+        d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
+        q = self.q_proj(x).reshape(batch, num_new, h, d)  # [B, T, H, D]
+        k = self.k_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
+        v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
+        q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
+        cache = cache.write(positions, k, v)
+        if segment_ids is None:  # `attend` counts each row's entries including the T new ones
+            out = attend(q, cache.k, cache.v, positions[:, -1] + 1, scale=c.attention_scale,
+                         impl=c.attention_impl)  # [B, T, H, D]
+        else:  # whole packed sequences from an empty cache (training): attend within each segment only
+            out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
+        return self.o_proj(out.reshape(batch, num_new, h * d)), cache

@@ -1,0 +1,74 @@
+"""The plain-jnp reference of the verify attention: T new queries per row against a KV cache.
+
+`verify_attention_reference` is the oracle the Pallas kernel (`verify_attention`) is tested against,
+and what a model computes wherever the kernel is not selected (`mtp_jax.layers.attention.attend`).
+Plain jax only, so CPUs run it and nothing here depends on mtp_jax.
+
+Convention (shared with the kernel): `lengths[b]` counts the valid cache entries of row b
+*including* the T new tokens already written, so new query t of row b sits at absolute position
+`lengths[b] - T + t` and sees cache positions `< lengths[b] - T + t + 1` (the causal mask is
+aligned to the end of each row; a length past S, a verify window reaching past the capacity,
+keeps that alignment). Entries at or past `lengths[b]` are stale: they are masked in the scores
+and zeroed in the values, so even NaN there cannot leak. A query with nothing to attend to
+returns zeros. `masked_attention` is the core under any boolean mask (training's segment mask too).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+def attention_mask(lengths: Int[Array, " B"], num_queries: int, cache_len: int) -> jax.Array:
+    """Boolean mask of shape [B, T, S]: query t of row b may attend to cache position s."""
+    t = jnp.arange(num_queries)[None, :, None]  # [1, T, 1]
+    s = jnp.arange(cache_len)[None, None, :]  # [1, 1, S]
+    limit = lengths[:, None, None] - num_queries + t + 1  # [B, T, 1]
+    return s < limit
+
+
+def verify_attention_reference(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G D"],
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T H D"]:
+    """Causal grouped-query attention of T new queries against a cache.
+
+    Args:
+      q: queries of shape [B, T, H, D].
+      k, v: caches of shape [B, S, G, D], H a multiple of G (query head h reads KV head h // (H/G)).
+      lengths: int32 [B], valid entries per row including the T new tokens.
+      scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+      [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
+    """
+    cache_len = k.shape[1]
+    mask = attention_mask(lengths, q.shape[1], cache_len)  # [B, T, S]
+    # Stale values are zeroed (their weights are exactly 0, but 0 * NaN is NaN); stale keys need no
+    # such pass: their scores are replaced by -inf before anything reads them.
+    valid = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
+    return masked_attention(q, k, jnp.where(valid, v, 0), mask, scale)
+
+
+def masked_attention(q: Float[Array, "B T H D"], k: Float[Array, "B S G D"], v: Float[Array, "B S G D"],
+                      mask: Bool[Array, "B T S"], scale: float | None) -> Float[Array, "B T H D"]:
+    """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros."""
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
+    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(jnp.float32)) * scale  # [B, G, H/G, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)  # masked entries are exactly 0
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v.astype(jnp.float32))  # [B, T, G, H/G, D]
+    return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
