@@ -28,15 +28,11 @@ from mtp_jax.mtp import make_mtp_modules
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model (HF `LlamaForCausalLM` / `Qwen2ForCausalLM` layout)."""
+    """Decoder-only language model in Hugging Face's layout: Llama / Qwen2 / Mistral (`LlamaForCausalLM`),
+    GLM-4.5's attention (partial rotary, q/k norm), and DeepSeek-V3 (MLA, MoE from layer
+    `first_k_dense_replace` on), as `config` selects."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        if config.attention_type != "gqa" or config.ffn_type != "dense" or config.partial_rotary_factor != 1 \
-                or config.use_qk_norm:
-            raise ValueError("the Transformer runs attention_type='gqa' with full rotary and no qk-norm, and "
-                             f"ffn_type='dense' (got {config.attention_type!r}, partial_rotary_factor="
-                             f"{config.partial_rotary_factor}, use_qk_norm={config.use_qk_norm}, {config.ffn_type!r}): "
-                             "MLA, MoE and GLM-4.5 attention are layers in mtp_jax.layers, not yet wired into it")
         self.config = config
         self.embed_tokens = nnx.Embed(
             config.vocab_size,
@@ -46,7 +42,7 @@ class Transformer(nnx.Module):
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = (
             None if config.tie_word_embeddings else linear(config, config.hidden_size, config.vocab_size, rngs)

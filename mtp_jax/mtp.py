@@ -61,11 +61,14 @@ class SharedHead(nnx.Module):
 
 
 class _MTPBlock(DecoderLayer):
-    """A `DecoderLayer` with `shared_head.norm`, run against its own one-layer cache."""
+    """A `DecoderLayer` with `shared_head.norm`, run against its own one-layer cache.
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        super().__init__(config, rngs)
-        self.config = config
+    `layer_index` is the layer's number in the checkpoint (L + k - 1 for module k): it decides the
+    feed-forward block as for the main model's layers (DeepSeek-V3's MTP layers are MoE layers).
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_index: int):
+        super().__init__(config, rngs, layer_index)
         self.shared_head = SharedHead(config)
 
     def _block_and_head(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: KVCache, head: Head,
@@ -85,8 +88,8 @@ class MTPModule(_MTPBlock):
     checkpoint; `__call__` is the whole module (the block alone is `DecoderLayer.__call__`).
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        super().__init__(config, rngs)
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_index: int):
+        super().__init__(config, rngs, layer_index)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
@@ -137,7 +140,7 @@ class ParallelMTPHead(_MTPBlock):
 def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     """The D = `config.num_nextn_predict_layers` modules of `config.mtp_style` (empty when D = 0)."""
     cls = MTPModule if config.mtp_style == "deepseek" else ParallelMTPHead
-    return nnx.List([cls(config, rngs) for _ in range(config.num_nextn_predict_layers)])
+    return nnx.List([cls(config, rngs, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)])
 
 
 def initial_hidden(model: nnx.Module, main_hidden: Float[Array, "B T E"]) -> Float[Array, "B T E"]:

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
 from mtp_jax.layers.linear import linear
+from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.rope import apply_rope
 from pallas_kernels.attention_reference import masked_attention
 from pallas_kernels.attention_reference import verify_attention_reference as attention_reference
@@ -88,7 +89,12 @@ def segment_attention_reference(
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache."""
+    """Grouped-query self-attention with RoPE, reading and writing one layer of the KV cache.
+
+    Llama / Qwen2 / Mistral, and GLM-4.5's variant (`Glm4MoeAttention`): RoPE on the first
+    `config.rotary_dim` entries of each head only (`partial_rotary_factor`), and with `use_qk_norm`
+    an RMSNorm over each query and key head (`q_norm`, `k_norm`) before RoPE.
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
@@ -97,6 +103,17 @@ class Attention(nnx.Module):
         self.k_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
         self.v_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
         self.o_proj = linear(config, h * d, config.hidden_size, rngs)
+        if config.use_qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
+
+    def _rope(self, x: Float[Array, "B T N D"], positions: Int[Array, "B T"]) -> Float[Array, "B T N D"]:
+        """RoPE over the first `rotary_dim` entries of each head; the rest pass through."""
+        c, rotary = self.config, self.config.rotary_dim
+        if rotary == c.resolved_head_dim:
+            return apply_rope(x, positions, c)
+        rotated = apply_rope(x[..., :rotary], positions, c, dim=rotary)  # [B, T, N, rotary]
+        return jnp.concatenate([rotated, x[..., rotary:]], axis=-1)  # [B, T, N, D]
 
     def __call__(
         self,
@@ -117,7 +134,9 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(batch, num_new, h, d)  # [B, T, H, D]
         k = self.k_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
         v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
-        q, k = apply_rope(q, positions, c), apply_rope(k, positions, c)
+        if c.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, positions), self._rope(k, positions)
         cache = cache.write(positions, k, v)
         if segment_ids is None:  # `attend` counts each row's entries including the T new ones
             out = attend(q, cache.k, cache.v, positions[:, -1] + 1, scale=c.attention_scale,

@@ -1,31 +1,58 @@
-"""The pre-norm decoder layer (Llama / DeepSeek-V3 names), shared by the main model and the MTP modules."""
+"""The pre-norm decoder layer (Llama / DeepSeek-V3 names), shared by the main model and the MTP modules.
+
+Its attention is the config's (`attention_type`: grouped-query `Attention` with a `KVCache`, or
+DeepSeek-V3's `MLAttention` with an `MLACache`) and its feed-forward block the layer's (`MLP`, or
+the `MoE` from layer `first_k_dense_replace` on; DeepSeek-V3's MTP layers, numbered after the
+main model's, are MoE layers too).
+"""
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.attention import Attention
 from mtp_jax.layers.ffn import MLP
+from mtp_jax.layers.mla import MLACache, MLAttention
+from mtp_jax.layers.moe import MoE
 from mtp_jax.layers.norm import RMSNorm
+
+# MLA runs in its absorbed form (attention in the latent space over the compressed cache) for at most
+# this many new tokens per row: decode and verify steps. Longer calls (prefills) decompress the cache
+# into per-head keys and values, which costs fewer FLOPs per query there.
+MLA_ABSORBED_MAX_TOKENS = 32
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_index: int = 0):
         self.config = config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.self_attn = Attention(config, rngs)
+        self.self_attn = MLAttention(config, rngs) if config.attention_type == "mla" else Attention(config, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoE(config, rngs) if config.is_moe_layer(layer_index) else MLP(config, rngs)
 
-    def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-        """This layer's empty cache, capacity `max_length` tokens."""
-        return KVCache.init(self.config, batch_size, max_length)
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache | MLACache:
+        """This layer's empty cache (its attention type's layout), capacity `max_length` tokens."""
+        cache_type = MLACache if self.config.attention_type == "mla" else KVCache
+        return cache_type.init(self.config, batch_size, max_length)
 
-    def __call__(self, x, positions, cache, segment_ids=None):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, cache, segment_ids)
+    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: KVCache | MLACache,
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, KVCache | MLACache]:
+        """x + attn(norm(x)), then + ffn(norm(.)), for T new tokens at `positions`; returns it and the cache.
+
+        Raises ValueError for `segment_ids` (packed training rows) with MLA, which has no segment mask yet.
+        """
+        h = self.input_layernorm(x)
+        if self.config.attention_type == "mla":
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed training rows) are not supported with attention_type='mla'")
+            attn, cache = self.self_attn(h, positions, cache, absorbed=x.shape[1] <= MLA_ABSORBED_MAX_TOKENS)
+        else:
+            attn, cache = self.self_attn(h, positions, cache, segment_ids)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache
