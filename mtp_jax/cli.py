@@ -44,7 +44,7 @@ tokens generated / wall time of prefill plus decode)."""
 _GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b": "--max-length",
                    r"\btemperature\b": "--temperature", r"\btop_k\b": "--top-k", r"\btop_p\b": "--top-p",
                    r"\bseed\b": "--seed", r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
-                   r"\bprompt \d+\b": "--prompt"}
+                   r"\bmtp_style\b|\bno MTP modules\b": "--speculative"}
 
 
 def cache_root() -> pathlib.Path:
@@ -89,24 +89,67 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _prompts(args) -> list[str]:
-    texts = list(args.prompt or [])
+def _prompts(args) -> tuple[list[str], list[str]]:
+    """The prompt texts (--prompt ones first, then --prompt-file ones) and, for each, the flag it came from
+    (with the file); raises ValueError naming the flag (and the file) for a file that cannot be read as
+    UTF-8 text or a --prompt that is not valid UTF-8 (argv bytes Python could not decode)."""
+    texts, sources = [], []
+    for i, text in enumerate(args.prompt or []):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # undecodable argv bytes arrive as lone surrogates
+            bad = text[error.start:error.end].encode("utf-8", "surrogateescape")
+            raise ValueError(f"--prompt: prompt {i} is not valid UTF-8 (bytes {bad!r} at character "
+                             f"{error.start})") from None
+        texts.append(text)
+        sources.append("--prompt")
     for path in args.prompt_file or []:
-        texts.append(Path(path).read_text(encoding="utf-8"))
+        try:
+            texts.append(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        except OSError as error:  # missing, a directory, unreadable
+            raise ValueError(f"--prompt-file {path}: {error.strerror or error}") from None
+        sources.append(f"--prompt-file {path}")
     if not texts:
-        texts = ["import os\n\n\ndef "]
-    return texts
+        texts, sources = ["import os\n\n\ndef "], [""]
+    return texts, sources
+
+
+def _check_cache_dir(path: pathlib.Path) -> str | None:
+    """Why `path` cannot hold the compilation cache (it is a file, cannot be created or is not writable);
+    None when it can. Creates the directory."""
+    import tempfile
+
+    if path.exists() and not path.is_dir():
+        return f"{path} is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"{path} is not a writable directory ({error.strerror or error})"
+    return None
 
 
 def _configure_compilation_cache(args) -> pathlib.Path | None:
     """Points JAX's persistent compilation cache at the chosen directory (None: off) for this process.
 
-    Every compiled function is cached, however quick its compile or small its executable.
+    Every compiled function is cached, however quick its compile or small its executable. Raises
+    ValueError naming --compilation-cache when that directory is a file, cannot be created or is not
+    writable; the default directory in that state only gets a warning on stderr, and no cache.
     """
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
     path = None if args.no_compilation_cache else Path(args.compilation_cache or default_compilation_cache_dir())
+    problem = None if path is None else _check_cache_dir(path)
+    if problem and args.compilation_cache:
+        raise ValueError(f"--compilation-cache: {problem}")
+    if problem:
+        print(f"mtp-jax generate: warning: the default compilation cache {problem}: compiling without a "
+              "persistent cache (set --compilation-cache DIR or --no-compilation-cache)", file=sys.stderr)
+        path = None
     compilation_cache.reset_cache()  # an earlier call in this process may have used another directory
     jax.config.update("jax_enable_compilation_cache", path is not None)
     jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
@@ -115,12 +158,16 @@ def _configure_compilation_cache(args) -> pathlib.Path | None:
     return path
 
 
-def _name_flags(error: ValueError) -> ValueError:
-    """The library's error with the `generate` flags it concerns named in front."""
+def _name_flags(error: ValueError, sources: list[str]) -> ValueError:
+    """The library's error with the `generate` flags it concerns named in front; "prompt i" names the
+    flag (and the file) prompt i came from, `sources[i]`."""
     import re
 
     message = str(error)
     flags = [flag for pattern, flag in _GENERATE_FLAGS.items() if re.search(pattern, message) and flag not in message]
+    prompt = re.search(r"\bprompt (\d+)\b", message)
+    if prompt and int(prompt.group(1)) < len(sources) and sources[int(prompt.group(1))]:
+        flags.append(sources[int(prompt.group(1))])
     return ValueError(f"{', '.join(flags)}: {message}") if flags else error
 
 
@@ -193,10 +240,16 @@ def run_generate(args) -> int:
     from mtp_jax.pretrained import load_pretrained
 
     cache_dir = _configure_compilation_cache(args)
+    texts, sources = _prompts(args)
+    if Path(args.model).exists() and not Path(args.model).is_dir():
+        raise ValueError(f"--model: {args.model} is not a directory (a model directory holds config.json, "
+                         "safetensors weights and tokenizer.json)")
     begin = time.perf_counter()
-    model, tokenizer = load_pretrained(args.model)
+    try:
+        model, tokenizer = load_pretrained(args.model)
+    except (OSError, ValueError) as error:  # missing files, corrupt or mismatched checkpoints
+        raise ValueError(f"--model: {error}") from error
     load_seconds = time.perf_counter() - begin
-    texts = _prompts(args)
     prompts = [tokenizer.encode(t).ids for t in texts]
     if args.stream and len(prompts) != 1:
         raise ValueError("--stream takes exactly one prompt")
@@ -212,7 +265,7 @@ def run_generate(args) -> int:
                 print(f"=== prompt {b} ({len(prompts[b])} tokens) -> {len(tokens)} tokens, {result.finish_reasons[b]}")
                 print(text + tokenizer.decode(tokens))
     except ValueError as error:
-        raise _name_flags(error) from error
+        raise _name_flags(error, sources) from error
     cache = f"persistent cache {cache_dir}" if cache_dir is not None else "no persistent cache"
     rate = num_generated / decode_seconds if decode_seconds > 0 else float("nan")
     print(f"--- load {load_seconds:.2f} s | compile {compile_seconds:.2f} s (warm-up run, {cache}) | "
@@ -288,8 +341,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     "at a time per run dir; a non-finite loss stops the run before it is saved.")
     p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
     mode = p.add_argument_group("mode")
-    mode.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
-    mode.add_argument("--overwrite", action="store_true",
+    start = mode.add_mutually_exclusive_group()  # continue the run, or delete it and start again: not both
+    start.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
+    start.add_argument("--overwrite", action="store_true",
                       help="delete the run in run_dir and start again (only a run dir: one with its run.json)")
     mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
     mode.add_argument("--init-from", metavar="DIR",

@@ -14,7 +14,7 @@ the only length there is (caches keep none, `mtp_jax.cache`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from mtp_jax.sampling import SamplingParams, SamplingState, is_int
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
 _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
+_TEXT = (str, bytes, bytearray, memoryview)  # sequences of characters or bytes, never of token ids
 
 
 @struct.dataclass
@@ -73,8 +74,9 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _is_token_id(value) -> bool:
-    """A Python or NumPy int, or a 0-d integer array (an element of a NumPy or JAX array); not a bool."""
+def _is_integer(value) -> bool:
+    """A Python or NumPy int, or a 0-d integer array (an element of a NumPy or JAX array, `jnp.int32(3)`);
+    not a bool. Token ids, max_new_tokens and max_length all accept exactly these."""
     if isinstance(value, (np.ndarray, jax.Array)):
         return value.ndim == 0 and np.issubdtype(value.dtype, np.integer)
     return is_int(value)
@@ -82,7 +84,7 @@ def _is_token_id(value) -> bool:
 
 def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:
     """Prompt i as a list of Python ints, checked (see `validate_prompts`)."""
-    if isinstance(prompt, (str, bytes)):
+    if isinstance(prompt, _TEXT):
         raise TypeError(f"prompt {i} is a {type(prompt).__name__}: prompts are token ids "
                         "(e.g. tokenizer.encode(text).ids), not text")
     if isinstance(prompt, (np.ndarray, jax.Array)):
@@ -92,7 +94,7 @@ def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:
         ids = np.asarray(prompt).tolist()
     elif isinstance(prompt, Sequence):
         for j, t in enumerate(prompt):
-            if not _is_token_id(t):
+            if not _is_integer(t):
                 raise TypeError(f"prompt {i} has {t!r} ({type(t).__name__}) at index {j}: token ids must be "
                                 "ints (floats and bools are rejected, not truncated)")
         ids = [int(t) for t in prompt]
@@ -116,11 +118,11 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: 
 
     `prompts`: B prompts, each a sequence of Python or NumPy ints or a 1-D integer array; or one
     2-D integer array [B, P]. Raises TypeError (naming the prompt and the index) for text instead
-    of ids, float or bool ids, or a flat list of ids (one prompt not wrapped in a batch); raises
-    ValueError for an empty batch or prompt, a prompt of >= `max_length` tokens, or an id outside
-    [0, vocab_size).
+    of ids (str, bytes, bytearray, memoryview), float or bool ids, or a flat list of ids (one prompt
+    not wrapped in a batch); raises ValueError for an empty batch or prompt, a prompt of >=
+    `max_length` tokens, or an id outside [0, vocab_size).
     """
-    if isinstance(prompts, (str, bytes)):
+    if isinstance(prompts, _TEXT):
         raise TypeError(f"prompts is a {type(prompts).__name__}: pass token ids "
                         "(e.g. [tokenizer.encode(text).ids]), not text")
     if isinstance(prompts, (np.ndarray, jax.Array)):
@@ -133,7 +135,9 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: 
 
 
 def _per_row(value, num_rows: int, name: str) -> list:
-    if isinstance(value, (list, tuple, np.ndarray)):
+    """`value` as one entry per row: a list, tuple or 1-D array of `num_rows` entries, else `value` for each
+    row (a 0-d array is one value)."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, (np.ndarray, jax.Array)) and value.ndim > 0):
         if len(value) != num_rows:
             raise ValueError(f"{name} has {len(value)} entries for {num_rows} prompts")
         return list(value)
@@ -141,10 +145,15 @@ def _per_row(value, num_rows: int, name: str) -> list:
 
 
 def _stop_array(stop_tokens, vocab_size: int) -> jax.Array:
-    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray, jax.Array)):
-        raise TypeError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}")
+    """Any collection of token ids (a list, tuple, set or 1-D array; order and repeats do not matter) as the
+    state's int32 [MAX_STOP_TOKENS] slots, sorted, -1 for unused ones."""
+    if (isinstance(stop_tokens, _TEXT) or not isinstance(stop_tokens, Iterable)
+            or getattr(stop_tokens, "ndim", 1) == 0):
+        raise TypeError(f"stop_tokens must be a collection of token ids (a list, tuple, set or 1-D array), "
+                        f"got {stop_tokens!r}")
+    stop_tokens = list(stop_tokens)  # an iterator is read once
     for t in stop_tokens:
-        if not _is_token_id(t):
+        if not _is_integer(t):
             raise TypeError(f"stop_tokens has {t!r} ({type(t).__name__}): stop tokens must be int token ids")
     stop = sorted(set(int(t) for t in stop_tokens))
     if len(stop) > MAX_STOP_TOKENS:
@@ -190,9 +199,11 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-               stop_tokens: Sequence[int] | None = None) -> tuple[DecodeState, jax.Array]:
+               stop_tokens: Iterable[int] | None = None) -> tuple[DecodeState, jax.Array]:
     """Validates the request and builds the initial state and the padded prompt array [B, P].
 
+    Integers may be Python or NumPy ints or 0-d integer arrays (NumPy or JAX); stop_tokens may be
+    any non-text collection of them (a list, tuple, set or 1-D array).
     Raises TypeError for arguments of the wrong type (text or float/bool ids as prompts, a float or
     bool max_length / max_new_tokens, non-int stop tokens, sampling that is not `SamplingParams`)
     and ValueError for values out of range: see `validate_prompts`; max_length outside
@@ -201,8 +212,9 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
     """
     config = model.config
     max_length = config.max_position_embeddings if max_length is None else max_length
-    if not is_int(max_length):
+    if not _is_integer(max_length):
         raise TypeError(f"max_length must be an int (tokens), got {max_length!r}")
+    max_length = int(max_length)
     if not 2 <= max_length <= config.max_position_embeddings:
         raise ValueError(f"max_length={max_length} must be in [2, {config.max_position_embeddings}]: the cache "
                          "capacity cannot exceed the model's positions (config.max_position_embeddings="
@@ -211,7 +223,7 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
     batch = len(prompts)
     new_tokens = _per_row(max_new_tokens, batch, "max_new_tokens")
     for n in new_tokens:
-        if not is_int(n):
+        if not _is_integer(n):
             raise TypeError(f"max_new_tokens must be an int (tokens), got {n!r}")
         if n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")

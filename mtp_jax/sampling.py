@@ -125,6 +125,8 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     """The distribution each row samples from: float32 probabilities, same shape as `logits`.
 
     Temperature, then top-k, then top-p; greedy rows (temperature 0) are one-hot at the argmax.
+    The logits are shifted by their row max before the division, so any temperature > 0, however
+    small, gives a distribution (as it tends to 0: uniform over the tied maxima).
     Tokens outside the top-k / top-p set have probability exactly 0. The sort that top-k / top-p
     need runs only when some row uses them (`lax.cond`; shapes stay fixed).
     """
@@ -135,7 +137,11 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     def sampled(logits):
         temperature = _expand(sampling.temperature, ndim)
         greedy = temperature == 0
-        scaled = logits / jnp.where(greedy, 1.0, temperature)
+        # Shift by the row max before scaling: every value is <= 0, so a tiny temperature overflows
+        # only to -inf (probability 0), never to inf - inf = NaN; the argmax (ties split) keeps 0.
+        # The divisor is at least float32's smallest normal number, which no device flushes to zero.
+        shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+        scaled = shifted / jnp.where(greedy, 1.0, jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny))
         filtering = jnp.any(sampling.top_k > 0) | jnp.any(sampling.top_p < 1)
         scaled = jax.lax.cond(filtering, _filter_top_k_top_p, lambda x, _: x, scaled, sampling)
         return jnp.where(greedy, one_hot, jax.nn.softmax(scaled, axis=-1))

@@ -1,6 +1,7 @@
 """The `mtp-jax generate` command on a small model directory: output, timing line, compilation cache, errors."""
 
 import importlib.metadata
+import os
 import re
 
 import jax
@@ -160,3 +161,72 @@ def test_second_run_loads_from_the_persistent_compilation_cache(model_dir, tmp_p
     finally:
         jax.monitoring.clear_event_listeners()
     assert len(hits) >= 2  # at least the prefill and the decode loop came from the cache
+
+
+def test_prompt_that_is_not_utf8_is_a_one_line_error(model_dir, capsys):
+    """Undecodable argv bytes reach Python as lone surrogates, which the tokenizer cannot take."""
+    prompt = os.fsdecode(b"ab\xffcd")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--prompt", prompt]) == 2
+    assert capsys.readouterr().err == ("mtp-jax generate: error: --prompt: prompt 1 is not valid UTF-8 "
+                                       "(bytes b'\\xff' at character 2)\n")
+
+
+@pytest.mark.parametrize("flag, name, message", [
+    ("--prompt-file", "a_dir", "--prompt-file {path}: Is a directory"),
+    ("--prompt-file", "latin1.txt", "--prompt-file {path}: not UTF-8 text (invalid continuation byte at byte 2)"),
+    ("--prompt-file", "nonexist.txt", "--prompt-file {path}: No such file or directory"),
+    ("--prompt-file", "empty.txt", "--prompt-file {path}: prompt 1 is empty: every prompt needs at least one token"),
+    ("--model", "regular_file", "--model: {path} is not a directory (a model directory holds config.json, "
+                                "safetensors weights and tokenizer.json)"),
+    ("--model", "nonexist", "--model: model directory {path} does not exist"),
+    ("--compilation-cache", "regular_file", "--compilation-cache: {path} is not a directory"),
+    ("--compilation-cache", "regular_file/sub", "--compilation-cache: {path} is not a writable directory "
+                                                "(Not a directory)"),
+])
+def test_file_errors_name_the_flag_and_the_file(model_dir, tmp_path, capsys, flag, name, message):
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "latin1.txt").write_bytes(b"ca\xe9t")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "regular_file").write_text("not a directory")
+    path = tmp_path / name
+    argv = ["generate", "--model", str(model_dir), "--prompt", "x", "--max-length", "64", flag, str(path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"mtp-jax generate: error: {message.format(path=path)}\n"
+
+
+def test_parallel_method_on_deepseek_modules_names_speculative(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--speculative", "parallel"]) == 2
+    assert capsys.readouterr().err == ("mtp-jax generate: error: --speculative: method 'parallel' needs parallel "
+                                       "heads, the model has mtp_style='deepseek'\n")
+
+
+def test_unusable_default_cache_is_a_warning_and_no_cache_claimed(model_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "a_file"))  # the default cache dir a_file/jax_cache
+    argv = ["generate", "--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2", "--max-length", "64"]
+    assert main(argv) == 0
+    warning, timing = capsys.readouterr().err.splitlines()
+    assert warning == (f"mtp-jax generate: warning: the default compilation cache {tmp_path / 'a_file/jax_cache'} "
+                       "is not a writable directory (Not a directory): compiling without a persistent cache "
+                       "(set --compilation-cache DIR or --no-compilation-cache)")
+    assert TIMING.fullmatch(timing).group(3) == "no persistent cache"
+    assert not jax.config.jax_enable_compilation_cache
+
+
+def test_read_only_cache_dir_is_refused(model_dir, tmp_path, capsys):
+    cache_dir = tmp_path / "read_only"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o500)
+    if os.access(cache_dir, os.W_OK):
+        pytest.skip("permissions are not enforced for this user (root)")
+    assert main(["generate", "--model", str(model_dir), "--compilation-cache", str(cache_dir)]) == 2
+    assert capsys.readouterr().err == (f"mtp-jax generate: error: --compilation-cache: {cache_dir} is not a "
+                                       "writable directory (Permission denied)\n")
+
+
+def test_train_refuses_resume_with_overwrite(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", str(tmp_path / "run"), "--resume", "--overwrite"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --overwrite: not allowed with argument --resume\n")
+    assert not (tmp_path / "run").exists()

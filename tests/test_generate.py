@@ -145,12 +145,20 @@ def test_bad_input_raises(model, prompts, kwargs, message):
     ([jnp.asarray([1.0, 2.0])], {}, "dtype float32"),
     ([[1]], {"stop_tokens": [2.5]}, "stop_tokens has 2.5"),
     ([[1]], {"stop_tokens": [True]}, "stop_tokens has True"),
-    ([[1]], {"stop_tokens": 3}, "stop_tokens must be a list"),
+    ([[1]], {"stop_tokens": 3}, "stop_tokens must be a collection of token ids"),
     ([[1]], {"max_length": 40.0}, "max_length must be an int"),
     ([[1]], {"max_length": True}, "max_length must be an int"),
     ([[1]], {"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
     ([[1]], {"max_new_tokens": [True]}, "max_new_tokens must be an int"),
     ([[1]], {"sampling": {"temperature": 1.0}}, "sampling must be SamplingParams"),
+    ([bytearray(b"hi")], {}, "prompt 0 is a bytearray: prompts are token ids"),
+    ([[1], memoryview(b"hi")], {}, "prompt 1 is a memoryview: prompts are token ids"),
+    (bytearray(b"hi"), {}, "prompts is a bytearray"),
+    ([[1]], {"stop_tokens": bytearray(b"hi")}, "stop_tokens must be a collection of token ids"),
+    ([[1]], {"stop_tokens": np.array(3)}, "stop_tokens must be a collection of token ids"),
+    ([[1]], {"stop_tokens": "ab"}, "stop_tokens must be a collection of token ids"),
+    ([[1]], {"max_new_tokens": np.array(3.0)}, "max_new_tokens must be an int"),
+    ([[1]], {"max_new_tokens": jnp.asarray(True)}, "max_new_tokens must be an int"),
 ])
 def test_wrong_types_raise_instead_of_being_truncated(model, prompts, kwargs, message):
     with pytest.raises(TypeError, match=message):
@@ -177,6 +185,22 @@ def test_numpy_prompts_give_the_same_tokens_as_lists(model):
     for p in as_arrays:
         result = generate(model, p, max_new_tokens=np.int64(5), stop_tokens=np.asarray([9]), **kwargs)
         assert result.tokens == expected, type(p)
+
+
+def test_zero_d_integer_arrays_and_any_collection_of_stop_tokens_are_accepted(model):
+    """0-d NumPy / JAX integers count as ints; stop tokens are a set, so any non-text collection will do."""
+    state, _ = init_state(model, [[1, 2]], max_new_tokens=3, max_length=48, stop_tokens=[9, 4])
+    expected = generate(model, [[1, 2]], max_new_tokens=3, max_length=48, stop_tokens=[9, 4]).tokens
+    for n in (np.array(3), jnp.int32(3), np.int64(3), [np.array(3)], jnp.asarray([3])):
+        other, _ = init_state(model, [[1, 2]], max_new_tokens=n, max_length=np.array(48), stop_tokens=[9, 4])
+        assert other.max_new_tokens.tolist() == [3] and other.tokens.shape == (1, 48), n
+    for stop in ({4, 9}, (9, 4), np.array([9, 4]), jnp.asarray([4, 9]), [np.array(9), jnp.int32(4)], iter([9, 4]),
+                 [4, 9, 9]):
+        other, _ = init_state(model, [[1, 2]], max_new_tokens=3, max_length=48, stop_tokens=stop)
+        np.testing.assert_array_equal(other.stop_tokens, state.stop_tokens)
+    np.testing.assert_array_equal(state.stop_tokens[:3], [4, 9, -1])
+    assert generate(model, [[1, 2]], max_new_tokens=jnp.int32(3), max_length=jnp.int32(48),
+                    stop_tokens={4, 9}).tokens == expected
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

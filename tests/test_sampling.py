@@ -64,3 +64,25 @@ def test_every_seed_in_range_has_its_own_key():
     assert len({tuple(k) for k in np.asarray(keys).tolist()}) == len(seeds)
     expected = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(np.uint32(2**32 - 1)), 0), 0))
     np.testing.assert_array_equal(keys[4], expected)
+
+
+def test_tiny_temperature_is_the_argmax_not_nan():
+    """logits / 1e-37 overflows float32 (inf - inf = NaN); the shifted logits only reach -inf."""
+    logits = jnp.asarray([[-2.0, 1.0, 50.0, 49.0], [50.0, 50.0, 1.0, -2.0]])
+    for extra in ({}, {"top_k": 3}, {"top_p": 0.9}):
+        state = SamplingState.from_params([SamplingParams(temperature=1e-37, **extra)] * 2)
+        np.testing.assert_array_equal(target_probs(logits, state), [[0, 0, 1, 0], [0.5, 0.5, 0, 0]])  # ties split
+    n = 256
+    state = SamplingState.from_params([SamplingParams(temperature=1e-37, seed=s) for s in range(n)])
+    draws = np.asarray(jax.jit(sample)(jnp.broadcast_to(logits[0], (n, 4)), state, jnp.arange(n, dtype=jnp.int32)))
+    np.testing.assert_array_equal(draws, np.full(n, 2))
+
+
+def test_shifting_by_the_row_max_leaves_ordinary_temperatures_unchanged():
+    """softmax(logits / t), the formula before the shift, for a batch of mixed temperatures (greedy row included)."""
+    logits = jax.random.normal(jax.random.key(0), (5, 3, 50)) * 4
+    temperatures = [0.3, 0.7, 1.0, 1.5, 0.0]
+    probs = target_probs(logits, SamplingState.from_params([SamplingParams(temperature=t) for t in temperatures]))
+    for b, t in enumerate(temperatures):
+        expected = (jax.nn.one_hot(jnp.argmax(logits[b], -1), 50) if t == 0 else jax.nn.softmax(logits[b] / t, -1))
+        np.testing.assert_allclose(probs[b], expected, rtol=1e-5, atol=1e-7)
