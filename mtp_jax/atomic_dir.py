@@ -1,6 +1,7 @@
 """Atomic replacement of a directory: the new contents are written beside it, then swapped in.
 
-`replace_dir(P)` for a target `P = parent/name`, with a fresh random token T:
+`replace_dir(P)` for a target `P = parent/name`, with a fresh random token T (16 lowercase hex
+digits, `secrets.token_hex(8)`):
 
   1. Write: the caller fills the new, empty sibling `parent/.name.tmp-T`; plain files the caller
      does not own are copied over from the old `P`; every file, the directory and `parent` are
@@ -23,8 +24,14 @@ What a kill (SIGKILL, power loss after the fsyncs) leaves at each point:
   - after the second rename: `P` is the new directory; `.name.old-T` is debris.
 
 So `P` (after `recover`, in the one state that needs it) always holds the old or the new
-contents, complete. Debris, every `.name.tmp-*` / `.name.old-*` sibling of an existing `P`, is
-deleted by the next `replace_dir(P)`: one writer per target at a time.
+contents, complete. Debris, every `.name.tmp-T` / `.name.old-T` sibling of an existing `P` whose T
+has exactly the token's format, is deleted by the next `replace_dir(P)` (a `.name.tmp-abc` of the
+user's is not ours and stays): one writer per target at a time.
+
+Readers (`read_dir`) see one version of `P` whole, even during a swap: on Linux every file is read
+through a descriptor of the directory `P` named when the read began (`/proc/self/fd/N/file`),
+which the exchange moves but does not change; a read that the clean-up of 3 cuts short, and
+elsewhere any read during which `P` changed, starts again from `P`.
 """
 
 from __future__ import annotations
@@ -39,10 +46,14 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+_TOKEN_BYTES = 8  # T = secrets.token_hex(8): 16 lowercase hex digits, the only sibling names treated as ours
+READ_ATTEMPTS = 5  # `read_dir`: attempts before a directory replaced during each of them is an error
+_T = TypeVar("_T")
 
 
 def _sibling(path: Path, kind: str, token: str) -> Path:
@@ -51,7 +62,7 @@ def _sibling(path: Path, kind: str, token: str) -> Path:
 
 def _siblings(path: Path) -> dict[str, dict[str, Path]]:
     """kind ("tmp" / "old") -> token -> path, over the leftover siblings of `path`."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-([0-9a-f]+)")
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-([0-9a-f]{{{2 * _TOKEN_BYTES}}})")
     found: dict[str, dict[str, Path]] = {"tmp": {}, "old": {}}
     if path.parent.is_dir():
         for entry in path.parent.iterdir():
@@ -115,6 +126,74 @@ def recover(path: str | os.PathLike) -> bool:
     return False
 
 
+def _moved(path: Path, pinned: os.stat_result) -> bool:
+    """Whether `path` no longer names the directory `pinned` (held open, so its inode is not reused)."""
+    try:
+        return not os.path.samestat(os.stat(path), pinned)
+    except OSError:
+        return True
+
+
+def _pinned_root(fd: int, pinned: os.stat_result) -> Path | None:
+    """`/proc/self/fd/<fd>`, a path that resolves names inside the open directory `fd`; None without /proc."""
+    root = Path(f"/proc/self/fd/{fd}")
+    try:
+        return root if os.path.samestat(os.stat(root), pinned) else None
+    except OSError:
+        return None
+
+
+def read_dir(path: str | os.PathLike, read: Callable[[Path], _T], *, attempts: int = READ_ATTEMPTS) -> _T:
+    """`read(root)`, with every file that `read` opens as `root / name` taken from one version of `path`.
+
+    A `replace_dir(path)` running meanwhile cannot mix two versions (one file from the old
+    checkpoint, another from the new):
+      - Linux: `root` is `/proc/self/fd/N`, N a descriptor of the directory that `path` names when
+        the attempt starts. Names resolve inside that directory even after the swap has moved it
+        away, so everything comes from one save. The saver's clean-up may delete the old files
+        before `read` opens them; `read` then fails (FileNotFoundError, a CheckpointError, ...),
+        and since `path` now names another directory (complete by then) the attempt is repeated.
+        `read` should open its files early (before its slow work) so that this stays rare.
+      - elsewhere (no /proc): `root` is `path` itself, and an attempt counts only if `path` still
+        names the directory it named at the start (held open meanwhile, so its inode number is
+        not reused): a read during which a swap happened is repeated, whether it failed or not.
+        The limit: a writer that swaps in a new version faster than one read takes starves the
+        reader (the OSError below), where on Linux reads only repeat when the clean-up wins a race.
+    `recover(path)` runs before each attempt. When `path` cannot be opened as a directory,
+    `read(path)` runs once, to raise the caller's own error for a missing directory.
+
+    Raises:
+      whatever `read` raises when `path` did not change during that attempt (a real error); an
+      OSError naming `path` when it was replaced during each of `attempts` attempts (a writer
+      overwriting it faster than it can be read).
+    """
+    path = Path(path)
+    failure: BaseException | None = None
+    for _ in range(attempts):
+        recover(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # missing, not a directory, or a system that cannot open directories (Windows)
+            return read(path)
+        try:
+            pinned = os.fstat(fd)
+            root = _pinned_root(fd, pinned) or path
+            try:
+                result = read(root)
+            except (OSError, ValueError) as error:
+                if not _moved(path, pinned):
+                    raise
+                failure = error
+                continue
+            if root != path or not _moved(path, pinned):
+                return result
+            failure = None
+        finally:
+            os.close(fd)
+    raise OSError(f"{path} was replaced by a concurrent save during each of {attempts} attempts to read it") \
+        from failure
+
+
 def _remove_debris(path: Path) -> None:
     for kind in _siblings(path).values():
         for leftover in kind.values():
@@ -154,7 +233,7 @@ def replace_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[st
             kept.append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_debris(path)
-    token = secrets.token_hex(8)
+    token = secrets.token_hex(_TOKEN_BYTES)
     new = _sibling(path, "tmp", token)
     os.mkdir(new)
     if path.is_dir():

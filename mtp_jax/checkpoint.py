@@ -24,6 +24,8 @@ with a shard name that is not a plain file name) raises a `CheckpointError` nami
 
 Saving is atomic (`mtp_jax.atomic_dir`): the checkpoint is written to a temporary sibling
 directory and swapped in, so a kill at any point leaves the old or the new checkpoint at `path`.
+Loading reads every file from one save even while another process overwrites `path`
+(`atomic_dir.read_dir`: pinned to the directory on Linux, repeated after a swap elsewhere).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ from safetensors.numpy import save_file
 
 from mtp_jax import atomic_dir
 from mtp_jax.config import ModelConfig
+from mtp_jax.engine import MAX_STOP_TOKENS
 from mtp_jax.hf_config import (
     DTYPE_NAMES,
     MTP_CONVENTION_FIELDS,  # noqa: F401  (re-exported)
@@ -119,24 +123,30 @@ def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bo
 # Load
 
 
-def _read_json(file: Path) -> Any:
-    """The parsed contents of a JSON file; CheckpointError naming it when it is not valid JSON."""
+def _read_json(file: Path, shown: Path) -> Any:
+    """The parsed contents of the JSON file `file`; a CheckpointError naming it (as `shown`) when it is not JSON."""
+    data = file.read_bytes()
     try:
-        return json.loads(file.read_bytes())
-    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8/16/32
-        raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+        return json.loads(data)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, not UTF-8/16/32, nested too deeply
+        reason = "nests too deeply" if isinstance(error, RecursionError) else str(error)
+        raise CheckpointError(f"{shown} is not valid JSON: {reason}") from error
 
 
-def _read_config(path: Path) -> ModelConfig:
-    """The config of checkpoint directory `path`; errors name config.json."""
-    file = path / CONFIG_FILE
-    hf = _read_json(file)
+def _read_config(root: Path, shown: Path) -> ModelConfig:
+    """The config of checkpoint directory `root` (named `shown` in errors); errors name config.json."""
+    file = shown / CONFIG_FILE
+    hf = _read_json(root / CONFIG_FILE, file)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file} must hold a JSON object, got {type(hf).__name__}")
     try:
-        return config_from_hf(hf)
+        config = config_from_hf(hf)
     except ValueError as error:
         raise CheckpointError(f"{file}: {error}") from error
+    if len(set(config.eos_token_ids)) > MAX_STOP_TOKENS:
+        raise CheckpointError(f"{file}: eos_token_id lists {len(set(config.eos_token_ids))} distinct token ids; "
+                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.engine.MAX_STOP_TOKENS)")
+    return config
 
 
 def _is_plain_file_name(name: Any) -> bool:
@@ -145,47 +155,64 @@ def _is_plain_file_name(name: Any) -> bool:
             and not os.path.isabs(name))
 
 
-def _weight_files(path: Path) -> dict[str, list[str] | None]:
-    """File name -> the tensor names the index places there (None: a single file, no index)."""
-    if (path / WEIGHTS_FILE).is_file():
+def _weight_files(root: Path, shown: Path) -> dict[str, list[str] | None]:
+    """File name -> the tensor names the index places there (None: a single file, no index).
+
+    With both a `model.safetensors` and an index, the single file is loaded (transformers'
+    precedence, `modeling_utils._get_resolved_checkpoint_files`), with a warning naming both.
+    """
+    index_file = shown / INDEX_FILE
+    if (root / WEIGHTS_FILE).is_file():
+        if (root / INDEX_FILE).is_file():
+            warnings.warn(f"{shown} holds both {WEIGHTS_FILE} and {INDEX_FILE}: loading {WEIGHTS_FILE} and "
+                          "ignoring the index and its shards (as transformers does); delete the one that does "
+                          "not belong", stacklevel=2)
         return {WEIGHTS_FILE: None}
-    index_file = path / INDEX_FILE
-    if not index_file.is_file():
-        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {path}")
-    index = _read_json(index_file)
+    if not (root / INDEX_FILE).is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {shown}")
+    index = _read_json(root / INDEX_FILE, index_file)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_file} has no weight_map object (tensor name -> shard file name)")
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if not _is_plain_file_name(file):
-            raise CheckpointError(f"{index_file}: the shard {file!r} of {name} is not a plain file name in {path}")
+            raise CheckpointError(f"{index_file}: the shard {file!r} of {name} is not a plain file name in {shown}")
         files.setdefault(file, []).append(name)
     return files
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: Path) -> Iterator[Any]:
-    """`safe_open(file)`; a file that is not valid safetensors raises a CheckpointError naming it."""
+def _safetensors_errors(file: Path) -> Iterator[None]:
+    """Turns a SafetensorError (a file that is not valid safetensors) into a CheckpointError naming `file`."""
     try:
-        with safe_open(file, framework="np") as f:
-            yield f
+        yield
     except SafetensorError as error:
         raise CheckpointError(f"{file} is not a valid safetensors file: {error}") from error
 
 
-def _scan(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]], dict[str, str]]:
+def _open_weights(root: Path, shown: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """File name -> its open safetensors handle (closed with `stack`), for every weights file."""
+    handles = {}
+    for file, listed in _weight_files(root, shown).items():
+        if listed is None and not (root / file).is_file():
+            raise FileNotFoundError(f"no {WEIGHTS_FILE} in {shown}")  # deleted since `_weight_files` looked
+        if not (root / file).is_file():
+            raise CheckpointError(f"{shown / INDEX_FILE} names {file}, which does not exist", missing=listed)
+        with _safetensors_errors(shown / file):
+            handles[file] = stack.enter_context(safe_open(root / file, framework="np"))
+        absent = sorted(set(listed or ()) - set(handles[file].keys()))
+        if absent:
+            raise CheckpointError(f"{shown / INDEX_FILE} places tensors in {file} that it lacks", missing=absent)
+    return handles
+
+
+def _scan(handles: dict[str, Any], shown: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]], dict[str, str]]:
     """(name -> file, name -> shape, name -> safetensors dtype) over every tensor in the files."""
     where, shapes, dtypes = {}, {}, {}
-    for file, listed in _weight_files(path).items():
-        if not (path / file).is_file():
-            raise CheckpointError(f"{path / INDEX_FILE} names {file}, which does not exist", missing=listed)
-        with _open_safetensors(path / file) as f:
-            keys = list(f.keys())
-            absent = sorted(set(listed or ()) - set(keys))
-            if absent:
-                raise CheckpointError(f"{path / INDEX_FILE} places tensors in {file} that it lacks", missing=absent)
-            for name in keys:
+    for file, f in handles.items():
+        with _safetensors_errors(shown / file):
+            for name in f.keys():
                 if name in where:
                     raise CheckpointError(f"{name} is stored in both {where[name]} and {file}")
                 tensor = f.get_slice(name)
@@ -213,7 +240,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
 
     Args:
       path: a directory holding `config.json` and `model.safetensors`, or shards listed in
-        `model.safetensors.index.json` (the format `save_pretrained` writes).
+        `model.safetensors.index.json` (the format `save_pretrained` writes). With both, the
+        single file is loaded and a warning names both (transformers' precedence).
       dtype: "float32", "bfloat16" or "float16" for the model's weights and compute; default the
         checkpoint's stored dtype (`config.json` `dtype` / `torch_dtype`, else float32). Tensors are
         cast on load.
@@ -223,26 +251,43 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
 
     Raises:
       FileNotFoundError: no config.json or no weights file.
-      CheckpointError (a ValueError) naming the file: config.json that is not a JSON object or that
-        `config_from_hf` refuses (an unsupported or ill-typed field); an index that is not JSON,
-        has no `weight_map`, or names a shard that is not a plain file name in `path` (`..`,
-        absolute paths and subdirectories are refused); a safetensors file that is empty,
-        truncated or not safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
+      CheckpointError (a ValueError) naming the file: config.json or an index that is not JSON
+        (nesting too deep included); config.json that is not a JSON object, that `config_from_hf`
+        refuses (an unsupported or ill-typed field), or whose eos_token_id lists more distinct ids
+        than generation can stop at (`mtp_jax.engine.MAX_STOP_TOKENS`); an index that has no
+        `weight_map`, or names a shard that is not a plain file name in `path` (`..`, absolute
+        paths and subdirectories are refused); a safetensors file that is empty, truncated or not
+        safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
         config's, non-float tensors, an index inconsistent with its shards, or (tied embeddings) a
         `lm_head.weight` that differs from `model.embed_tokens.weight` (likewise DeepSeek's
         per-MTP-layer `embed_tokens` / `shared_head.head` copies, see `_shared_copies`).
+      OSError: `path` was replaced by concurrent saves during each attempt to read it (`atomic_dir.read_dir`).
 
     MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout:
     `model.layers.{L + j}.{enorm,hnorm,eh_proj,shared_head.norm,<block>}` for module j.
 
-    A save that a kill interrupted between its two renames (`mtp_jax.atomic_dir`) is finished
-    first, so `path` holds the new checkpoint.
+    Every file comes from one save even while another process overwrites `path`
+    (`mtp_jax.atomic_dir.read_dir`), and a save that a kill interrupted between its two renames
+    is finished first, so `path` holds the new checkpoint.
     """
     path = Path(path)
-    atomic_dir.recover(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-    config = _read_config(path)
+    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, shown=path))
+
+
+def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None,
+                  shown: str | os.PathLike | None = None) -> Transformer:
+    """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
+
+    Arguments, result and errors are `load_hf_checkpoint`'s, which wraps this in
+    `atomic_dir.read_dir`; `shown` is the directory as error messages name it (default
+    `directory`). config.json, the index and every weights file are opened before the slow work,
+    so a concurrent save's clean-up rarely catches a read half way.
+    """
+    root = Path(directory)
+    shown = root if shown is None else Path(shown)
+    if not (root / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {shown}")
+    config = _read_config(root, shown)
     if dtype is not None:
         try:
             dtype = jnp.dtype(dtype).name
@@ -251,10 +296,17 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
         config = config.replace(dtype=dtype, param_dtype=dtype)
+    with contextlib.ExitStack() as stack:
+        handles = _open_weights(root, shown, stack)
+        return _read_weights(handles, config, shown)
+
+
+def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> Transformer:
+    """The model of `config` with the tensors of the open weights files `handles` (file name -> handle)."""
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     layout = _layout(params, config)
-    where, shapes, dtypes = _scan(path)
+    where, shapes, dtypes = _scan(handles, shown)
 
     copies = {name: source for name, source in _shared_copies(config).items() if name in where}
     found = set(where) - set(copies)
@@ -265,13 +317,14 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
     mismatched += [f"{name} (dtype {dtypes[name]} is not a float type)"
                    for name in layout if name in found and dtypes[name] not in ("F32", "BF16", "F16", "F64")]
     if missing or unexpected or mismatched:
-        raise CheckpointError(f"checkpoint {path} does not match the config", missing=missing,
+        raise CheckpointError(f"checkpoint {shown} does not match the config", missing=missing,
                               unexpected=unexpected, mismatched=mismatched)
 
     weight_dtype = config.weight_dtype
     values, copy_values = {}, {}
     for file in sorted(set(where.values())):
-        with _open_safetensors(path / file) as f:
+        f = handles[file]
+        with _safetensors_errors(shown / file):
             for name in (n for n in layout if where[n] == file):
                 array = f.get_tensor(name)
                 values[name] = jnp.asarray(array.T if layout[name][1] else array, dtype=weight_dtype)

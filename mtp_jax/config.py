@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -29,6 +30,15 @@ ATTENTION_TYPES = ("gqa", "mla")
 FFN_TYPES = ("dense", "moe")
 MOE_SCORING_FUNCS = ("sigmoid", "softmax")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_finite_positive(value: Any) -> bool:
+    """A real number in (0, inf): NaN, infinities, 0, negatives and non-numbers are not."""
+    return _is_number(value) and math.isfinite(value) and value > 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,8 +65,15 @@ class RopeScaling:
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        # Ratios and rotation counts: finite and > 0 (yarn's correction range takes log(1 / beta)).
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not _is_finite_positive(value):
+                raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value!r}")
+        for name in ("mscale", "mscale_all_dim"):  # yarn's log-scale coefficients: 0 is allowed
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and math.isfinite(value)):
+                raise ValueError(f"rope_scaling.{name} must be a finite number, got {value!r}")
         if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"rope_scaling.original_max_position_embeddings is required for {self.rope_type!r}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -157,10 +174,9 @@ class ModelConfig:
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         if self.head_dim is None and self.resolved_head_dim % 2:
             raise ValueError(f"head_dim (hidden_size / num_attention_heads = {self.resolved_head_dim}) must be even")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            if not _is_finite_positive(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling, got {type(self.rope_scaling).__name__}")
         if self.hidden_act != "silu":
@@ -230,8 +246,8 @@ class ModelConfig:
                              f"{per_group} experts of the topk_group best groups")
         if self.scoring_func not in MOE_SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {MOE_SCORING_FUNCS}, got {self.scoring_func!r}")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+        if not _is_finite_positive(self.routed_scaling_factor):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
 
     # Derived values.
     @property

@@ -5,19 +5,24 @@ Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoint` loads
     as transformers' `save_pretrained` writes them;
   - RoPE in both spellings: transformers 4.x's `rope_theta` + `rope_scaling` (with "type" or
     "rope_type") and transformers 5.x's `rope_parameters` dict (which holds `rope_theta`), rope types
-    default / linear / llama3 / yarn; both spellings are written, and they agree;
+    default / linear / llama3 / yarn; both spellings are written, and they agree. Reading follows
+    5.x: `rope_scaling`, when present, is the RoPE dict, else `rope_parameters`. 4.x reads the
+    top-level `rope_theta` and 5.x the dict's, so where both are given they must be equal (an
+    error naming both otherwise), and likewise `partial_rotary_factor`;
   - sliding windows: read only to refuse one that binds (Mistral's `sliding_window`, Qwen2's
     `use_sliding_window` / `max_window_layers` / `layer_types`);
   - MTP: DeepSeek-V3's `num_nextn_predict_layers` (README_WEIGHTS.md), plus mtp_jax's conventions
     (`MTP_CONVENTION_FIELDS`), which DeepSeek's own files lack.
 
 Every field that is read is type-checked as JSON (no coercion: "64" is not an int, 64.0 is not an
-int, "false" is not a bool; null means absent), and anything this model cannot reproduce raises
-a ValueError naming the field. `config_to_hf` inverts `config_from_hf`.
+int, "false" is not a bool; NaN and Infinity, which Python's json accepts, are not numbers; null
+means absent, and only absent fields take defaults), and anything this model cannot reproduce
+raises a ValueError naming the field. `config_to_hf` inverts `config_from_hf`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +52,8 @@ def _read(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, w
     """hf[name], checked to be JSON of `kind` (see `_KINDS`); `default` when absent or null.
 
     No coercion: an int is not a bool, a float or a string is not an int; "number" accepts ints
-    and returns a float. `where` prefixes the field name in the error ("rope_scaling.").
+    and returns a float, and refuses NaN and +-Infinity. `where` prefixes the field name in the
+    error ("rope_scaling.").
     """
     value = hf.get(name)
     if value is None:
@@ -58,7 +64,15 @@ def _read(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, w
           "object": isinstance(value, Mapping), "list": isinstance(value, list)}[kind]
     if not ok:
         raise ValueError(f"{where}{name} must be {_KINDS[kind]}, got {value!r}")
-    return float(value) if kind == "number" else value
+    if kind != "number":
+        return value
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{where}{name} must be a finite number, got {value!r}")
+    return number
 
 
 def _read_positive(hf: Mapping[str, Any], name: str, default: int | None = None, *, where: str = "") -> int | None:
@@ -84,19 +98,38 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _agreed(sources: list[tuple[str, Mapping[str, Any]]], name: str, default: float) -> float:
+    """The number `name` from whichever of `sources` ((field prefix, dict) pairs) give it; `default` if none.
+
+    Two sources with different values are an error naming both fields.
+    """
+    found = [(prefix + name, value) for prefix, source in sources
+             if (value := _read(source, name, "number", where=prefix)) is not None]
+    for field, value in found[1:]:
+        if value != found[0][1]:
+            raise ValueError(f"{found[0][0]}={found[0][1]!r} and {field}={value!r} differ (transformers 4.x "
+                             "reads the top-level field, 5.x the one in the RoPE dict): make them equal")
+    return found[0][1] if found else default
+
+
 def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
-    """(rope_theta, RopeScaling) from either RoPE spelling, with transformers 5's precedence rules."""
+    """(rope_theta, RopeScaling) from either RoPE spelling, with transformers 5's precedence rules.
+
+    `rope_scaling` wins over `rope_parameters` (as in 4.x, which knows only the former, and 5.x's
+    `convert_rope_params_to_dict`); a `rope_theta` or `partial_rotary_factor` given in more than
+    one of the top level, `rope_scaling` and `rope_parameters` must be equal in all of them.
+    """
     scaling, parameters = _read(hf, "rope_scaling", "object"), _read(hf, "rope_parameters", "object")
     field = "rope_scaling" if scaling else "rope_parameters"
     params, where = dict(scaling or parameters or {}), f"{field}."
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(f"{field}: per-layer-type RoPE parameters are not supported")
-    theta = _read(params, "rope_theta", "number", where=where)
-    theta = _or(theta, _read(hf, "rope_theta", "number", 10000.0))
-    rope_type = _read(params, "rope_type", "str", where=where) or _read(params, "type", "str", where=where)
-    rope_type = rope_type or "default"
-    partial = _read(params, "partial_rotary_factor", "number", where=where)
-    partial = _or(partial, _read(hf, "partial_rotary_factor", "number", 1.0))
+    sources = [("", hf), *((f"{key}.", d) for key, d in (("rope_scaling", scaling), ("rope_parameters", parameters))
+                           if d)]
+    theta = _agreed(sources, "rope_theta", 10000.0)
+    rope_type = _read(params, "rope_type", "str", where=where)
+    rope_type = _or(_or(rope_type, _read(params, "type", "str", where=where)), "default")
+    partial = _agreed(sources, "partial_rotary_factor", 1.0)
     for key in ("rope_theta", "rope_type", "type", "partial_rotary_factor"):
         params.pop(key, None)
     if partial != 1.0:
@@ -126,8 +159,8 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rop
                                   high_freq_factor=_or(numbers["high_freq_factor"], 4.0))
     return theta, RopeScaling(
         rope_type="yarn", factor=max_positions / original if factor is None else factor,
-        original_max_position_embeddings=original, beta_fast=numbers["beta_fast"] or 32.0,
-        beta_slow=numbers["beta_slow"] or 1.0, truncate=_read(params, "truncate", "bool", True, where=where),
+        original_max_position_embeddings=original, beta_fast=_or(numbers["beta_fast"], 32.0),
+        beta_slow=_or(numbers["beta_slow"], 1.0), truncate=_read(params, "truncate", "bool", True, where=where),
         **{key: numbers[key] for key in ("attention_factor", "mscale", "mscale_all_dim")})
 
 
@@ -162,8 +195,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
       hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings, a
       sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or mlp_bias,
       quantization_config, a missing size field; and for a field of the wrong JSON type (a string
-      or a float where an int is expected, a string where a bool is, a list where an object is)
-      or a size that is 0 or negative.
+      or a float where an int is expected, a string where a bool is, a list where an object is),
+      a number that is NaN or infinite, a size that is 0 or negative, and a `rope_theta` or
+      `partial_rotary_factor` given twice (top level, `rope_scaling`, `rope_parameters`) with
+      different values. Values `ModelConfig` / `RopeScaling` refuse (a yarn `beta_fast` of 0, ...)
+      raise their ValueError naming the field.
     """
     if not isinstance(hf_config, Mapping):
         raise ValueError(f"the config must be a JSON object, got {type(hf_config).__name__}")
@@ -185,7 +221,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     max_positions = _read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
     _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
     theta, scaling = _rope_from_hf(hf, max_positions)
-    dtype = _read(hf, "dtype", "str") or _read(hf, "torch_dtype", "str") or "float32"
+    dtype = _or(_or(_read(hf, "dtype", "str"), _read(hf, "torch_dtype", "str")), "float32")
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]

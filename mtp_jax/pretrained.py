@@ -25,10 +25,15 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def _read_tokenizer(file: str | os.PathLike) -> Tokenizer:
     """The tokenizer in a tokenizer.json; a CheckpointError naming the file when it is not one."""
+    return _parse_tokenizer(Path(file).read_bytes(), file)
+
+
+def _parse_tokenizer(data: bytes, shown: str | os.PathLike) -> Tokenizer:
+    """The tokenizer in the bytes of a tokenizer.json; a CheckpointError naming it (as `shown`) when it is not one."""
     try:
-        return Tokenizer.from_file(str(file))
+        return Tokenizer.from_buffer(data)
     except Exception as error:  # the tokenizers library raises a bare Exception for a bad file
-        raise checkpoint.CheckpointError(f"{file} is not a valid tokenizer.json: {error}") from error
+        raise checkpoint.CheckpointError(f"{shown} is not a valid tokenizer.json: {error}") from error
 
 
 def load_pretrained(
@@ -36,26 +41,34 @@ def load_pretrained(
 ) -> tuple[Transformer, Tokenizer]:
     """The model and its HF `tokenizers.Tokenizer` from a directory (default: the bundled demo model).
 
-    A save that a kill interrupted is finished first (see `checkpoint.load_hf_checkpoint`).
+    The weights, config.json and tokenizer.json come from one save even while another process
+    overwrites `path` (`atomic_dir.read_dir`), and a save that a kill interrupted is finished
+    first (see `checkpoint.load_hf_checkpoint`).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
       CheckpointError naming the file: tokenizer.json is not a valid tokenizer, or its vocabulary
         (added tokens included) is larger than the model's vocab_size; and the errors of
         `checkpoint.load_hf_checkpoint` (corrupt files, a checkpoint that does not match its config).
+      OSError: `path` was replaced by concurrent saves during each attempt to read it.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
-    atomic_dir.recover(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    if not (path / TOKENIZER_FILE).is_file():
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
-    model = checkpoint.load_hf_checkpoint(path, dtype=dtype)
-    tokenizer = _read_tokenizer(path / TOKENIZER_FILE)
+    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
+
+
+def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transformer, Tokenizer]:
+    """`load_pretrained` of the directory `root`, named `shown` in errors; tokenizer.json is read first."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {shown} does not exist")
+    if not (root / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {shown}")
+    data = (root / TOKENIZER_FILE).read_bytes()  # before the weights, which take longest
+    model = checkpoint.read_hf_files(root, dtype=dtype, shown=shown)
+    tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:
-        raise checkpoint.CheckpointError(f"{path / TOKENIZER_FILE} has {size} tokens, more than the model's "
-                                         f"vocab_size={model.config.vocab_size} in {path / checkpoint.CONFIG_FILE}")
+        raise checkpoint.CheckpointError(f"{shown / TOKENIZER_FILE} has {size} tokens, more than the model's "
+                                         f"vocab_size={model.config.vocab_size} in {shown / checkpoint.CONFIG_FILE}")
     return model, tokenizer
 
 

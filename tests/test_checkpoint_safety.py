@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -24,11 +25,13 @@ from tokenizers.models import WordLevel
 
 from mtp_jax import atomic_dir, checkpoint
 from mtp_jax.checkpoint import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
-from mtp_jax.config import ModelConfig
+from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.engine import MAX_STOP_TOKENS
 from mtp_jax.pretrained import load_pretrained, save_pretrained
 
 TINY = ModelConfig.from_name("tiny")  # vocab_size 128
 TESTS = pathlib.Path(__file__).parent
+T1, T2 = "00ff00ff00ff00ff", "0aaa0aaa0aaa0aaa"  # swap tokens in the saver's format (secrets.token_hex(8))
 
 
 def _random_model(seed: int):
@@ -144,24 +147,24 @@ def test_kill_at_every_step_of_an_overwriting_save_leaves_old_or_new(tmp_path, m
 def test_interrupted_two_rename_swap_is_recovered_on_load(tmp_path):
     """The state a kill between the two renames leaves: `path` missing, `.name.old-T` and `.name.tmp-T`."""
     old_model, new_model = _random_model(1), _random_model(2)
-    save_hf_checkpoint(old_model, tmp_path / ".model.old-00ff")
-    save_hf_checkpoint(new_model, tmp_path / ".model.tmp-00ff")
-    save_hf_checkpoint(old_model, tmp_path / ".model.tmp-0aaa")  # a half-written other save: debris
+    save_hf_checkpoint(old_model, tmp_path / f".model.old-{T1}")
+    save_hf_checkpoint(new_model, tmp_path / f".model.tmp-{T1}")
+    save_hf_checkpoint(old_model, tmp_path / f".model.tmp-{T2}")  # a half-written other save: debris
     assert _same(load_hf_checkpoint(tmp_path / "model"), new_model)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.tmp-0aaa", "model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".model.tmp-{T2}", "model"]
     save_hf_checkpoint(old_model, tmp_path / "model", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_recover_names_both_copies_when_it_cannot_rename(tmp_path, monkeypatch):
-    (tmp_path / ".model.old-01").mkdir()
-    (tmp_path / ".model.tmp-01").mkdir()
+    (tmp_path / f".model.old-{T1}").mkdir()
+    (tmp_path / f".model.tmp-{T1}").mkdir()
 
     def refuse(*args):
         raise PermissionError("read-only")
 
     monkeypatch.setattr(os, "rename", refuse)
-    with pytest.raises(FileNotFoundError, match=r"\.model\.tmp-01.*\.model\.old-01"):
+    with pytest.raises(FileNotFoundError, match=rf"\.model\.tmp-{T1}.*\.model\.old-{T1}"):
         load_hf_checkpoint(tmp_path / "model")
 
 
@@ -200,6 +203,55 @@ def test_symlinked_directory_is_replaced_at_its_target(tmp_path):
     save_hf_checkpoint(new_model, tmp_path / "link", overwrite=True)
     assert (tmp_path / "link").is_symlink()
     assert _same(load_hf_checkpoint(real), new_model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loads during overwriting saves
+
+
+def _race_pairs():
+    """The two saves of the race: (model, tokenizer) with different weights, configs and vocabularies."""
+    return [(random_model(TINY, 1), _tokenizer(100)), (random_model(TINY.replace(rope_theta=5e5), 2), _tokenizer(120))]
+
+
+def _child_save_loop(target: str, seconds: float) -> None:
+    """In the child: saves the two `_race_pairs` in turn over `target` for `seconds`; prints "ready" once
+    the first is there and the number of saves at the end."""
+    pairs = _race_pairs()
+    save_pretrained(pairs[0][0], target, tokenizer=pairs[0][1], overwrite=True)
+    print("ready", flush=True)
+    saves, end = 1, time.monotonic() + seconds
+    while time.monotonic() < end:
+        model, tokenizer = pairs[saves % 2]
+        save_pretrained(model, target, tokenizer=tokenizer, overwrite=True)
+        saves += 1
+    print(saves, flush=True)
+
+
+def test_loads_during_overwriting_saves_return_one_save_whole(tmp_path):
+    """Each load gets config.json, weights and tokenizer.json of one save, never a mix, while a child
+    process overwrites the directory back to back (before `atomic_dir.read_dir`, a third were mixed)."""
+    target = tmp_path / "model"
+    models = {tokenizer.get_vocab_size(): model for model, tokenizer in _race_pairs()}  # 100 and 120 tokens
+    code = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_checkpoint_safety as t; "
+            "t._child_save_loop(sys.argv[1], float(sys.argv[2]))")
+    child = subprocess.Popen([sys.executable, "-c", code, str(target), "8"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n", child.stderr.read()
+        seen = []
+        while child.poll() is None:
+            model, tokenizer = load_pretrained(target)
+            size = tokenizer.get_vocab_size()
+            same = size in models and model.config == models[size].config and _same(model, models[size])
+            assert same, f"load {len(seen)}: tokenizer of {size} tokens with another save's config or weights"
+            seen.append(size)
+        saves = int(child.stdout.read())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0, child.stderr.read()
+    assert saves > 20 and len(seen) > 10 and set(seen) == {100, 120}, (saves, len(seen))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +318,10 @@ CORRUPTIONS = {
     "config empty": (lambda p: (p / "config.json").write_bytes(b""), "config.json"),
     "config a list": (lambda p: (p / "config.json").write_text("[1, 2]"), "config.json"),
     "config bytes": (lambda p: (p / "config.json").write_bytes(b"\xff\x00\xfe"), "config.json"),
+    "config nested too deeply": (lambda p: (p / "config.json").write_text("[" * 100_000), "config.json"),
+    "index nested too deeply": (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": '
+                                                                                          + "[" * 100_000),
+                                "model.safetensors.index.json"),
     "tokenizer not JSON": (lambda p: (p / "tokenizer.json").write_text("{"), "tokenizer.json"),
     "tokenizer a list": (lambda p: (p / "tokenizer.json").write_text("[]"), "tokenizer.json"),
 }
@@ -278,6 +334,36 @@ def test_corrupt_file_is_named(saved, corruption):
     with pytest.raises(CheckpointError) as info:
         load_pretrained(saved)
     assert str(saved / file) in str(info.value)
+
+
+def test_json_nested_too_deeply_is_a_checkpoint_error(saved):
+    (saved / "config.json").write_text("[" * 100_000)  # json.loads: RecursionError
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON: nests too deeply"):
+        load_hf_checkpoint(saved)
+
+
+def test_single_file_and_index_of_another_model_load_the_single_file_with_a_warning(tmp_path):
+    """transformers' precedence (modeling_utils: model.safetensors before the index): a warning names both."""
+    single, sharded = _random_model(1), _random_model(2)
+    save_hf_checkpoint(sharded, tmp_path, max_shard_size_bytes=40_000)
+    save_hf_checkpoint(single, tmp_path / "single")
+    (tmp_path / "single" / "model.safetensors").rename(tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"both model\.safetensors and model\.safetensors\.index\.json: "
+                                         r"loading model\.safetensors"):
+        loaded = load_hf_checkpoint(tmp_path)
+    assert _same(loaded, single) and not _same(loaded, sharded)
+
+
+def test_more_eos_ids_than_stop_slots_are_refused_at_load(tmp_path):
+    save_hf_checkpoint(_random_model(1), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "eos_token_id": list(range(MAX_STOP_TOKENS + 1))}))
+    with pytest.raises(CheckpointError, match=rf"config\.json: eos_token_id lists {MAX_STOP_TOKENS + 1} distinct "
+                                              rf"token ids; generation stops at most at {MAX_STOP_TOKENS}"):
+        load_hf_checkpoint(tmp_path)
+    ids = [*range(MAX_STOP_TOKENS), 0]  # 16 distinct ids, one repeated: what generation can hold
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "eos_token_id": ids}))
+    assert load_hf_checkpoint(tmp_path).config.eos_token_id == tuple(ids)
 
 
 def test_corrupt_single_weights_file_is_named(tmp_path):
@@ -344,6 +430,28 @@ def test_index_shard_names_are_the_ones_saved(saved):
     ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers"),
     ({"num_nextn_predict_layers": 1, "mtp_hidden_after_norm": "true"}, "mtp_hidden_after_norm"),
     ({"sliding_window": "16"}, "sliding_window"),
+    # Non-finite or zero values; only an absent (or null) field takes the default.
+    ({"initializer_range": float("nan")}, "initializer_range must be a finite number, got nan"),
+    ({"initializer_range": 0}, "initializer_range must be a finite number > 0, got 0"),
+    ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got inf"),
+    ({"rope_theta": 10 ** 400}, "rope_theta must be a finite number"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, r"rope_scaling\.factor must be a finite"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 0}},
+     r"rope_scaling\.beta_fast must be a finite number > 0, got 0\.0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_slow": 0.0}}, r"rope_scaling\.beta_slow"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": float("nan")}}, r"rope_scaling\.mscale"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0}},
+     r"rope_scaling\.low_freq_factor"),
+    # rope_theta in two places (transformers 4.x reads the top level, 5.x the RoPE dict) must agree.
+    ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     r"rope_theta=10000\.0 and rope_parameters\.rope_theta=500000\.0 differ"),
+    ({"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+     r"rope_theta=10000\.0 and rope_scaling\.rope_theta=500000\.0 differ"),
+    ({"rope_theta": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+      "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+     r"rope_scaling\.rope_theta=500000\.0 and rope_parameters\.rope_theta=1000000\.0 differ"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}},
+     r"partial_rotary_factor=0\.5 and rope_parameters\.partial_rotary_factor=1\.0 differ"),
     ({"model_type": "qwen2", "attention_bias": True, "use_sliding_window": "yes"}, "use_sliding_window"),
 ])
 def test_wrong_json_types_are_errors_naming_the_field(tmp_path, changes, field):
@@ -355,6 +463,30 @@ def test_wrong_json_types_are_errors_naming_the_field(tmp_path, changes, field):
     with pytest.raises(CheckpointError, match=field) as info:
         load_hf_checkpoint(tmp_path)
     assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_rope_theta_is_read_from_whichever_field_gives_it():
+    base = {k: v for k, v in config_to_hf(TINY).items() if k not in ("rope_theta", "rope_scaling", "rope_parameters")}
+    linear = {"rope_type": "linear", "factor": 2.0}
+    for fields in ({"rope_theta": 5e5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                   {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                   {"rope_theta": 5e5, "rope_scaling": linear}, {"rope_scaling": {**linear, "rope_theta": 5e5}},
+                   {"rope_theta": 5e5, "rope_scaling": linear, "rope_parameters": {**linear, "rope_theta": 5e5}}):
+        assert config_from_hf({**base, **fields}).rope_theta == 5e5, fields
+    assert config_from_hf(base).rope_theta == 10000.0
+
+
+def test_config_values_are_checked_in_code_too():
+    with pytest.raises(ValueError, match="initializer_range must be a finite number > 0, got nan"):
+        TINY.replace(initializer_range=float("nan"))
+    with pytest.raises(ValueError, match=r"rope_scaling\.factor must be a finite number > 0, got inf"):
+        RopeScaling(rope_type="linear", factor=float("inf"))
+    with pytest.raises(ValueError, match=r"rope_scaling\.beta_fast must be a finite number > 0, got 0"):
+        RopeScaling(rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast=0)
+    yarn = config_from_hf({**config_to_hf(TINY), "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                                   "beta_fast": None}})
+    assert (yarn.rope_scaling.beta_fast, yarn.rope_scaling.beta_slow) == (32.0, 1.0)  # absent: the defaults
+    assert RopeScaling(rope_type="yarn", factor=2.0, original_max_position_embeddings=64, mscale=0.0).mscale == 0.0
 
 
 def test_ints_are_accepted_for_float_fields_and_null_means_absent():
