@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ def _loop_jit(graph, params, state):
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-             stop_tokens: Sequence[int] | None = None,
+             stop_tokens: Iterable[int] | None = None,
              speculative: SpeculativeConfig | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` tokens for each prompt, the whole loop on device.
 
@@ -118,7 +118,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
            sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-           stop_tokens: Sequence[int] | None = None,
+           stop_tokens: Iterable[int] | None = None,
            speculative: SpeculativeConfig | None = None) -> Generator[list[list[int]], None, GenerationResult]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -518,7 +518,7 @@ class SpeculativeResult(GenerationResult):
 def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]], spec: SpeculativeConfig, *,
                          max_new_tokens: int | Sequence[int] = 64,
                          sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                         max_length: int | None = None, stop_tokens: Sequence[int] | None = None) -> SpeculativeResult:
+                         max_length: int | None = None, stop_tokens: Iterable[int] | None = None) -> SpeculativeResult:
     """Generates with MTP speculative decoding, the whole loop on device (see `generate.generate`).
 
     Greedy rows produce exactly the tokens of plain greedy decoding; sampled rows are distributed
@@ -545,7 +545,7 @@ def speculative_stream(model: Transformer, prompts: Sequence[Sequence[int]], spe
                        max_new_tokens: int | Sequence[int] = 64,
                        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                        max_length: int | None = None,
-                       stop_tokens: Sequence[int] | None = None) -> Generator[list[list[int]], None, SpeculativeResult]:
+                       stop_tokens: Iterable[int] | None = None) -> Generator[list[list[int]], None, SpeculativeResult]:
     """Like `speculative_generate`, one step per iteration: yields the tokens each row just committed.
 
     Returns (as `StopIteration.value`) the `SpeculativeResult` that `speculative_generate` would, its
