@@ -34,6 +34,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,14 +110,43 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
     return ".".join([*prefix, *modules, name]), leaf == "kernel"
 
 
-def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...]]]:
-    """HF name -> (our path, transposed, HF shape) for every parameter, in model order."""
+def _is_stacked(path: tuple[str | int, ...]) -> bool:
+    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate,up,down}_proj`, [R, in, out])."""
+    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
+    """The HF tensors of one parameter path: [(name, transposed)], one per tensor in the files.
+
+    `hf_name`'s single tensor, except the MoE's stacked routed experts (`mtp_jax.layers.moe`):
+    `...mlp.experts.gate_proj` [R, E, I] is the R tensors `...mlp.experts.{r}.gate_proj.weight`
+    [I, E] (each the transpose of slice r), likewise `up_proj` and `down_proj` [R, I, E]; this is
+    DeepSeek-V3's and GLM-4.5's layout, which transformers 5 stacks on load and splits on save.
+    """
+    if not _is_stacked(path):
+        return [hf_name(path, config)]
+    base, _ = hf_name((*path[:-1], "kernel"), config)  # "...mlp.experts.weight"
+    stem = base[: -len(".weight")]
+    return [(f"{stem}.{r}.{path[-1]}.weight", True) for r in range(config.n_routed_experts)]
+
+
+def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...], Any]]:
+    """HF name -> (our path, transposed, HF shape, our dtype) for every tensor in the files, in model order."""
     layout = {}
     for path, variable in nnx.to_flat_state(params):
-        name, transposed = hf_name(path, config)
-        shape = tuple(variable.get_value().shape)
-        layout[name] = (path, transposed, shape[::-1] if transposed else shape)
+        shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
+        if _is_stacked(path):
+            shape = shape[1:]  # one expert's [in, out]
+        for name, transposed in hf_names(path, config):
+            layout[name] = (path, transposed, shape[::-1] if transposed else shape, dtype)
     return layout
+
+
+def _mtp_layers_present(names: Iterator[str], config: ModelConfig) -> int:
+    """How many MTP layers the tensor `names` hold: distinct `model.layers.{n}` with n >= L (max n + 1 - L)."""
+    layers = {int(m.group(1)) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    extra = [n for n in layers if n >= config.num_hidden_layers]
+    return max(extra) + 1 - config.num_hidden_layers if extra else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,6 +338,12 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
     layout = _layout(params, config)
     where, shapes, dtypes = _scan(handles, shown)
 
+    present = _mtp_layers_present(iter(where), config)
+    if present != config.num_nextn_predict_layers:
+        raise CheckpointError(
+            f"checkpoint {shown}: config.json says num_nextn_predict_layers={config.num_nextn_predict_layers} but "
+            f"the weights hold {present} MTP layers (model.layers.{config.num_hidden_layers} on); set "
+            f"num_nextn_predict_layers={present} in config.json or add/remove the MTP layers' tensors")
     copies = {name: source for name, source in _shared_copies(config).items() if name in where}
     found = set(where) - set(copies)
     missing = [name for name in layout if name not in found]
@@ -326,8 +362,8 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
         f = handles[file]
         with _safetensors_errors(shown / file):
             for name in (n for n in layout if where[n] == file):
-                array = f.get_tensor(name)
-                values[name] = jnp.asarray(array.T if layout[name][1] else array, dtype=weight_dtype)
+                array = f.get_tensor(name)  # the router stays float32 (`layers.moe.Router`): each param's dtype
+                values[name] = jnp.asarray(array.T if layout[name][1] else array, dtype=layout[name][3])
             copy_values.update({name: f.get_tensor(name) for name in copies if where[name] == file})
     for name, copy in copy_values.items():  # after all files: the shared tensor may sit in a later shard
         source = values[copies[name]].T if layout[copies[name]][1] else values[copies[name]]
@@ -335,8 +371,11 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
                                                             np.asarray(source)):
             raise CheckpointError(f"{name} must be a copy of the shared {copies[name]} but differs",
                                   unexpected=[name])
-    flat = [(path_, variable.replace(values[hf_name(path_, config)[0]]))
-            for path_, variable in nnx.to_flat_state(params)]
+    flat = []
+    for path_, variable in nnx.to_flat_state(params):
+        names = [name for name, _ in hf_names(path_, config)]
+        value = jnp.stack([values[n] for n in names]) if _is_stacked(path_) else values[names[0]]  # [R, in, out]
+        flat.append((path_, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -388,9 +427,11 @@ def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
     hf_config = config_to_hf(config, model_type=model_type)
     tensors = {}
     for param_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transposed = hf_name(param_path, config)
         array = np.asarray(jax.device_get(variable.get_value()))
-        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+        names = hf_names(param_path, config)
+        parts = list(array) if _is_stacked(param_path) else [array]  # stacked experts: one tensor per expert
+        for (name, transposed), part in zip(names, parts, strict=True):
+            tensors[name] = np.ascontiguousarray(part.T if transposed else part)
     shards = _shards({name: t.nbytes for name, t in tensors.items()}, max_shard_size_bytes)
     metadata = {"format": "pt"}  # as save_pretrained writes it (transformers 4.x checks this field)
     if len(shards) == 1:

@@ -2,7 +2,9 @@
 
 Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoint` loads and saves:
   - model types: `LlamaConfig` ("llama"), `Qwen2Config` ("qwen2") and `MistralConfig` ("mistral")
-    as transformers' `save_pretrained` writes them;
+    as transformers' `save_pretrained` writes them; `DeepseekV3Config` ("deepseek_v3": MLA + MoE,
+    also DeepSeek's own files with `scoring_func` / `topk_method`) and `Glm4MoeConfig` ("glm4_moe":
+    partial rotary, q/k norm, q/k/v bias, MoE), with the HF config classes' defaults;
   - RoPE in both spellings: transformers 4.x's `rope_theta` + `rope_scaling` (with "type" or
     "rope_type") and transformers 5.x's `rope_parameters` dict (which holds `rope_theta`), rope types
     default / linear / llama3 / yarn; both spellings are written, and they agree. Reading follows
@@ -32,8 +34,22 @@ from mtp_jax.config import ModelConfig, RopeScaling
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
 MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # the HF config classes' defaults
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+_MOE_TYPES = ("deepseek_v3", "glm4_moe")
+# The HF config classes' defaults.
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "deepseek_v3": 4096, "glm4_moe": 131072}
+_DEFAULT_RMS_NORM_EPS = {"glm4_moe": 1e-5}  # else 1e-6
+# MoE fields: (JSON kind, DeepseekV3Config default, Glm4MoeConfig default).
+_MOE_FIELDS = {
+    "moe_intermediate_size": ("positive", 2048, 1408), "n_routed_experts": ("positive", 256, 128),
+    "n_shared_experts": ("int", 1, 1), "num_experts_per_tok": ("positive", 8, 8), "n_group": ("positive", 8, 1),
+    "topk_group": ("positive", 4, 1), "routed_scaling_factor": ("number", 2.5, 1.0),
+    "norm_topk_prob": ("bool", True, True), "first_k_dense_replace": ("int", 3, 1),
+}
+# MLA fields (deepseek_v3): (JSON kind, DeepseekV3Config default); q_lora_rank null = a full-rank q_proj.
+_MLA_FIELDS = {"kv_lora_rank": ("positive", 512), "qk_nope_head_dim": ("positive", 128),
+               "qk_rope_head_dim": ("positive", 64), "v_head_dim": ("positive", 128), "rope_interleave": ("bool", True)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes config.json may name
 # RoPE keys per type, besides "rope_type"/"type", "rope_theta" and "partial_rotary_factor".
 _ROPE_KEYS = {
@@ -112,8 +128,9 @@ def _agreed(sources: list[tuple[str, Mapping[str, Any]]], name: str, default: fl
     return found[0][1] if found else default
 
 
-def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
-    """(rope_theta, RopeScaling) from either RoPE spelling, with transformers 5's precedence rules.
+def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
+                  partial_default: float = 1.0) -> tuple[float, RopeScaling, float]:
+    """(rope_theta, RopeScaling, partial_rotary_factor) from either RoPE spelling, with transformers 5's precedence.
 
     `rope_scaling` wins over `rope_parameters` (as in 4.x, which knows only the former, and 5.x's
     `convert_rope_params_to_dict`); a `rope_theta` or `partial_rotary_factor` given in more than
@@ -129,18 +146,16 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rop
     theta = _agreed(sources, "rope_theta", 10000.0)
     rope_type = _read(params, "rope_type", "str", where=where)
     rope_type = _or(_or(rope_type, _read(params, "type", "str", where=where)), "default")
-    partial = _agreed(sources, "partial_rotary_factor", 1.0)
+    partial = _agreed(sources, "partial_rotary_factor", partial_default)
     for key in ("rope_theta", "rope_type", "type", "partial_rotary_factor"):
         params.pop(key, None)
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE on every dim), got {partial!r}")
     if rope_type not in _ROPE_KEYS:
         raise ValueError(f"{field}.rope_type {rope_type!r} is not supported (supported: {tuple(_ROPE_KEYS)})")
     unknown = sorted(set(params) - set(_ROPE_KEYS[rope_type]))
     if unknown:
         raise ValueError(f"{field}.{unknown[0]} is not supported for rope_type {rope_type!r}")
     if rope_type == "default":
-        return theta, RopeScaling()
+        return theta, RopeScaling(), partial
     numbers = {key: _read(params, key, "number", where=where)
                for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
                            "beta_slow", "mscale", "mscale_all_dim")}
@@ -148,7 +163,7 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rop
     if rope_type in ("linear", "llama3") and factor is None:
         raise ValueError(f"{field}.factor is required for rope_type {rope_type!r}")
     if rope_type == "linear":
-        return theta, RopeScaling(rope_type="linear", factor=factor)
+        return theta, RopeScaling(rope_type="linear", factor=factor), partial
     # transformers 5: a top-level original_max_position_embeddings (Phi-3 style) wins, then the
     # dict's, then max_position_embeddings.
     original = (_read_positive(hf, "original_max_position_embeddings")
@@ -156,12 +171,12 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rop
     if rope_type == "llama3":
         return theta, RopeScaling(rope_type="llama3", factor=factor, original_max_position_embeddings=original,
                                   low_freq_factor=_or(numbers["low_freq_factor"], 1.0),
-                                  high_freq_factor=_or(numbers["high_freq_factor"], 4.0))
+                                  high_freq_factor=_or(numbers["high_freq_factor"], 4.0)), partial
     return theta, RopeScaling(
         rope_type="yarn", factor=max_positions / original if factor is None else factor,
         original_max_position_embeddings=original, beta_fast=_or(numbers["beta_fast"], 32.0),
         beta_slow=_or(numbers["beta_slow"], 1.0), truncate=_read(params, "truncate", "bool", True, where=where),
-        **{key: numbers[key] for key in ("attention_factor", "mscale", "mscale_all_dim")})
+        **{key: numbers[key] for key in ("attention_factor", "mscale", "mscale_all_dim")}), partial
 
 
 def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions: int, num_layers: int) -> None:
@@ -181,25 +196,95 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions:
                              "sliding-window attention is not supported")
 
 
+def _read_kind(hf: Mapping[str, Any], name: str, kind: str, default: Any) -> Any:
+    """`_read`, with kind "positive" meaning an int >= 1 (`_read_positive`)."""
+    return _read_positive(hf, name, default) if kind == "positive" else _read(hf, name, kind, default)
+
+
+def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a deepseek_v3 / glm4_moe config, with its config class's defaults.
+
+    Both route by sigmoid scores with DeepSeek-V3's bias-corrected group-limited top-k
+    ("noaux_tc"); DeepSeek's own files say so in `scoring_func` / `topk_method`, which must then be
+    those, and `moe_layer_freq`, when given, must be 1 (every layer from first_k_dense_replace on).
+    """
+    column = 1 if model_type == "deepseek_v3" else 2
+    out = {name: _read_kind(hf, name, spec[0], spec[column]) for name, spec in _MOE_FIELDS.items()}
+    for name in ("n_shared_experts", "first_k_dense_replace"):
+        if out[name] < 0:
+            raise ValueError(f"{name} must be >= 0, got {out[name]}")
+    for name, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        value = _read(hf, name, "str")
+        if value is not None and value != supported:
+            raise ValueError(f"{name}={value!r} is not supported (only {supported!r}, as {model_type} routes)")
+    freq = _read(hf, "moe_layer_freq", "int")
+    if freq is not None and freq != 1:
+        raise ValueError(f"moe_layer_freq={freq} is not supported (only 1: every layer from first_k_dense_replace on)")
+    return {"ffn_type": "moe", **out}
+
+
+def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, int],
+                    partial: float) -> dict[str, Any]:
+    """The ModelConfig fields that depend on the model type: attention, biases, head_dim, MoE."""
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    attention_bias = _read(hf, "attention_bias", "bool", False)
+    if model_type in _MOE_TYPES and _read(hf, "use_sliding_window", "bool", False):
+        raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
+    if model_type == "deepseek_v3":
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor must be 1.0 for deepseek_v3 (qk_rope_head_dim is the rotary "
+                             f"part), got {partial!r}")
+        _read(hf, "head_dim", "int")  # transformers writes qk_rope_head_dim here; MLA has no use for it
+        _read(hf, "qk_head_dim", "int")
+        mla = {name: _read_kind(hf, name, kind, default) for name, (kind, default) in _MLA_FIELDS.items()}
+        return {"attention_type": "mla", "attention_bias": attention_bias, "q_lora_rank": _read_positive(
+            hf, "q_lora_rank"), **mla, **_moe_from_hf(hf, model_type)}
+    head_dim = _read_positive(hf, "head_dim")
+    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
+        head_dim = None  # the derived default: keep configs canonical
+    if model_type == "glm4_moe":
+        return {"head_dim": head_dim, "attention_bias": attention_bias, "partial_rotary_factor": partial,
+                "use_qk_norm": _read(hf, "use_qk_norm", "bool", False), **_moe_from_hf(hf, model_type)}
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE on every dim), got {partial!r}")
+    if attention_bias and model_type in ("llama", "mistral"):
+        raise ValueError(f"attention_bias=True is not supported for {model_type} (it adds an o_proj bias)")
+    return {"head_dim": head_dim, "attention_bias": model_type == "qwen2"}
+
+
+def _mtp_layers_from_hf(hf: Mapping[str, Any]) -> int:
+    """D: `num_nextn_predict_layers` (DeepSeek's name) or transformers 5's alias `num_mtp_layers`; equal if both."""
+    found = [(name, value) for name in ("num_nextn_predict_layers", "num_mtp_layers")
+             if (value := _read(hf, name, "int")) is not None]
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        raise ValueError(f"num_nextn_predict_layers={found[0][1]} and num_mtp_layers={found[1][1]} differ")
+    return found[0][1] if found else 0
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face `config.json` dict (model_type llama, qwen2 or mistral).
+    """A `ModelConfig` from a Hugging Face `config.json` dict (model_type llama, qwen2, mistral,
+    deepseek_v3 or glm4_moe).
 
     Reads transformers 4.x (`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x
     (`rope_parameters`) RoPE fields, rope types default / linear / llama3 / yarn. The stored
     `dtype` (or 4.x `torch_dtype`) becomes both `dtype` and `param_dtype` (float32 when absent).
     Fields with no effect on the forward pass (dropout, use_cache, pad_token_id, ...) are ignored.
     Every field read is type-checked as JSON, without coercion (see `_read`); null means absent.
+    deepseek_v3 and glm4_moe fields absent from the file take their HF config class's defaults
+    (GLM's partial_rotary_factor 0.5 included). `num_nextn_predict_layers` (or transformers 5's
+    `num_mtp_layers`) is D; `mtp_jax.checkpoint` checks that the weights hold exactly D MTP layers.
 
     Raises:
       ValueError naming the field for anything this model cannot reproduce: another model_type,
-      hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings, a
-      sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or mlp_bias,
-      quantization_config, a missing size field; and for a field of the wrong JSON type (a string
-      or a float where an int is expected, a string where a bool is, a list where an object is),
-      a number that is NaN or infinite, a size that is 0 or negative, and a `rope_theta` or
-      `partial_rotary_factor` given twice (top level, `rope_scaling`, `rope_parameters`) with
-      different values. Values `ModelConfig` / `RopeScaling` refuse (a yarn `beta_fast` of 0, ...)
-      raise their ValueError naming the field.
+      hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings (except
+      glm4_moe), a sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or
+      mlp_bias, a `scoring_func` other than "sigmoid" or `topk_method` other than "noaux_tc",
+      `moe_layer_freq` other than 1, quantization_config, a missing size field; and for a field of
+      the wrong JSON type (a string or a float where an int is expected, a string where a bool is,
+      a list where an object is), a number that is NaN or infinite, a size that is 0 or negative,
+      and a `rope_theta` or `partial_rotary_factor` given twice (top level, `rope_scaling`,
+      `rope_parameters`) with different values. Values `ModelConfig` / `RopeScaling` refuse (a yarn
+      `beta_fast` of 0, topk_group > n_group, ...) raise their ValueError naming the field.
     """
     if not isinstance(hf_config, Mapping):
         raise ValueError(f"the config must be a JSON object, got {type(hf_config).__name__}")
@@ -216,30 +301,28 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ValueError("quantization_config: quantized checkpoints are not supported")
     if _read(hf, "mlp_bias", "bool", False):
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
-    if _read(hf, "attention_bias", "bool", False) and model_type in ("llama", "mistral"):
-        raise ValueError(f"attention_bias=True is not supported for {model_type} (it adds an o_proj bias)")
     max_positions = _read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
     _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
-    theta, scaling = _rope_from_hf(hf, max_positions)
+    theta, scaling, partial = _rope_from_hf(hf, max_positions,
+                                            partial_default=0.5 if model_type == "glm4_moe" else 1.0)
+    family = _family_from_hf(hf, model_type, sizes, partial)
     dtype = _or(_or(_read(hf, "dtype", "str"), _read(hf, "torch_dtype", "str")), "float32")
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
-    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
-    head_dim = _read_positive(hf, "head_dim")
-    if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
-        head_dim = None  # the derived default: keep configs canonical
     mtp_kinds = {"mtp_style": "str", "mtp_concat_order": "str", "mtp_hidden_after_norm": "bool",
                  "mtp_chain_after_shared_head_norm": "bool"}
     mtp_conventions = {name: _read(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
     return ModelConfig(
-        **sizes, num_key_value_heads=_read_positive(hf, "num_key_value_heads", heads), head_dim=head_dim,
-        max_position_embeddings=max_positions, rms_norm_eps=_read(hf, "rms_norm_eps", "number", 1e-6),
-        rope_theta=theta, rope_scaling=scaling, attention_bias=model_type == "qwen2",
+        **sizes, **family,
+        num_key_value_heads=_read_positive(hf, "num_key_value_heads", sizes["num_attention_heads"]),
+        max_position_embeddings=max_positions,
+        rms_norm_eps=_read(hf, "rms_norm_eps", "number", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)),
+        rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=_read(hf, "tie_word_embeddings", "bool", False),
         hidden_act=_read(hf, "hidden_act", "str", "silu"), dtype=dtype, param_dtype=dtype,
         initializer_range=_read(hf, "initializer_range", "number", 0.02),
         bos_token_id=_read(hf, "bos_token_id", "int"), eos_token_id=_read_token_ids(hf, "eos_token_id"),
-        num_nextn_predict_layers=_read(hf, "num_nextn_predict_layers", "int", 0),
+        num_nextn_predict_layers=_mtp_layers_from_hf(hf),
         **{name: value for name, value in mtp_conventions.items() if value is not None})
 
 
@@ -264,26 +347,41 @@ def _rope_to_hf(s: RopeScaling) -> dict[str, Any] | None:
 def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for `config`; `config_from_hf` inverts it.
 
-    model_type: "llama", "qwen2" or "mistral"; default "qwen2" when `attention_bias` (Qwen2's
-    q/k/v bias without an o_proj bias) else "llama". RoPE is written both ways, and they agree:
+    model_type: "llama", "qwen2", "mistral", "deepseek_v3" or "glm4_moe"; default "deepseek_v3"
+    for MLA + MoE, "glm4_moe" for GQA + MoE, else "qwen2" when `attention_bias` (Qwen2's q/k/v bias
+    without an o_proj bias) else "llama". RoPE is written both ways, and they agree:
     `rope_parameters` (transformers 5) and `rope_theta` + `rope_scaling` (4.x). `dtype` is
     written as `param_dtype`, the weights' storage dtype: config.json holds one dtype, so a
     mixed-precision compute dtype is not recorded and the inverse is exact when
     `dtype == param_dtype`.
 
     Raises:
-      ValueError when the chosen model_type cannot express the config (attention_bias must be True
-      for qwen2 and False otherwise).
+      ValueError when the chosen model_type cannot express the config: attention_bias must be True
+      for qwen2 and False for llama / mistral; those three take GQA with a dense MLP and full
+      rotary; deepseek_v3 takes MLA + MoE, glm4_moe GQA + MoE, both with sigmoid routing, and
+      deepseek_v3 neither q/k norm nor partial rotary.
     """
-    if config.attention_type != "gqa" or config.ffn_type != "dense":
-        raise ValueError(f"config_to_hf writes Llama / Qwen2 / Mistral configs: attention_type="
-                         f"{config.attention_type!r} with ffn_type={config.ffn_type!r} has no mapping yet")
-    model_type = model_type or ("qwen2" if config.attention_bias else "llama")
+    default = ({"mla": "deepseek_v3", "gqa": "glm4_moe"}.get(config.attention_type) if config.ffn_type == "moe"
+               else ("qwen2" if config.attention_bias else "llama"))
+    model_type = model_type or default
     if model_type not in _ARCHITECTURES:
         raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
-    if config.attention_bias != (model_type == "qwen2"):
+    expected = {"deepseek_v3": ("mla", "moe"), "glm4_moe": ("gqa", "moe")}.get(model_type, ("gqa", "dense"))
+    if (config.attention_type, config.ffn_type) != expected:
+        raise ValueError(f"attention_type={config.attention_type!r} with ffn_type={config.ffn_type!r} cannot be "
+                         f"expressed as model_type {model_type!r} (it takes {expected[0]!r} with {expected[1]!r})")
+    if model_type in _MOE_TYPES and config.scoring_func != "sigmoid":
+        raise ValueError(f"scoring_func={config.scoring_func!r} cannot be expressed as model_type {model_type!r} "
+                         "(it routes by sigmoid)")
+    if model_type not in ("glm4_moe",) and (config.partial_rotary_factor != 1.0 or config.use_qk_norm):
+        raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} / use_qk_norm={config.use_qk_norm} "
+                         f"cannot be expressed as model_type {model_type!r} (glm4_moe has them)")
+    if model_type in ("llama", "qwen2", "mistral") and config.attention_bias != (model_type == "qwen2"):
         raise ValueError(f"attention_bias={config.attention_bias} cannot be expressed as model_type {model_type!r}")
     scaling = _rope_to_hf(config.rope_scaling)
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
+    if model_type == "glm4_moe":
+        rope_parameters["partial_rotary_factor"] = config.partial_rotary_factor
     eos = config.eos_token_id
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
@@ -294,19 +392,27 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.resolved_head_dim,
+        "head_dim": config.qk_rope_head_dim if model_type == "deepseek_v3" else config.resolved_head_dim,
         "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": scaling,
-        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta},
+        "rope_parameters": rope_parameters,
         "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": config.initializer_range,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
         "dtype": config.param_dtype,
     }
+    if model_type in _MOE_TYPES:
+        hf.update({name: getattr(config, name) for name in _MOE_FIELDS}, attention_bias=config.attention_bias,
+                  num_nextn_predict_layers=config.num_nextn_predict_layers)
+    if model_type == "deepseek_v3":
+        hf.update({name: getattr(config, name) for name in ("q_lora_rank", *_MLA_FIELDS)},
+                  scoring_func="sigmoid", topk_method="noaux_tc")
+    elif model_type == "glm4_moe":
+        hf.update(use_qk_norm=config.use_qk_norm, partial_rotary_factor=config.partial_rotary_factor)
     if config.num_nextn_predict_layers:  # DeepSeek-V3's field, plus mtp_jax's conventions (others ignore them)
         hf["num_nextn_predict_layers"] = config.num_nextn_predict_layers
         hf.update({name: getattr(config, name) for name in MTP_CONVENTION_FIELDS})
@@ -314,7 +420,6 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         hf.update(attention_bias=False, mlp_bias=False)
     elif model_type == "qwen2":
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
-    else:
+    elif model_type == "mistral":
         hf.update(sliding_window=None)
     return hf
-

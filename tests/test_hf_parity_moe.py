@@ -1,0 +1,231 @@
+"""Parity with Hugging Face `transformers` for the MoE architectures: DeepSeek-V3 (MLA + MoE) and GLM-4.5
+(partial rotary, q/k norm, q/k/v bias, MoE) checkpoints import with transformers' logits and greedy tokens,
+and export in the checkpoint layout (one tensor per routed expert) that transformers loads back.
+
+Tiny random float32 models with eager attention: every weight ~ N(0, 0.15^2) (routers 0.3^2), norms ~ 1 + N(0, 0.2^2), a
+nonzero `e_score_correction_bias`, so attention and routing matter. Every routing decision transformers
+makes on the inputs used (forward hooks on its routers, through `generate` too) is at least `MIN_MARGIN`
+from a tie, both the k-th against the (k+1)-th biased expert score and (DeepSeek) the topk_group-th
+against the next group score: a float32 rounding cannot flip a choice, so 1e-5 logit parity is meaningful.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from mtp_jax.checkpoint import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from mtp_jax.generate import SamplingParams, generate
+
+torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
+transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
+torch.set_num_threads(1)
+
+RTOL = 1e-5  # max |ours - theirs| / max |theirs| over the logits
+MIN_MARGIN = 1e-3  # smallest gap of a routing decision from a tie
+VOCAB = 64
+ROUTER_STD, BIAS_STD = 0.3, 0.1  # router weights wider: fewer near-ties among sigmoid scores
+SEED = 6  # a draw whose routing on the inputs below has no near-ties (checked in each test)
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+               max_position_embeddings=128, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=0, bos_token_id=None,
+               eos_token_id=None, pad_token_id=None, initializer_range=0.15)
+HF_CONFIGS = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+        routed_scaling_factor=1.5)),
+}
+
+
+class RoutingMargins:
+    """Forward hooks on every HF MoE router: the smallest gap of any routing decision from a tie."""
+
+    def __init__(self, hf_model):
+        self.margins = []
+        self.handles = [module.register_forward_hook(self._hook) for name, module in hf_model.named_modules()
+                        if name.endswith("mlp.gate")]
+        assert self.handles, "no routers found"
+
+    def _hook(self, router, inputs, _):
+        x = inputs[0].reshape(-1, router.weight.shape[1]).double()
+        scores = torch.sigmoid(x @ router.weight.double().T)  # [N, R]
+        choice = scores + router.e_score_correction_bias.double()  # [N, R]
+        n_group, topk_group = router.num_group, router.topk_group
+        if n_group > 1:
+            grouped = choice.view(len(x), n_group, -1).topk(2, dim=-1).values.sum(-1)  # [N, P]
+            ranked = grouped.sort(dim=-1, descending=True).values
+            self.margins.append((ranked[:, topk_group - 1] - ranked[:, topk_group]).min().item())
+            best = grouped.topk(topk_group, dim=-1).indices
+            mask = torch.zeros_like(grouped, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(choice.shape[1] // n_group, dim=1), -torch.inf)
+        ranked = choice.sort(dim=-1, descending=True).values
+        self.margins.append((ranked[:, router.top_k - 1] - ranked[:, router.top_k]).min().item())
+
+    def check(self):
+        assert self.margins and min(self.margins) > MIN_MARGIN, f"routing near-tie: margin {min(self.margins):.2e}"
+
+
+def _hf_model(model_type: str, seed: int = SEED):
+    config_class, overrides = HF_CONFIGS[model_type]
+    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, ROUTER_STD)
+            else:
+                param.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(BIAS_STD * torch.randn_like(buffer))
+    return model.eval()
+
+
+@functools.cache
+def _saved(model_type: str, root: str):
+    hf_model = _hf_model(model_type)
+    hf_model.save_pretrained(root)
+    return hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(model_type, the HF model, its save_pretrained directory)."""
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, _saved(request.param, str(root)), root
+
+
+def _tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, VOCAB, (batch, length)).astype(np.int32)
+
+
+def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).forward_full(tokens)[0]
+
+
+def _logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(_jit_logits(*nnx.split(model), jnp.asarray(tokens)))
+
+
+def _relative_error(ours, theirs) -> float:
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    assert ours.shape == theirs.shape
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+def test_imported_logits_match_transformers(checkpoint):
+    model_type, hf_model, root = checkpoint
+    model = load_hf_checkpoint(root)
+    c = model.config
+    assert (c.attention_type, c.ffn_type) == (("mla", "moe") if model_type == "deepseek_v3" else ("gqa", "moe"))
+    assert c.n_group == HF_CONFIGS[model_type][1].get("n_group", 1)
+    tokens = _tokens(3, 16)
+    margins = RoutingMargins(hf_model)
+    expected = _hf_logits(hf_model, tokens)
+    margins.check()
+    err = _relative_error(_logits(model, tokens), expected)
+    assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
+
+
+def test_greedy_generation_matches_transformers_generate(checkpoint):
+    model_type, hf_model, root = checkpoint
+    prompts, steps = _tokens(2, 8, seed=5), 32
+    margins = RoutingMargins(hf_model)
+    with torch.no_grad():
+        out = hf_model.generate(torch.from_numpy(prompts.astype(np.int64)), attention_mask=torch.ones(prompts.shape),
+                                max_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
+                                return_dict_in_generate=True)
+    margins.check()
+    top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, B, 2]
+    assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "test model too flat: greedy choices are near-ties"
+    expected = out.sequences[:, prompts.shape[1]:].numpy()
+    result = generate(load_hf_checkpoint(root), prompts.tolist(), max_new_tokens=steps,
+                      sampling=SamplingParams(temperature=0.0), max_length=prompts.shape[1] + steps, stop_tokens=[])
+    assert result.tokens == expected.tolist()
+
+
+def test_exported_checkpoint_loads_back_into_transformers(checkpoint, tmp_path):
+    model_type, hf_model, root = checkpoint
+    model = load_hf_checkpoint(root)
+    save_hf_checkpoint(model, tmp_path)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(load_file(root / "model.safetensors"))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                                                 dtype=torch.float32).eval()
+    tokens = _tokens(2, 16, seed=2)
+    theirs = _hf_logits(reloaded, tokens)
+    assert _relative_error(_logits(model, tokens), theirs) <= RTOL
+    assert _relative_error(theirs, _hf_logits(hf_model, tokens)) == 0.0  # the same weights, bit for bit
+    assert load_hf_checkpoint(tmp_path).config == model.config
+
+
+def test_config_round_trips(checkpoint):
+    _, _, root = checkpoint
+    config = load_hf_checkpoint(root).config
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(config)))) == config
+
+
+def test_mtp_layer_count_must_match_the_weights(checkpoint, tmp_path):
+    """config.json's num_nextn_predict_layers against the model.layers.{L + k} layers in the weights."""
+    _, _, root = checkpoint
+    save_hf_checkpoint(load_hf_checkpoint(root), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1 but the weights hold 0 MTP layers"):
+        load_hf_checkpoint(tmp_path)
+
+
+def _hf_config_json(model_type: str) -> dict:
+    """config.json as transformers writes it for the test's config of `model_type`."""
+    config_class, overrides = HF_CONFIGS[model_type]
+    return json.loads(getattr(transformers, config_class)(**{**_COMMON, **overrides}).to_json_string())
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"n_group": 3}, "n_group"),  # 8 experts do not split into 3 groups
+    ({"n_routed_experts": 8.0}, "n_routed_experts"),
+    ({"norm_topk_prob": "true"}, "norm_topk_prob"),
+    ({"q_lora_rank": 0}, "q_lora_rank"),
+    ({"rope_interleave": 1}, "rope_interleave"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"num_mtp_layers": 2}, "num_mtp_layers"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace"),
+])
+def test_deepseek_config_errors_name_the_field(changes, field):
+    hf = _hf_config_json("deepseek_v3")
+    assert config_from_hf({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1})
+    with pytest.raises(ValueError, match=field):
+        config_from_hf({**hf, **changes})
+
+
+def test_glm_defaults_follow_transformers():
+    hf = _hf_config_json("glm4_moe")
+    bare = {k: v for k, v in hf.items() if k not in ("rope_parameters", "n_group", "topk_group", "rms_norm_eps")}
+    config = config_from_hf(bare)  # transformers' Glm4MoeConfig defaults: partial rotary 0.5, no groups, eps 1e-5
+    assert (config.partial_rotary_factor, config.n_group, config.topk_group, config.rms_norm_eps) == (0.5, 1, 1, 1e-5)
+    for changes, field in (({"use_qk_norm": "yes"}, "use_qk_norm"), ({"scoring_func": "softmax"}, "scoring_func"),
+                           ({"partial_rotary_factor": 0.25}, "partial_rotary_factor")):  # vs rope_parameters' 0.5
+        with pytest.raises(ValueError, match=field):
+            config_from_hf({**hf, **changes})
