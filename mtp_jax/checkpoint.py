@@ -8,7 +8,10 @@ Format (what `transformers`' `save_pretrained` writes and `from_pretrained` read
 
 Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_name` is the one
 place that maps them: `layers.3.mlp.up_proj.kernel` is `model.layers.3.mlp.up_proj.weight`.
-Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files. MTP modules
+Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files; the MoE's
+stacked routed experts [R, in, out] are R tensors `mlp.experts.{r}.<proj>.weight` [out, in] there
+(`hf_names`), the router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] as
+they are (float32, whatever the dtype of the rest). MTP modules
 are imported and exported in DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>`
 is `model.layers.{L + j}.<name>`, and `num_nextn_predict_layers` plus mtp_jax's conventions
 (`MTP_CONVENTION_FIELDS`) sit in config.json.
@@ -290,7 +293,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
         safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
         config's, non-float tensors, an index inconsistent with its shards, or (tied embeddings) a
         `lm_head.weight` that differs from `model.embed_tokens.weight` (likewise DeepSeek's
-        per-MTP-layer `embed_tokens` / `shared_head.head` copies, see `_shared_copies`).
+        per-MTP-layer `embed_tokens` / `shared_head.head` copies, see `_shared_copies`); weights
+        holding more or fewer MTP layers (`model.layers.{L + j}`) than config.json's
+        `num_nextn_predict_layers` (the error names both numbers).
       OSError: `path` was replaced by concurrent saves during each attempt to read it (`atomic_dir.read_dir`).
 
     MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout:

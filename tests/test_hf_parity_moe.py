@@ -1,6 +1,7 @@
 """Parity with Hugging Face `transformers` for the MoE architectures: DeepSeek-V3 (MLA + MoE) and GLM-4.5
 (partial rotary, q/k norm, q/k/v bias, MoE) checkpoints import with transformers' logits and greedy tokens,
-and export in the checkpoint layout (one tensor per routed expert) that transformers loads back.
+and export in the checkpoint layout (one tensor per routed expert) that transformers loads back; an MTP
+module exported at `model.layers.{L}` loads into transformers 5's `MtpModel` with our depth-1 logits.
 
 Tiny random float32 models with eager attention: every weight ~ N(0, 0.15^2) (routers 0.3^2), norms ~ 1 + N(0, 0.2^2), a
 nonzero `e_score_correction_bias`, so attention and routing matter. Every routing decision transformers
@@ -33,6 +34,7 @@ MIN_MARGIN = 1e-3  # smallest gap of a routing decision from a tie
 VOCAB = 64
 ROUTER_STD, BIAS_STD = 0.3, 0.1  # router weights wider: fewer near-ties among sigmoid scores
 SEED = 6  # a draw whose routing on the inputs below has no near-ties (checked in each test)
+MTP_SEED = 5  # likewise for the MTP module's weights
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                max_position_embeddings=128, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
                num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=0, bos_token_id=None,
@@ -229,3 +231,62 @@ def test_glm_defaults_follow_transformers():
                            ({"partial_rotary_factor": 0.25}, "partial_rotary_factor")):  # vs rope_parameters' 0.5
         with pytest.raises(ValueError, match=field):
             config_from_hf({**hf, **changes})
+
+
+def _with_random_mtp_layer(model, seed: int):
+    """`model` (D = 0) with one MTP module added: the main weights kept, the module's drawn like `_hf_model`'s."""
+    from mtp_jax.model import Transformer
+
+    config = model.config.replace(num_nextn_predict_layers=1)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+    main = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    rng = np.random.RandomState(seed)
+    flat = []
+    for path, variable in nnx.to_flat_state(params):
+        if path[0] != "mtp":
+            flat.append((path, main[path]))
+            continue
+        shape, dtype = variable.get_value().shape, variable.get_value().dtype
+        std = {"e_score_correction_bias": BIAS_STD, "weight": 0.2}.get(path[-1], 0.15)
+        std = ROUTER_STD if path[-2:] == ("gate", "weight") else std
+        value = std * rng.standard_normal(shape) + (1.0 if path[-1] == "weight" and path[-2] != "gate" else 0.0)
+        flat.append((path, variable.replace(jnp.asarray(value, dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_mtp_layer_matches_transformers_mtp_model(checkpoint, tmp_path):
+    """One MTP module exported at model.layers.{L} (DeepSeek-V3's layout) loads into transformers 5's `MtpModel`
+    (`enorm`, `hnorm`, `eh_proj`, `mtp_block`, `post_norm` <- `shared_head.norm`) and gives our depth-1 logits
+    on the same tokens and main-model hidden states."""
+    from transformers.modeling_layers import MtpModel
+
+    from mtp_jax.mtp import mtp_forward_full
+
+    model_type, _, root = checkpoint
+    model = _with_random_mtp_layer(load_hf_checkpoint(root), seed=MTP_SEED)
+    save_hf_checkpoint(model, tmp_path)
+    layers = model.config.num_hidden_layers
+    assert f"model.layers.{layers}.shared_head.norm.weight" in load_file(tmp_path / "model.safetensors")
+    assert load_hf_checkpoint(tmp_path).config == model.config
+    main = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]  # HF's pattern names layer 61 / 92
+    mtp = MtpModel.from_pretrained(main).eval()
+
+    tokens = _tokens(3, 16, seed=7)
+    shifted = np.concatenate([tokens[:, 1:], np.zeros((3, 1), np.int32)], axis=1)  # t_{i+1}, as `shift_left`
+    margins = RoutingMargins(mtp)
+    with torch.no_grad():
+        hidden = main.model(torch.from_numpy(tokens.astype(np.int64))).last_hidden_state  # after the final norm
+        positions = torch.arange(tokens.shape[1])[None].expand(3, -1)
+        h1 = mtp.forward_layer(0, hidden, positions, None, input_ids=torch.from_numpy(shifted.astype(np.int64)))
+        expected = mtp._project_to_logits(h1).numpy()
+    margins.check()
+
+    @nnx.jit
+    def ours(model, tokens):
+        _, main_hidden = model.forward_full(tokens)
+        return mtp_forward_full(model, main_hidden, tokens)[0]
+
+    err = _relative_error(ours(model, jnp.asarray(tokens)), expected)
+    assert err <= RTOL, f"relative MTP logit error {err:.2e} > {RTOL}"
