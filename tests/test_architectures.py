@@ -7,6 +7,8 @@ Random weights at a scale where attention and routing matter; the oracles hold f
 
 from __future__ import annotations
 
+import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,3 +90,29 @@ def test_speculative_greedy_equals_plain_greedy(model, method, k):
     assert [len(t) for t in fast.tokens] == [12, 9, 16]
     assert fast.metrics.num_steps < sum([12, 9, 16])
     np.testing.assert_allclose(np.concatenate(fast.logprobs), np.concatenate(plain.logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("method, k", [("eagle", 3), ("vanilla", 2)])
+def test_cached_drafts_equal_the_no_cache_oracle_and_nothing_recompiles(model, method, k):
+    """The speculative suite's oracle on these architectures: at every step boundary the drafts equal a
+    no-cache recompute of the MTP modules over the committed tokens, with every stale cache slot NaN before
+    each step (MLA latent caches included); a second generation with other lengths compiles nothing."""
+    from test_speculative import drive, oracle_drafts  # the oracle and the step driver of the speculative suite
+
+    sp = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    state, trace = drive(model, sp, PROMPTS, [12, 9, 16], poison=True)
+    for step, snap in enumerate(trace):
+        active = ~snap["done"]
+        want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
+        np.testing.assert_array_equal(snap["drafts"][active], want[active], err_msg=f"step {step}")
+    kwargs = dict(max_length=S, stop_tokens=[], speculative=sp)
+    generate(model, PROMPTS, max_new_tokens=4, **kwargs)  # warm-up
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, _duration, **_: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration"
+        else None)
+    try:
+        generate(model, [[5, 4], [1] * 9, [7]], max_new_tokens=[3, 11, 6], **kwargs)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert not compiles, f"{len(compiles)} compiles after warm-up"

@@ -276,8 +276,8 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
     while not trace[-1]["done"].all():
         if poison:
             state = _poison(state, margin=sp.num_speculative_tokens - 1 if sp.method == "vanilla" else 0)
-            assert np.isnan(np.asarray(state.decode.cache[0].k)).any()
-            assert all(np.isnan(np.asarray(c.k)).any() for c in state.mtp_caches)
+            assert np.isnan(np.asarray(jax.tree.leaves(state.decode.cache)[0])).any()
+            assert all(np.isnan(np.asarray(jax.tree.leaves(c)[0])).any() for c in state.mtp_caches)
         state = _step_jit(graph, params, sp, state)
         trace.append(_snapshot(state))
     return state, trace
