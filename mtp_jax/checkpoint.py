@@ -80,7 +80,8 @@ class CheckpointError(ValueError):
     """
 
     def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):
-        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+        self.missing, self.unexpected, self.mismatched = (list(names or ()) for names in (missing, unexpected,
+                                                                                            mismatched))
         parts = [message]
         for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
                              ("mismatched", self.mismatched)):
@@ -228,9 +229,9 @@ def _open_weights(root: Path, shown: Path, stack: contextlib.ExitStack) -> dict[
     """File name -> its open safetensors handle (closed with `stack`), for every weights file."""
     handles = {}
     for file, listed in _weight_files(root, shown).items():
-        if listed is None and not (root / file).is_file():
-            raise FileNotFoundError(f"no {WEIGHTS_FILE} in {shown}")  # deleted since `_weight_files` looked
         if not (root / file).is_file():
+            if listed is None:  # deleted since `_weight_files` looked (a concurrent save's cleanup)
+                raise FileNotFoundError(f"no {WEIGHTS_FILE} in {shown}")
             raise CheckpointError(f"{shown / INDEX_FILE} names {file}, which does not exist", missing=listed)
         with _safetensors_errors(shown / file):
             handles[file] = stack.enter_context(safe_open(root / file, framework="np"))
