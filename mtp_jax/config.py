@@ -159,9 +159,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_int(self, name, 1)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -209,9 +207,7 @@ class ModelConfig:
         for token in self.eos_token_ids:
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"eos_token_id must be in [0, vocab_size={self.vocab_size}), got {token}")
-        d = self.num_nextn_predict_layers
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise ValueError(f"num_nextn_predict_layers must be an int >= 0, got {d!r}")
+        _check_int(self, "num_nextn_predict_layers", 0)
         if self.mtp_style not in MTP_STYLES:
             raise ValueError(f"mtp_style must be one of {MTP_STYLES}, got {self.mtp_style!r}")
         if self.mtp_concat_order not in MTP_CONCAT_ORDERS:
@@ -222,19 +218,17 @@ class ModelConfig:
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check_positive_int(self, name)
+            _check_int(self, name, 1)
         if self.q_lora_rank is not None:
-            _check_positive_int(self, "q_lora_rank")
+            _check_int(self, "q_lora_rank", 1)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
 
     def _check_moe(self) -> None:
         for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
-            _check_positive_int(self, name)
+            _check_int(self, name, 1)
         for name in ("n_shared_experts", "first_k_dense_replace"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            _check_int(self, name, 0)
         if self.n_routed_experts % self.n_group:
             raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
                              f"({self.n_group})")
@@ -301,10 +295,12 @@ class ModelConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def _check_positive_int(config: ModelConfig, name: str) -> None:
+def _check_int(config: ModelConfig, name: str, minimum: int) -> None:
+    """Raises ValueError naming the field unless it is an int (not a bool) >= minimum."""
     value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {
