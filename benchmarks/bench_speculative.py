@@ -39,10 +39,10 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import data, speculative
-from mtp_jax.generate import _loop_jit as plain_loop_jit
-from mtp_jax.generate import _prefill_jit as plain_prefill_jit
-from mtp_jax.generate import generate, init_state
-from mtp_jax.model import sequence_positions, static_split
+from mtp_jax.engine import DecodeEngine
+from mtp_jax.generate import generate
+from mtp_jax.metrics import SpeculativeMetrics
+from mtp_jax.model import sequence_positions
 from mtp_jax.speculative import SpeculativeConfig
 
 
@@ -143,7 +143,7 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     """Seconds of `speculative.draft` alone (all K draft forwards) after a verify step, in a device loop."""
     graphdef, params = nnx.split(model)
     config = model.config
-    caches = tuple(model.mtp[j].init_cache(batch, capacity) for j in range(spec.num_caches))
+    draft_state = speculative.init_draft_state(model, spec, batch, capacity)
     width = spec.hidden_window or spec.num_speculative_tokens + 1
     hidden = jnp.zeros((batch, width, config.hidden_size), config.compute_dtype)
     lengths = jnp.full((batch,), prefix, jnp.int32)
@@ -152,12 +152,12 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     sampling = mtp_jax.sampling.SamplingState.from_params([mtp_jax.SamplingParams()] * batch)
 
     def body(params, carry):
-        caches, acc = carry
-        drafts, _, caches = speculative.draft(nnx.merge(graphdef, params), spec, sampling, tokens, caches, hidden,
-                                              start, lengths)
-        return caches, acc + drafts.sum()
+        draft_state, acc = carry
+        draft_state = speculative.draft(nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden,
+                                        start, lengths)
+        return draft_state, acc + draft_state.tokens.sum()
 
-    return lambda repeats: _looped_time(body, params, (caches, jnp.int32(0)), steps, repeats)
+    return lambda repeats: _looped_time(body, params, (draft_state, jnp.int32(0)), steps, repeats)
 
 
 def _module_timer(model, batch: int, prefix: int, capacity: int, steps: int = 20):
@@ -193,53 +193,25 @@ def _timed_phases(prefill, loop, repeats: int) -> tuple[float, float, object]:
     return float(np.median(prefill_s)), float(np.median(loop_s)), state
 
 
-def plain_prefill(model, graph, params, prompts, new_tokens: int, capacity: int):
-    """A function returning the state after plain decoding's prefill (for `plain_loop_jit`)."""
+def prefill_of(engine: DecodeEngine, prompts, new_tokens: int, capacity: int, **request):
+    """A function returning a fresh state after `engine`'s prefill (for `engine.run`)."""
     def prefill():
-        state, padded = init_state(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
-        return plain_prefill_jit(graph, params, state, padded)
+        state, padded = engine.init_state(prompts, max_new_tokens=new_tokens, max_length=capacity, **request)
+        return engine.prefill(state, padded)
 
     return prefill
 
 
-def speculative_prefill(model, graph, params, spec: SpeculativeConfig, prompts, new_tokens: int, capacity: int):
-    """A function returning the state after speculative decoding's prefill (for `speculative._loop_jit`)."""
-    def prefill():
-        state, padded = speculative.init_spec_state(model, spec, prompts, max_new_tokens=new_tokens,
-                                                    max_length=capacity)
-        return speculative._prefill_jit(graph, params, spec, state, padded)
+def oracle_engine(model, k: int, prompts, plain_tokens, new_tokens: int, capacity: int):
+    """Speculative decoding whose K drafts replay the plain greedy output `plain_tokens`: all accepted.
 
-    return prefill
-
-
-def oracle_decoding(model, graph, params, spec: SpeculativeConfig, prompts, plain_tokens, new_tokens: int,
-                    capacity: int):
-    """Speculative decoding whose drafts replay the plain greedy output `plain_tokens`: all accepted.
-
-    Returns (prefill, loop): `prefill()` gives the state after the prefill, with oracle drafts;
-    `loop(graph, params, state)` (jitted, state donated) runs verify-accept-commit steps, each
-    followed by the next oracle drafts, until every row is done.
+    Returns the engine and a function giving the state after its prefill (for `engine.run`).
     """
-    k = spec.num_speculative_tokens
-    reference = np.zeros((len(prompts), capacity + k), np.int32)
+    reference = np.zeros((len(prompts), capacity), np.int32)
     for b, (p, t) in enumerate(zip(prompts, plain_tokens, strict=True)):
         reference[b, : len(p) + len(t)] = p + t
-    reference = jnp.asarray(reference)
-
-    def with_oracle_drafts(state):
-        positions = state.decode.lengths[:, None] + jnp.arange(k)[None, :]
-        return state.replace(draft_tokens=jnp.take_along_axis(reference, positions, axis=1))
-
-    spec_prefill = speculative_prefill(model, graph, params, spec, prompts, new_tokens, capacity)
-
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-    def loop(graph, params, state):
-        def step(state):
-            return with_oracle_drafts(speculative.verify_and_commit(graph.merge(params), spec, state)[0])
-
-        return jax.lax.while_loop(lambda s: ~jnp.all(s.decode.done), step, state)
-
-    return lambda: with_oracle_drafts(spec_prefill()), loop
+    engine = DecodeEngine(model, SpeculativeConfig(method="oracle", num_speculative_tokens=k))
+    return engine, prefill_of(engine, prompts, new_tokens, capacity, oracle_tokens=reference)
 
 
 def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int, capacity: int,
@@ -248,15 +220,9 @@ def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int,
 
     The prefill runs outside the timed region; the loop's time is divided by its steps.
     """
-    graph, params = static_split(model)
-    if spec is None:
-        prefill = plain_prefill(model, graph, params, prompts, new_tokens, capacity)
-        _, loop_s, (_, steps) = _timed_phases(prefill, lambda s: plain_loop_jit(graph, params, s), repeats)
-    else:
-        prefill = speculative_prefill(model, graph, params, spec, prompts, new_tokens, capacity)
-        _, loop_s, state = _timed_phases(prefill, lambda s: speculative._loop_jit(graph, params, spec, s), repeats)
-        steps = state.metrics.num_steps.max()
-    return loop_s / int(steps)
+    engine = DecodeEngine(model, spec)
+    _, loop_s, state = _timed_phases(prefill_of(engine, prompts, new_tokens, capacity), engine.run, repeats)
+    return loop_s / int(state.metrics.num_steps.max())
 
 
 def bench_cost(model, tokenizer, args, demo_rows) -> list[dict]:
@@ -306,21 +272,20 @@ def bench_large(args) -> list[dict]:
     prompts = rng.integers(0, config.vocab_size, (batch, args.prompt_tokens)).tolist()
     capacity = args.prompt_tokens + new_tokens + 16
     plain = generate(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
-    graph, params = static_split(model)
-    plain_prefill_s, plain_loop_s, (_, plain_steps) = _timed_phases(
-        plain_prefill(model, graph, params, prompts, new_tokens, capacity),
-        lambda s: plain_loop_jit(graph, params, s), args.repeats)
+    plain_engine = DecodeEngine(model)
+    plain_prefill_s, plain_loop_s, plain_state = _timed_phases(
+        prefill_of(plain_engine, prompts, new_tokens, capacity), plain_engine.run, args.repeats)
+    plain_steps = plain_state.metrics.num_steps.max()
     time_tokens = _forward_timer(model, batch, args.prompt_tokens + new_tokens // 2, capacity)
     one = time_tokens(1, args.repeats)
     rows = []
     for k in args.large_k:
-        spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k)
-        prefill, loop = oracle_decoding(model, graph, params, spec, prompts, plain.tokens, new_tokens, capacity)
-        prefill_s, loop_s, state = _timed_phases(prefill, lambda s, loop=loop: loop(graph, params, s), args.repeats)
-        tokens = np.asarray(state.decode.tokens)[0, args.prompt_tokens: int(state.decode.lengths[0])].tolist()
+        engine, prefill = oracle_engine(model, k, prompts, plain.tokens, new_tokens, capacity)
+        prefill_s, loop_s, state = _timed_phases(prefill, engine.run, args.repeats)
+        tokens = np.asarray(state.tokens)[0, args.prompt_tokens: int(state.lengths[0])].tolist()
         if tokens != plain.tokens[0]:
             raise AssertionError(f"oracle K={k}: output differs from plain greedy")
-        metrics = speculative.SpeculativeMetrics.from_counters(state.metrics)
+        metrics = SpeculativeMetrics.from_counters(state.metrics)
         r_k = time_tokens(k + 1, args.repeats) / one
         speedup = plain_loop_s / loop_s
         rows.append(dict(k=k, params=int(params_count), r_k=r_k, tau=metrics.mean_acceptance_length,

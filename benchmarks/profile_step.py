@@ -2,8 +2,8 @@
 
 Runs plain decoding and one speculative configuration on the same prompts (greedy), each loop
 warmed up first, then once under `jax.profiler.trace`. The XLA ops the trace times are mapped to
-the named scopes of the step (`verify_forward`, `accept`, `commit`, `draft` in
-`mtp_jax.speculative`; `forward`, `commit` in `mtp_jax.generate`) through the compiled module's
+the named scopes of the one decode step (`verify_forward`, `accept`, `commit`, `draft` in
+`mtp_jax.engine`; plain decoding is the same step with no drafts) through the compiled module's
 op metadata; what no scope covers is "other" (rollback, metrics, sampling glue). Prints, per
 phase, milliseconds per step and the number of XLA ops per step, and writes JSON.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gzip
 import json
 import re
@@ -32,11 +31,10 @@ import numpy as np
 
 import mtp_jax
 from mtp_jax import speculative
-from mtp_jax.generate import _loop_jit as plain_loop_jit
-from mtp_jax.model import static_split
+from mtp_jax.engine import DecodeEngine
 from mtp_jax.speculative import SpeculativeConfig
 
-PHASES = ("verify_forward", "forward", "accept", "commit", "draft")
+PHASES = ("verify_forward", "accept", "commit", "draft")
 CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
 
 
@@ -57,15 +55,15 @@ def _op_phases(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def profile(jitted, args: tuple, state_fn, steps_of, label: str) -> dict:
-    """Runs `jitted(*args, state_fn())` warm, then traced; returns ms per step and op counts per phase."""
-    loop = functools.partial(jitted, *args)
+def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
+    """Runs `engine.run(state_fn())` warm, then traced; returns ms per step and op counts per phase."""
+    loop = engine.run
     jax.block_until_ready(loop(state_fn()))
     state = state_fn()
     begin = time.perf_counter()
-    steps = steps_of(jax.block_until_ready(loop(state)))
+    steps = int(jax.block_until_ready(loop(state)).metrics.num_steps.max())
     untraced = (time.perf_counter() - begin) / steps
-    phases = _op_phases(jitted.lower(*args, state_fn()).compile().as_text())
+    phases = _op_phases(engine.lower_run(state_fn()).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(loop(state_fn()))
@@ -109,25 +107,21 @@ def main() -> None:
         model, tokenizer = mtp_jax.load_pretrained(args.model)
         prompts = bench.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
-    graph, params = static_split(model)
-    plain_state = bench.plain_prefill(model, graph, params, prompts, args.new_tokens, capacity)
-    rows = [profile(plain_loop_jit, (graph, params), plain_state, lambda out: int(out[1]), "plain")]
+    plain_engine = DecodeEngine(model)
+    rows = [profile(plain_engine, bench.prefill_of(plain_engine, prompts, args.new_tokens, capacity), "plain")]
 
-    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=k)
     if args.preset:  # oracle drafts: the plain greedy output
         plain = mtp_jax.generate(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
-        spec_state, spec_loop = bench.oracle_decoding(model, graph, params, spec, prompts, plain.tokens,
-                                                      args.new_tokens, capacity)
-        spec_args = (graph, params)
+        engine, spec_state = bench.oracle_engine(model, k, prompts, plain.tokens, args.new_tokens, capacity)
     else:
-        spec_state = bench.speculative_prefill(model, graph, params, spec, prompts, args.new_tokens, capacity)
-        spec_loop, spec_args = speculative._loop_jit, (graph, params, spec)
-    rows.append(profile(spec_loop, spec_args, spec_state, lambda s: int(s.metrics.num_steps.max()),
-                        f"{args.method} K={k}"))
+        engine = DecodeEngine(model, SpeculativeConfig(method=args.method, num_speculative_tokens=k))
+        spec_state = bench.prefill_of(engine, prompts, args.new_tokens, capacity)
+    method = engine.speculative.method
+    rows.append(profile(engine, spec_state, f"{method} K={k}"))
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_{args.preset or 'demo'}_{args.method}{k}_b{args.batch}_{device}_{date.today()}.json"
+    name = f"profile_{args.preset or 'demo'}_{method}{k}_b{args.batch}_{device}_{date.today()}.json"
     meta = dict(date=str(date.today()), device=device, jax=jax.__version__, model=args.preset or args.model or "demo",
                 batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     (out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

@@ -12,17 +12,18 @@ metrics, fixed shapes).
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ModelConfig, RopeScaling
-from mtp_jax.generate import GenerationResult, generate, stream
+from mtp_jax.engine import DecodeEngine, DecodeState, GenerationResult
+from mtp_jax.generate import generate, stream
+from mtp_jax.metrics import SpeculativeMetrics
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR, TextStream, load_pretrained, save_pretrained, stream_text
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.speculative import SpeculativeConfig, SpeculativeMetrics, SpeculativeResult
+from mtp_jax.speculative import SpeculativeConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL_DIR", "GenerationResult", "KVCache", "ModelConfig", "RopeScaling", "SamplingParams",
-    "SpeculativeConfig", "SpeculativeMetrics", "SpeculativeResult", "TextStream", "Transformer", "generate",
-    "init_model",
-    "load_pretrained", "save_pretrained", "stream", "stream_text",
+    "DEFAULT_MODEL_DIR", "DecodeEngine", "DecodeState", "GenerationResult", "KVCache", "ModelConfig",
+    "RopeScaling", "SamplingParams", "SpeculativeConfig", "SpeculativeMetrics", "TextStream", "Transformer",
+    "generate", "init_model", "load_pretrained", "save_pretrained", "stream", "stream_text",
 ]

@@ -1,19 +1,32 @@
-"""The decode state every decoding path carries, and the verbs on it that need no model forward.
+"""The decode engine: one state, one prefill, one jitted step, one on-device loop, for plain and
+speculative decoding alike (plain decoding is speculation with no drafter, K = 0).
 
-`init_state` checks a request and builds a `DecodeState` (the committed-token buffer, per-row
-lengths and limits, sampling parameters, stop tokens and the main model's cache);
-`commit_tokens` appends a block of candidate tokens per row and applies the stop conditions;
-`results_from_state` reads a finished state back to the host. Plain decoding (`mtp_jax.generate`)
-and speculative decoding (`mtp_jax.speculative`) both run on it.
+A step, for every unfinished row (`docs/MTP_SPEC.md`), in verbs that each read on their own:
 
-State at every step boundary (`docs/MTP_SPEC.md`): `lengths[b]` = L_b committed tokens in
-`tokens[b, :L_b]`; the main cache holds positions 0 .. L_b - 2. Committing advances `lengths`,
-the only length there is (caches keep none, `mtp_jax.cache`).
+- **verify** (`verify`): feed `[t_{L-1}, d_1, ..., d_K]` at positions `L-1 .. L-1+K` through the main
+  model in one forward; output j is the target distribution p_j for position L + j, normalised
+  once (`acceptance.Target`).
+- **accept** (`acceptance.accept`): the accepted prefix of the drafts and the token after it.
+- **commit** (`commit`): append them, cut at the first stop token, `max_new_tokens` and the capacity.
+  Committing advances `lengths`, the only length there is; that is also the **roll back**: caches
+  keep no lengths, every cache of a row holds the positions before its last committed token, and
+  what a verify pass wrote for rejected drafts lies past that, stale, masked out and overwritten
+  later.
+- **draft** (`speculative.draft_after_verify`): the next K drafts (none when not speculating).
+
+State at every step boundary: `lengths[b]` = L_b committed tokens in `tokens[b, :L_b]`; the main
+cache and every MTP cache hold positions 0 .. L_b - 2; `draft.tokens` holds the drafts for positions
+L_b .. L_b + K - 1.
+
+`DecodeEngine` is the public step API: `init_state`, `prefill`, `step`, `run` (the whole loop on
+device), `result`; each of its jitted calls compiles once per (B, S, prompt bucket, model, drafter):
+generation length, sampling parameters, stop tokens and prompt contents are data, never shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -21,28 +34,41 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from mtp_jax.acceptance import Target, accept, initial_phase, update_phase
 from mtp_jax.cache import KVCache
-from mtp_jax.model import Transformer
-from mtp_jax.sampling import SamplingParams, SamplingState, is_int
+from mtp_jax.layers.indexing import sequence_positions, take_rows
+from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
+from mtp_jax.model import Transformer, static_split
+from mtp_jax.mtp import initial_hidden
+from mtp_jax.request import MAX_STOP_TOKENS, check_request
+from mtp_jax.sampling import SamplingParams, SamplingState
+from mtp_jax.speculative import (
+    DraftState,
+    SpeculativeConfig,
+    draft_after_prefill,
+    draft_after_verify,
+    init_draft_state,
+)
 
-MAX_STOP_TOKENS = 16  # stop-token slots in the state (fixed shape); unused slots hold -1
 _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
-_TEXT = (str, bytes, bytearray, memoryview)  # sequences of characters or bytes, never of token ids
 
 
 @struct.dataclass
 class DecodeState:
-    """Everything the decode loop carries, all device arrays (B rows, capacity S tokens)."""
+    """Everything the decode loop carries, all device arrays (B rows, capacity S tokens, K drafts)."""
 
     tokens: jax.Array  # int32 [B, S]: committed tokens, prompt first
     lengths: jax.Array  # int32 [B]: L_b, committed tokens per row
     prompt_lengths: jax.Array  # int32 [B]
     max_new_tokens: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
-    cache: tuple[KVCache, ...]  # the main model's per-layer caches, holding positions 0 .. lengths - 2
+    cache: tuple[KVCache, ...]  # the main model's cache (`Transformer.init_cache`), positions 0 .. lengths - 2
     sampling: SamplingState
     stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 = unused slot
     logprobs: jax.Array  # float32 [B, S]: log-softmax of the raw logits at each generated token
+    thinking: jax.Array  # bool [B]: in a thinking phase after the last committed token (relaxed acceptance)
+    draft: DraftState  # the drafter's state (empty arrays when not speculating)
+    metrics: SpecMetrics  # per-row step and acceptance counters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +81,9 @@ class GenerationResult:
       generated token.
     finish_reasons: per prompt, "stop" (EOS or a stop token), "length" (max_new_tokens) or
       "capacity" (the cache was full).
-    num_steps: decode steps run, prefill excluded.
+    num_steps: decode (verify) steps run, prefill excluded.
     seconds: wall time of prefill plus decode, compile excluded only if already warm.
+    metrics: the pooled speculative metrics when speculating, else None.
     """
 
     tokens: list[list[int]]
@@ -64,6 +91,7 @@ class GenerationResult:
     finish_reasons: list[str]
     num_steps: int
     seconds: float
+    metrics: SpeculativeMetrics | None = None
 
     @property
     def num_generated(self) -> int:
@@ -74,104 +102,69 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _is_integer(value) -> bool:
-    """A Python or NumPy int, or a 0-d integer array (an element of a NumPy or JAX array, `jnp.int32(3)`);
-    not a bool. Token ids, max_new_tokens and max_length all accept exactly these."""
-    if isinstance(value, (np.ndarray, jax.Array)):
-        return value.ndim == 0 and np.issubdtype(value.dtype, np.integer)
-    return is_int(value)
+def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+               sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
+               stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
+               oracle_tokens: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
+    """Checks the request and builds the initial state and the padded prompt array int32 [B, P].
 
-
-def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:
-    """Prompt i as a list of Python ints, checked (see `validate_prompts`)."""
-    if isinstance(prompt, _TEXT):
-        raise TypeError(f"prompt {i} is a {type(prompt).__name__}: prompts are token ids "
-                        "(e.g. tokenizer.encode(text).ids), not text")
-    if isinstance(prompt, (np.ndarray, jax.Array)):
-        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise TypeError(f"prompt {i} is an array of shape {prompt.shape} and dtype {prompt.dtype}: "
-                            "a prompt array must be 1-D with an integer dtype")
-        ids = np.asarray(prompt).tolist()
-    elif isinstance(prompt, Sequence):
-        for j, t in enumerate(prompt):
-            if not _is_integer(t):
-                raise TypeError(f"prompt {i} has {t!r} ({type(t).__name__}) at index {j}: token ids must be "
-                                "ints (floats and bools are rejected, not truncated)")
-        ids = [int(t) for t in prompt]
-    else:
-        raise TypeError(f"prompt {i} is {prompt!r} ({type(prompt).__name__}), not a list of token ids: prompts "
-                        "is a batch (wrap a single prompt in a list: [ids])")
-    if not ids:
-        raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-    if len(ids) >= max_length:
-        raise ValueError(f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
-                         "must exceed the prompt length to leave room for generated tokens")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={vocab_size})")
-    return ids
-
-
-def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
-                     max_length: int) -> list[list[int]]:
-    """Checks a batch of prompts on the host; returns it as B lists of Python ints.
-
-    `prompts`: B prompts, each a sequence of Python or NumPy ints or a 1-D integer array; or one
-    2-D integer array [B, P]. Raises TypeError (naming the prompt and the index) for text instead
-    of ids (str, bytes, bytearray, memoryview), float or bool ids, or a flat list of ids (one prompt
-    not wrapped in a batch); raises ValueError for an empty batch or prompt, a prompt of >=
-    `max_length` tokens, or an id outside [0, vocab_size).
+    The request's arguments are `generate`'s (checked by `mtp_jax.request.check_request`, which
+    lists the TypeError / ValueError raised); `speculative` is checked against the model
+    (ValueError: no MTP modules, vanilla/parallel with K > D, ...); `oracle_tokens` (int [B, R]) is
+    method "oracle"'s replayed sequences, prompt first.
     """
-    if isinstance(prompts, _TEXT):
-        raise TypeError(f"prompts is a {type(prompts).__name__}: pass token ids "
-                        "(e.g. [tokenizer.encode(text).ids]), not text")
-    if isinstance(prompts, (np.ndarray, jax.Array)):
-        if prompts.ndim != 2:
-            raise TypeError(f"prompts as an array must be 2-D [B, P], got shape {prompts.shape}")
-        prompts = list(prompts)  # rows; each is checked as a 1-D array
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    return [_prompt_ids(p, i, vocab_size, max_length) for i, p in enumerate(prompts)]
+    config = model.config
+    if speculative is not None:
+        speculative.check_model(model, config.vocab_size)
+    request = check_request(config, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                            max_length=max_length, stop_tokens=stop_tokens)
+    prompts, capacity, batch = request.prompts, request.max_length, len(request.prompts)
+    prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
+    bucket = min(-(-int(prompt_lengths.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET, capacity)
+    padded = np.zeros((batch, bucket), np.int32)
+    tokens = np.zeros((batch, capacity), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        tokens[b, : len(p)] = p
+    stop = request.stop_tokens + [-1] * (MAX_STOP_TOKENS - len(request.stop_tokens))
+    k_max = 0 if speculative is None else speculative.num_speculative_tokens
+    state = DecodeState(
+        tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
+        max_new_tokens=jnp.asarray(request.max_new_tokens, jnp.int32), done=jnp.zeros((batch,), bool),
+        cache=model.init_cache(batch, capacity), sampling=SamplingState.from_params(request.sampling),
+        stop_tokens=jnp.asarray(stop, jnp.int32), logprobs=jnp.zeros((batch, capacity), jnp.float32),
+        thinking=jnp.asarray([initial_phase(p, speculative) for p in prompts], bool),
+        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
+        metrics=SpecMetrics.zeros(batch, k_max))
+    return state, jnp.asarray(padded)
 
 
-def _per_row(value, num_rows: int, name: str) -> list:
-    """`value` as one entry per row: a list, tuple or 1-D array of `num_rows` entries, else `value` for each
-    row (a 0-d array is one value)."""
-    if isinstance(value, (list, tuple)) or (isinstance(value, (np.ndarray, jax.Array)) and value.ndim > 0):
-        if len(value) != num_rows:
-            raise ValueError(f"{name} has {len(value)} entries for {num_rows} prompts")
-        return list(value)
-    return [value] * num_rows
+# ----------------------------------------------------------------------------------------------
+# The verbs
 
 
-def _stop_array(stop_tokens, vocab_size: int) -> jax.Array:
-    """Any collection of token ids (a list, tuple, set or 1-D array; order and repeats do not matter) as the
-    state's int32 [MAX_STOP_TOKENS] slots, sorted, -1 for unused ones."""
-    if (isinstance(stop_tokens, _TEXT) or not isinstance(stop_tokens, Iterable)
-            or getattr(stop_tokens, "ndim", 1) == 0):
-        raise TypeError(f"stop_tokens must be a collection of token ids (a list, tuple, set or 1-D array), "
-                        f"got {stop_tokens!r}")
-    stop_tokens = list(stop_tokens)  # an iterator is read once
-    for t in stop_tokens:
-        if not _is_integer(t):
-            raise TypeError(f"stop_tokens has {t!r} ({type(t).__name__}): stop tokens must be int token ids")
-    stop = sorted(set(int(t) for t in stop_tokens))
-    if len(stop) > MAX_STOP_TOKENS:
-        raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens are supported, got {len(stop)}")
-    for t in stop:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"stop token {t} is outside [0, vocab_size={vocab_size})")
-    return jnp.asarray(stop + [-1] * (MAX_STOP_TOKENS - len(stop)), jnp.int32)
+@jax.named_scope("verify_forward")  # named scopes: `benchmarks/profile_step.py` groups time by them
+def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
+    """The main model over `[t_{L-1}, d_1 .. d_K]` at positions L-1 .. L-1+K (int32 [B, K+1]).
+
+    Returns the K+1 targets, the hidden states [B, K+1, E] (before the final norm) and the main
+    cache with the K+1 entries written (a finished row's writes land past its length, stale).
+    """
+    last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
+    window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
+    logits, hidden, cache = model(window, sequence_positions(*window.shape, state.lengths - 1), state.cache)
+    return Target.from_logits(logits, state.sampling), hidden, cache
 
 
 @jax.named_scope("commit")
-def commit_tokens(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
-                  candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
+def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
+           candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
     """Appends up to N candidate tokens per unfinished row and applies the stop conditions.
 
-    Row b offers `candidates[b, :num_candidates[b]]` (int32 [B, N]). The block is cut after the
-    first stop token (kept), at `max_new_tokens` and at the capacity S; finished rows take nothing.
-    Returns the new state and the number of tokens each row committed (int32 [B]).
+    Row b offers `candidates[b, :num_candidates[b]]` (int32 [B, N]) with their raw logprobs (float32
+    [B, N]). The block is cut after the first stop token (kept), at `max_new_tokens` and at the
+    capacity S; finished rows take nothing. Returns the new state and the number of tokens each row
+    committed (int32 [B]).
     """
     batch, capacity = state.tokens.shape
     index = jnp.arange(candidates.shape[1])[None, :]  # [1, N]
@@ -191,76 +184,127 @@ def commit_tokens(state: DecodeState, candidates: jax.Array, num_candidates: jax
     return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done), num
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log-softmax of `logits` [..., V] at `tokens` [...] (float32 [...])."""
-    return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[..., None],
-                               axis=-1)[..., 0]
+def _accept_and_commit(spec: SpeculativeConfig | None, state: DecodeState,
+                       target: Target) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Accept the drafts against `target` (K+1 outputs), commit the accepted ones and the emitted token.
+    Returns the state and, per row (int32 [B]), the tokens committed and the drafts accepted."""
+    drafts = state.draft.tokens  # [B, K]
+    num_accepted, token = accept(spec, target, drafts, state.draft.probs, state.sampling, state.lengths,
+                                 state.thinking)
+    index = jnp.arange(drafts.shape[1] + 1)[None, :]
+    candidates = jnp.where(index < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                           token[:, None])  # [B, K+1]: accepted drafts, then the emitted token
+    new, num = commit(state, candidates, num_accepted + 1, target.logprobs_at(candidates))
+    return new.replace(thinking=update_phase(spec, state.thinking, candidates, num)), num, num_accepted
 
 
-def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-               sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-               stop_tokens: Iterable[int] | None = None) -> tuple[DecodeState, jax.Array]:
-    """Validates the request and builds the initial state and the padded prompt array [B, P].
+def prefill(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState,
+            padded_prompts: jax.Array) -> DecodeState:
+    """Prompts int32 [B, P] (right-padded) through the main model, the first token committed (as a
+    step with no drafts commits it), the first drafts made. Not a step: the metrics count none."""
+    positions = sequence_positions(*padded_prompts.shape)  # padding past a prompt is stale from the start
+    logits, hidden, cache = model(padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1)
+    target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
+    no_drafts = state.draft.replace(tokens=state.draft.tokens[:, :0], probs=state.draft.probs[:, :0])
+    state = _accept_and_commit(spec, state.replace(cache=cache, draft=no_drafts), target)[0].replace(
+        draft=state.draft)
+    return state.replace(draft=draft_after_prefill(model, spec, state.sampling, state.tokens, state.draft,
+                                                   initial_hidden(model, hidden), state.lengths))
 
-    Integers may be Python or NumPy ints or 0-d integer arrays (NumPy or JAX); stop_tokens may be
-    any non-text collection of them (a list, tuple, set or 1-D array).
-    Raises TypeError for arguments of the wrong type (text or float/bool ids as prompts, a float or
-    bool max_length / max_new_tokens, non-int stop tokens, sampling that is not `SamplingParams`)
-    and ValueError for values out of range: see `validate_prompts`; max_length outside
-    [2, config.max_position_embeddings]; max_new_tokens < 1; more than `MAX_STOP_TOKENS` stop
-    tokens or one outside the vocabulary. Every message names the argument.
+
+def step(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
+    """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
+    target, hidden, cache = verify(model, state)
+    before = state
+    state, num, num_accepted = _accept_and_commit(spec, state.replace(cache=cache), target)
+    state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
+    h0 = initial_hidden(model, hidden)  # [B, K+1, E] at positions L-1 .. L-1+K
+    return state.replace(draft=draft_after_verify(model, spec, state.sampling, state.tokens, state.draft, h0,
+                                                  before.lengths, num))
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _prefill_jit(graph, params, spec, state, padded_prompts):
+    return prefill(graph.merge(params), spec, state, padded_prompts)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _step_jit(graph, params, spec, state):
+    return step(graph.merge(params), spec, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
+def _run_jit(graph, params, spec, state):
+    model = graph.merge(params)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, spec, s), state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public step API
+
+
+class DecodeEngine:
+    """Plain or speculative decoding of one model, step by step, jitted (the public step API).
+
+    `speculative`: a `SpeculativeConfig`, or None for plain decoding. The model's weights are read
+    once, here: build a new engine after changing them. Every call that takes a state donates it
+    (its buffers are reused; do not read a state after passing it in).
+
+        engine = DecodeEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+        state, padded = engine.init_state(prompts, max_new_tokens=64)
+        state = engine.prefill(state, padded)
+        state = engine.step(state)   # or engine.run(state): every step until all rows are done
+        result = engine.result(state, seconds=0.0)
+
+    Raises ValueError at construction when the model cannot serve `speculative`.
     """
-    config = model.config
-    max_length = config.max_position_embeddings if max_length is None else max_length
-    if not _is_integer(max_length):
-        raise TypeError(f"max_length must be an int (tokens), got {max_length!r}")
-    max_length = int(max_length)
-    if not 2 <= max_length <= config.max_position_embeddings:
-        raise ValueError(f"max_length={max_length} must be in [2, {config.max_position_embeddings}]: the cache "
-                         "capacity cannot exceed the model's positions (config.max_position_embeddings="
-                         f"{config.max_position_embeddings})")
-    prompts = validate_prompts(prompts, config.vocab_size, max_length)
-    batch = len(prompts)
-    new_tokens = _per_row(max_new_tokens, batch, "max_new_tokens")
-    for n in new_tokens:
-        if not _is_integer(n):
-            raise TypeError(f"max_new_tokens must be an int (tokens), got {n!r}")
-        if n < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
-    params = _per_row(SamplingParams() if sampling is None else sampling, batch, "sampling")
-    for p in params:
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams, got {type(p).__name__}")
-    stop = config.eos_token_ids if stop_tokens is None else stop_tokens
-    prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
-    bucket = min(-(-int(prompt_lengths.max()) // _PROMPT_BUCKET) * _PROMPT_BUCKET, max_length)
-    padded = np.zeros((batch, bucket), np.int32)
-    tokens = np.zeros((batch, max_length), np.int32)
-    for b, p in enumerate(prompts):
-        padded[b, : len(p)] = p
-        tokens[b, : len(p)] = p
-    state = DecodeState(
-        tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
-        max_new_tokens=jnp.asarray([min(int(n), 2**31 - 1) for n in new_tokens], jnp.int32),
-        done=jnp.zeros((batch,), bool), cache=model.init_cache(batch, max_length),
-        sampling=SamplingState.from_params(params), stop_tokens=_stop_array(stop, config.vocab_size),
-        logprobs=jnp.zeros((batch, max_length), jnp.float32))
-    return state, jnp.asarray(padded)
+
+    def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None):
+        if speculative is not None:
+            speculative.check_model(model, model.config.vocab_size)
+        self.model, self.speculative = model, speculative
+        self._graph, self._params = static_split(model)
+
+    def init_state(self, prompts: Sequence[Sequence[int]], **request) -> tuple[DecodeState, jax.Array]:
+        """The initial state and padded prompts; keyword arguments as `init_state`'s (max_new_tokens,
+        sampling, max_length, stop_tokens, oracle_tokens)."""
+        return init_state(self.model, prompts, speculative=self.speculative, **request)
+
+    def prefill(self, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
+        """The prompts through the model, the first token committed, the first drafts made."""
+        return _prefill_jit(self._graph, self._params, self.speculative, state, padded_prompts)
+
+    def step(self, state: DecodeState) -> DecodeState:
+        """One decode step for every row (`step`)."""
+        return _step_jit(self._graph, self._params, self.speculative, state)
+
+    def run(self, state: DecodeState) -> DecodeState:
+        """Steps until every row is done, as one `lax.while_loop` on device."""
+        return _run_jit(self._graph, self._params, self.speculative, state)
+
+    def lower_run(self, state: DecodeState) -> jax.stages.Lowered:
+        """`run` lowered for this state's shapes (`.compile().as_text()` is the HLO a profile reads)."""
+        return _run_jit.lower(self._graph, self._params, self.speculative, state)
+
+    def result(self, state: DecodeState, seconds: float) -> GenerationResult:
+        """The host-side view of a state (`seconds`: the wall time to report)."""
+        return results_from_state(state, seconds, speculating=self.speculative is not None)
 
 
-def _finish_reason(state_row_tokens: np.ndarray, length: int, prompt_length: int, max_new: int,
-                   capacity: int, stop: set[int]) -> str:
-    if length > prompt_length and int(state_row_tokens[length - 1]) in stop:
+def _finish_reason(row_tokens: np.ndarray, length: int, prompt_length: int, max_new: int, capacity: int,
+                   stop: set[int]) -> str:
+    if length > prompt_length and int(row_tokens[length - 1]) in stop:
         return "stop"
     if length - prompt_length >= max_new:
         return "length"
     return "capacity" if length >= capacity else "length"
 
 
-def results_from_state(state: DecodeState, num_steps: int, seconds: float) -> GenerationResult:
-    """Host-side view of a finished state."""
-    tokens, lengths, prompt_lengths, logprobs, max_new, stop = jax.device_get(
-        (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens))
+def results_from_state(state: DecodeState, seconds: float, *, speculating: bool) -> GenerationResult:
+    """Host-side view of a state; `num_steps` counts the decode (verify) steps, metrics only when speculating."""
+    tokens, lengths, prompt_lengths, logprobs, max_new, stop, steps = jax.device_get(
+        (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens,
+         state.metrics.num_steps))
     stop_set = {int(t) for t in stop if t >= 0}
     capacity = tokens.shape[1]
     rows = range(tokens.shape[0])
@@ -269,6 +313,5 @@ def results_from_state(state: DecodeState, num_steps: int, seconds: float) -> Ge
         logprobs=[logprobs[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
         finish_reasons=[_finish_reason(tokens[b], int(lengths[b]), int(prompt_lengths[b]), int(max_new[b]),
                                        capacity, stop_set) for b in rows],
-        num_steps=num_steps, seconds=seconds)
-
-
+        num_steps=int(steps.max()), seconds=seconds,
+        metrics=SpeculativeMetrics.from_counters(state.metrics) if speculating else None)

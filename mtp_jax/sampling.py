@@ -8,7 +8,7 @@ Order of the filters, as in Hugging Face's and vLLM's samplers: temperature, the
 top-p. Greedy rows (temperature 0) get a one-hot distribution at the argmax (lowest index on ties).
 Randomness: row b's draw for the token at absolute position i uses
 `fold_in(fold_in(key(seed_b), i), stream)`, so a row's output does not depend on which other rows
-share its batch.
+share its batch; the streams below separate the independent draws at one position.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from jaxtyping import Array, Float, Int
 
 MAX_SEED = 2**32 - 1  # seeds are uint32 on device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
+STREAM_TARGET = 0  # the committed token drawn from the target (plain sampling, residual, bonus)
+STREAM_ACCEPT = 1  # the acceptance uniforms u_j
+STREAM_DRAFT = 3  # draft tokens sampled from the MTP distribution
 
 
 def is_int(value) -> bool:

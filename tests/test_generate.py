@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.generate import generate, init_state, stream
+from mtp_jax.engine import init_state
+from mtp_jax.generate import generate, stream
 from mtp_jax.model import init_model
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig

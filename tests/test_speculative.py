@@ -22,23 +22,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mtp_jax.acceptance import Target, accept
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
-from mtp_jax.generate import generate
-from mtp_jax.model import init_model, sequence_positions, static_split
+from mtp_jax.engine import DecodeEngine
+from mtp_jax.generate import generate, stream
+from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
+from mtp_jax.model import init_model, sequence_positions
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
 from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
-from mtp_jax.speculative import (
-    SpecMetrics,
-    SpeculativeConfig,
-    SpeculativeMetrics,
-    _prefill_jit,
-    _step_jit,
-    accept,
-    init_spec_state,
-    speculative_generate,
-    speculative_stream,
-)
+from mtp_jax.speculative import SpeculativeConfig
 
 CFG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=64, num_nextn_predict_layers=3)
@@ -250,35 +243,33 @@ def oracle_drafts(model, method: str, tokens: np.ndarray, lengths: np.ndarray, d
 def _poison(state, margin: int = 0):
     """NaN in every cache slot past what a row's caches hold (positions 0 .. L - 2; for the MTP caches
     0 .. L - 2 - margin), and in the entries of vanilla's hidden window that stand for positions before 0."""
-    d, window = state.decode, state.hidden_window.shape[1]
-    positions = d.lengths[:, None] - 1 - window + jnp.arange(window)[None, :]  # [B, W]
-    return state.replace(decode=d.replace(cache=fill_stale(d.cache, d.lengths - 1, jnp.nan)),
-                         mtp_caches=fill_stale(state.mtp_caches, d.lengths - 1 - margin, jnp.nan),
-                         hidden_window=jnp.where((positions < 0)[..., None], jnp.nan, state.hidden_window))
+    draft, window = state.draft, state.draft.hidden_window.shape[1]
+    positions = state.lengths[:, None] - 1 - window + jnp.arange(window)[None, :]  # [B, W]
+    draft = draft.replace(caches=fill_stale(draft.caches, state.lengths - 1 - margin, jnp.nan),
+                          hidden_window=jnp.where((positions < 0)[..., None], jnp.nan, draft.hidden_window))
+    return state.replace(cache=fill_stale(state.cache, state.lengths - 1, jnp.nan), draft=draft)
 
 
 def _snapshot(state) -> dict[str, np.ndarray]:
-    d = state.decode
     return {k: np.array(v) for k, v in jax.device_get(dict(
-        tokens=d.tokens, lengths=d.lengths, done=d.done, drafts=state.draft_tokens)).items()}
+        tokens=state.tokens, lengths=state.lengths, done=state.done, drafts=state.draft.tokens)).items()}
 
 
 def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = False, stop_tokens=()):
-    """Prefill, then `_step_jit` until every row is done; returns the final state and a snapshot per step
+    """Prefill, then `DecodeEngine.step` until every row is done; returns the final state and a snapshot per step
     boundary (after prefill and after each step). With `poison`, stale cache slots are NaN before each step;
     for vanilla also its modules' last K - 1 live slots (computed from drafts, the window recomputes them)
     and its window's entries before position 0."""
-    state, padded = init_spec_state(model, sp, prompts, max_new_tokens=max_new, max_length=S,
-                                    stop_tokens=list(stop_tokens))
-    graph, params = static_split(model)
-    state = _prefill_jit(graph, params, sp, state, padded)
+    engine = DecodeEngine(model, sp)
+    state, padded = engine.init_state(prompts, max_new_tokens=max_new, max_length=S, stop_tokens=list(stop_tokens))
+    state = engine.prefill(state, padded)
     trace = [_snapshot(state)]
     while not trace[-1]["done"].all():
         if poison:
             state = _poison(state, margin=sp.num_speculative_tokens - 1 if sp.method == "vanilla" else 0)
-            assert np.isnan(np.asarray(jax.tree.leaves(state.decode.cache)[0])).any()
-            assert all(np.isnan(np.asarray(jax.tree.leaves(c)[0])).any() for c in state.mtp_caches)
-        state = _step_jit(graph, params, sp, state)
+            assert np.isnan(np.asarray(jax.tree.leaves(state.cache)[0])).any()
+            assert all(np.isnan(np.asarray(jax.tree.leaves(c)[0])).any() for c in state.draft.caches)
+        state = engine.step(state)
         trace.append(_snapshot(state))
     return state, trace
 
@@ -297,7 +288,7 @@ def observed_accepts(trace, k_max: int) -> list[tuple[int, int, int]]:
 
 
 def generated(state, prompts) -> list[list[int]]:
-    tokens, lengths = jax.device_get((state.decode.tokens, state.decode.lengths))
+    tokens, lengths = jax.device_get((state.tokens, state.lengths))
     return [tokens[b, len(p): lengths[b]].tolist() for b, p in enumerate(prompts)]
 
 
@@ -323,7 +314,7 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
         expected = plain(style(method), name, impl)
         assert generated(state, PROMPTS) == expected.tokens, name
         assert [len(t) for t in expected.tokens] == MAX_NEW
-        logprobs = np.asarray(state.decode.logprobs)
+        logprobs = np.asarray(state.logprobs)
         for b, prompt in enumerate(PROMPTS):
             np.testing.assert_allclose(logprobs[b, len(prompt): len(prompt) + MAX_NEW[b]], expected.logprobs[b],
                                        atol=2e-5)
@@ -375,7 +366,7 @@ def test_stop_token_accepted_as_a_draft_ends_its_row_there(models, plain):
     num = trace[last + 1]["lengths"][0] - trace[last]["lengths"][0]
     assert (last, num) == (0, 2) and trace[0]["drafts"][0, num - 1] == stop
     assert not trace[last + 1]["done"][1:].any()
-    result = speculative_generate(model, PROMPTS, sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[stop])
+    result = generate(model, PROMPTS, speculative=sp, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[stop])
     assert result.tokens == [free[0][:cut], free[1], free[2]]
     assert result.finish_reasons == ["stop", "length", "length"]
     assert result.metrics == SpeculativeMetrics.from_counters(state.metrics)  # the loop counts as the steps do
@@ -395,9 +386,9 @@ def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, m
     assert [len(t) for t in expected.tokens] == [k, 1, S - 1] and expected.finish_reasons == ["capacity"] * 3
     state, _ = drive(model, sp, prompts, 100, poison=True)
     assert generated(state, prompts) == expected.tokens
-    np.testing.assert_array_equal(state.decode.lengths, [S] * 3)  # the caches hold positions 0 .. S - 2
-    main, module = _fresh_caches(model, state.decode.tokens)
-    fresh = [(main, state.decode.cache)] + ([(module, state.mtp_caches[0])] if method == "eagle" else [])
+    np.testing.assert_array_equal(state.lengths, [S] * 3)  # the caches hold positions 0 .. S - 2
+    main, module = _fresh_caches(model, state.tokens)
+    fresh = [(main, state.cache)] + ([(module, state.draft.caches[0])] if method == "eagle" else [])
     for want, got in fresh:
         for leaf_want, leaf_got in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             np.testing.assert_allclose(np.asarray(leaf_got)[:, : S - 1], np.asarray(leaf_want)[:, : S - 1],
@@ -443,13 +434,15 @@ def emitted(num_accepted: np.ndarray, token: np.ndarray, drafts: np.ndarray) -> 
 @functools.cache
 def jit_accept(sp: SpeculativeConfig):
     """`accept` jitted once per config (and shapes)."""
-    return jax.jit(lambda *args: accept(sp, *args))
+    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
+                                                                      q, sampling, *rest))
 
 
 def with_uniform(monkeypatch, value: float, sp: SpeculativeConfig):
     """`accept` under a fresh jit with every uniform draw of the acceptance test forced to `value`."""
     monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), value, jnp.float32))
-    return jax.jit(lambda *args: accept(sp, *args))
+    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
+                                                                      q, sampling, *rest))
 
 
 N_ROWS, SAMPLE_SPEC = 20000, spec("eagle", 2, draft_sampling="sample")  # one compile of `accept` for both tests
@@ -536,7 +529,7 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
     speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy."""
     prompt = [3, 1, 4]
     sampling = [SamplingParams()] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s) for s in range(n - 2)]
-    result = speculative_generate(model, [prompt] * n, sp, max_new_tokens=3, max_length=S, stop_tokens=[],
+    result = generate(model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[],
                                   sampling=sampling)
     tokens = np.asarray(result.tokens)  # [n, 3]
     assert 0 < result.metrics.num_accepted < result.metrics.num_drafts
@@ -636,7 +629,7 @@ def test_relaxed_generation_relaxes_only_thinking_positions():
     greedy."""
     model, sp = near_tie(), _relaxed_spec(0.3, k=2)
     prompts = [[THINK, 1, 2], [3, 4], [THINK, 5, END_THINK, 2]]
-    result = speculative_generate(model, prompts, sp, max_new_tokens=30, max_length=S, stop_tokens=[])
+    result = generate(model, prompts, speculative=sp, max_new_tokens=30, max_length=S, stop_tokens=[])
     strict = generate(model, prompts, max_new_tokens=30, max_length=S, stop_tokens=[])
     seqs = np.zeros((3, W), np.int32)
     for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
@@ -671,8 +664,8 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
     sp = spec("eagle", 3)
     by_name = models["deepseek"]
     kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
-    speculative_generate(by_name["scripted"], PROMPTS, sp, **kwargs)  # warm-up
-    list(speculative_stream(by_name["scripted"], PROMPTS, sp, **kwargs))
+    generate(by_name["scripted"], PROMPTS, speculative=sp, **kwargs)  # warm-up
+    list(stream(by_name["scripted"], PROMPTS, speculative=sp, **kwargs))
     compiles = []
 
     def listener(name, _duration, **_):
@@ -686,15 +679,15 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
         runs = []
         for name, n, stop in [("random", 1, [0]), ("scripted", 7, [3, 4]), ("random", 25, []), ("scripted", 2, [])]:
             prompts = [[2, 3], [1] * 11, [THINK, 7, 7]]
-            runs.append(speculative_generate(by_name[name], prompts, sp, max_new_tokens=n, max_length=S,
+            runs.append(generate(by_name[name], prompts, speculative=sp, max_new_tokens=n, max_length=S,
                                              stop_tokens=stop, sampling=mixed))
-            pieces = list(speculative_stream(by_name[name], PROMPTS, sp, max_new_tokens=[n, 3, 9], max_length=S,
+            pieces = list(stream(by_name[name], PROMPTS, speculative=sp, max_new_tokens=[n, 3, 9], max_length=S,
                                              stop_tokens=stop))
         assert not compiles, f"{len(compiles)} compiles after warm-up"
     finally:
         jax.monitoring.clear_event_listeners()
     streamed = [sum((step[b] for step in pieces), []) for b in range(3)]
-    assert streamed == speculative_generate(by_name["scripted"], PROMPTS, sp, max_new_tokens=[2, 3, 9], max_length=S,
+    assert streamed == generate(by_name["scripted"], PROMPTS, speculative=sp, max_new_tokens=[2, 3, 9], max_length=S,
                                             stop_tokens=[]).tokens
     # The greedy row of a mixed batch still equals plain greedy.
     greedy = generate(by_name["random"], [[2, 3], [1] * 11, [THINK, 7, 7]], max_new_tokens=25, max_length=S,
@@ -742,7 +735,7 @@ def test_impossible_requests_raise(models, style_, kwargs, message):
     no_mtp = CFG.replace(num_nextn_predict_layers=0)
     model = make_model(no_mtp, 0, 0.02) if style_ == "none" else models[style_]["random"]
     with pytest.raises(ValueError, match=message):
-        speculative_generate(model, PROMPTS, SpeculativeConfig(**kwargs), max_new_tokens=3, max_length=S)
+        generate(model, PROMPTS, speculative=SpeculativeConfig(**kwargs), max_new_tokens=3, max_length=S)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -760,10 +753,10 @@ def test_bad_speculative_config_raises(kwargs, message):
 
 def test_stream_returns_the_result_of_generate(models):
     """The stream's return value (StopIteration.value) carries the tokens, finish reasons, verify steps and
-    metrics that `speculative_generate` returns for the same request."""
+    metrics that `generate` returns for the same request."""
     model, sp = models["deepseek"]["scripted"], spec("eagle", 3)
     kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[6])
-    steps = speculative_stream(model, PROMPTS, sp, **kwargs)
+    steps = stream(model, PROMPTS, speculative=sp, **kwargs)
     pieces = []
     while True:
         try:
@@ -771,7 +764,93 @@ def test_stream_returns_the_result_of_generate(models):
         except StopIteration as end:
             streamed = end.value
             break
-    expected = speculative_generate(model, PROMPTS, sp, **kwargs)
+    expected = generate(model, PROMPTS, speculative=sp, **kwargs)
     assert streamed.tokens == expected.tokens == [sum((p[b] for p in pieces), []) for b in range(3)]
     assert streamed.finish_reasons == expected.finish_reasons == ["stop", "length", "length"]
     assert streamed.metrics == expected.metrics and streamed.num_steps == expected.num_steps == len(pieces) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One engine: plain decoding is the step with no drafter; the oracle drafter; one normalisation
+
+
+def test_plain_decoding_is_the_step_with_no_drafts(models, plain):
+    """`DecodeEngine(model)` (no drafter) commits exactly one token per active row per step, the plain
+    greedy tokens, and counts steps with no drafts: K = 0 in every shape."""
+    model = main_twin(models["deepseek"]["scripted"])
+    engine = DecodeEngine(model)
+    state, padded = engine.init_state(PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
+    assert state.draft.tokens.shape == (3, 0) and state.draft.caches == ()
+    state = engine.prefill(state, padded)
+    np.testing.assert_array_equal(state.lengths, [len(p) + 1 for p in PROMPTS])
+    while not bool(np.all(state.done)):
+        before = np.asarray(state.lengths) + 0  # a copy: the state is donated
+        active = ~np.asarray(state.done)
+        state = engine.step(state)
+        np.testing.assert_array_equal(np.asarray(state.lengths) - before, active.astype(int))
+    assert generated(state, PROMPTS) == plain("deepseek", "scripted").tokens
+    m = jax.device_get(state.metrics)
+    np.testing.assert_array_equal(m.num_steps, np.asarray(MAX_NEW) - 1)
+    assert m.num_drafts.sum() == 0 and m.accepted_length_histogram.shape == (3, 1)
+    assert engine.result(state, 0.0).metrics is None
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_oracle_drafter_replays_given_tokens_and_accepts_them_all(models, k):
+    """Method "oracle" drafts the given sequences (plain greedy's, by the random model's main weights in a
+    model with no MTP modules: the oracle needs none): every draft is accepted except where a row's cap
+    cuts the block, and the tokens equal plain greedy."""
+    model = make_model(CFG.replace(num_nextn_predict_layers=0), 0, 0.0)
+    nnx.update(model, nnx.state(models["deepseek"]["random"], MAIN_PARAMS))
+    expected = generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[]).tokens
+    reference = np.zeros((3, S), np.int32)
+    for b, (p, t) in enumerate(zip(PROMPTS, expected, strict=True)):
+        reference[b, : len(p) + len(t)] = p + t
+    engine = DecodeEngine(model, spec("oracle", k))
+    state, padded = engine.init_state(PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[],
+                                      oracle_tokens=reference)
+    result = engine.result(engine.run(engine.prefill(state, padded)), 0.0)
+    assert result.tokens == expected
+    steps = [-(-(n - 1) // (k + 1)) for n in MAX_NEW]  # after the prefill's token, K + 1 per step
+    assert result.num_steps == max(steps) and result.metrics.num_steps == sum(steps)
+    # Every committed token is an accepted draft but the bonus of each full block (a block cut short by
+    # max_new_tokens commits drafts only).
+    assert result.metrics.num_accepted == sum(n - 1 - (n - 1) // (k + 1) for n in MAX_NEW)
+
+
+def test_oracle_tokens_are_checked(models):
+    model = models["deepseek"]["random"]
+    with pytest.raises(ValueError, match="oracle_tokens is required"):
+        generate(model, PROMPTS, speculative=spec("oracle", 2), max_new_tokens=3, max_length=S)
+    with pytest.raises(ValueError, match="oracle_tokens is required with method='oracle' and only there"):
+        DecodeEngine(model, spec("eagle", 2)).init_state(PROMPTS, max_new_tokens=3, max_length=S,
+                                                         oracle_tokens=np.zeros((3, S), np.int32))
+    with pytest.raises(ValueError, match=r"oracle_tokens must be an int array \[B=3, R\]"):
+        DecodeEngine(model, spec("oracle", 2)).init_state(PROMPTS, max_new_tokens=3, max_length=S,
+                                                          oracle_tokens=np.zeros((2, S), np.int32))
+    with pytest.raises(ValueError, match="draft_sampling must be 'greedy'"):
+        SpeculativeConfig(method="oracle", draft_sampling="sample")
+
+
+@pytest.mark.parametrize("relaxed", [False, True])
+def test_a_step_normalises_the_verify_logits_once(models, monkeypatch, relaxed):
+    """One log-softmax (raw logprobs, relaxed acceptance) and one `target_probs` (acceptance, sampling)
+    over the verify logits per step, whatever is on: counted while tracing the step."""
+    import mtp_jax.acceptance as acceptance
+    from mtp_jax.engine import step
+
+    calls = {"log_softmax": 0, "target_probs": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(acceptance.jax.nn, "log_softmax", counted("log_softmax", jax.nn.log_softmax))
+    monkeypatch.setattr(acceptance, "target_probs", counted("target_probs", acceptance.target_probs))
+    sp = spec("eagle", 2, relaxed_top_n=2, relaxed_delta=0.1) if relaxed else spec("eagle", 2)
+    model = models["deepseek"]["random"]
+    state, _ = DecodeEngine(model, sp).init_state(PROMPTS, max_new_tokens=3, max_length=S)
+    jax.make_jaxpr(lambda s: step(model, sp, s))(state)
+    assert calls == {"log_softmax": 1, "target_probs": 1}

@@ -1,0 +1,145 @@
+"""Acceptance: which drafts a verify pass keeps, and the token emitted after them (`docs/MTP_SPEC.md`).
+
+Draft d_j is accepted when `u_j * q_j(d_j) < p_{j-1}(d_j)`, u_j uniform in [0, 1) (Leviathan et
+al. 2023, Chen et al. 2023): with greedy targets and drafts this is exactly `d_j == argmax p_{j-1}`
+(strict acceptance), and a zero-probability draft is never accepted. At the first rejection the
+row emits a sample of `norm(max(0, p - q))`, after K acceptances a bonus sample of p_K; greedy
+rows take the argmax. With no drafts (K = 0, plain decoding) that is a sample of p_0, drawn with
+the very key plain sampling uses. Optionally TensorRT-LLM's relaxed acceptance in a reasoning
+model's thinking phase (greedy rows only; lossy by design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtp_jax.sampling import (
+    STREAM_ACCEPT,
+    STREAM_TARGET,
+    SamplingState,
+    all_greedy,
+    row_keys,
+    sample_from,
+    target_probs,
+)
+
+if TYPE_CHECKING:
+    from mtp_jax.speculative import SpeculativeConfig
+
+
+@struct.dataclass
+class Target:
+    """The target distributions of a forward's T outputs, each normalisation computed once.
+
+    logits: float32 [B, T, V], raw. probs: `target_probs(logits)` (temperature, top-k, top-p;
+    one-hot for greedy rows), what acceptance and sampling use. logprobs: the raw log-softmax,
+    what results report (vLLM's `raw_logprobs`) and relaxed acceptance compares.
+    """
+
+    logits: jax.Array
+    probs: jax.Array
+    logprobs: jax.Array
+
+    @classmethod
+    def from_logits(cls, logits: jax.Array, sampling: SamplingState) -> Target:
+        logits = logits.astype(jnp.float32)
+        return cls(logits=logits, probs=target_probs(logits, sampling), logprobs=jax.nn.log_softmax(logits, axis=-1))
+
+    def logprobs_at(self, tokens: jax.Array) -> jax.Array:
+        """Raw log-probability of `tokens` (int32 [B, T]) under output t: float32 [B, T]."""
+        return jnp.take_along_axis(self.logprobs, tokens[..., None], axis=-1)[..., 0]
+
+
+def phase_after(thinking: jax.Array, token: jax.Array, spec: SpeculativeConfig) -> jax.Array:
+    """The thinking phase after `token` (bool [B]) given the phase before it."""
+    thinking = jnp.where(token == spec.think_start_token_id, True, thinking)
+    return jnp.where(token == spec.think_end_token_id, False, thinking)
+
+
+def update_phase(spec: SpeculativeConfig | None, thinking: jax.Array, tokens: jax.Array, num: jax.Array) -> jax.Array:
+    """The thinking phase (bool [B]) after committing `tokens[:, :num]` (int32 [B, N], num int32 [B]).
+    Tracked only under relaxed acceptance; unchanged otherwise."""
+    if spec is None or not spec.relaxed:
+        return thinking
+    for j in range(tokens.shape[1]):
+        thinking = jnp.where(j < num, phase_after(thinking, tokens[:, j], spec), thinking)
+    return thinking
+
+
+def initial_phase(prompt: Sequence[int], spec: SpeculativeConfig | None) -> bool:
+    """Whether a prompt ends inside a thinking phase (only tracked under relaxed acceptance)."""
+    phase = False
+    if spec is not None and spec.relaxed:
+        for token in prompt:
+            phase = True if token == spec.think_start_token_id else False if token == spec.think_end_token_id else phase
+    return phase
+
+
+@jax.named_scope("accept")
+def accept(spec: SpeculativeConfig | None, target: Target, draft_tokens: jax.Array, draft_probs: jax.Array,
+           sampling: SamplingState, lengths: jax.Array, thinking: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Speculative acceptance for a batch.
+
+    Args:
+      spec: the speculative configuration (relaxed acceptance), or None (K = 0).
+      target: the verify forward's K+1 outputs (output j is the target for position L + j).
+      draft_tokens: int32 [B, K], K >= 0. draft_probs: q, float32 [B, K, V], or [B, K, 0] for
+        greedy drafts (q one-hot at the draft).
+      sampling: the rows' sampling parameters. lengths: L, int32 [B].
+      thinking: bool [B], the phase after token L - 1 (relaxed acceptance).
+
+    Returns:
+      num_accepted a (int32 [B], 0..K) and the token emitted after the accepted prefix (int32 [B],
+      for position L + a, drawn with `row_keys(sampling, L + a, STREAM_TARGET)`): a sample of
+      norm(max(0, p_a - q_{a+1})) after a rejection, of p_K after full acceptance; the argmax of
+      the raw logits for greedy rows.
+    """
+    batch, num_drafts = draft_tokens.shape
+    p, logits = target.probs, target.logits  # [B, K+1, V]
+    if num_drafts == 0:
+        zero = jnp.zeros((batch,), jnp.int32)
+        return zero, sample_from(p[:, 0], logits[:, 0], sampling, lengths, STREAM_TARGET)
+    greedy_drafts = draft_probs.shape[-1] == 0
+    p_draft = jnp.take_along_axis(p[:, :num_drafts], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
+    q_draft = (jnp.ones_like(p_draft) if greedy_drafts
+               else jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0])  # [B, K]
+    positions = lengths[:, None] + jnp.arange(num_drafts)[None, :]  # [B, K]
+
+    def draw_uniforms(positions):  # one per draft; all-greedy batches need none (p, q are one-hot)
+        keys = jax.vmap(lambda pos: row_keys(sampling, pos, STREAM_ACCEPT), in_axes=1, out_axes=1)(positions)
+        return jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, K]
+
+    uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms,
+                            positions)
+    accepted = uniforms * q_draft < p_draft  # [B, K]; p = 0 is never accepted, even for u = 0
+    if spec.relaxed:
+        probs = jnp.exp(target.logprobs[:, :num_drafts])  # [B, K, V], softmax of the raw logits
+        top = jax.lax.top_k(probs, spec.relaxed_top_n)[0]  # [B, K, N]
+        prob_draft = jnp.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
+        relaxed_ok = (prob_draft >= top[..., -1]) & (prob_draft >= top[..., 0] - spec.relaxed_delta)
+        phase, in_phase = thinking, []
+        for j in range(num_drafts):  # a </think> accepted at j makes drafts after it strict
+            in_phase.append(phase)
+            phase = phase_after(phase, draft_tokens[:, j], spec)
+        relaxed_ok &= jnp.stack(in_phase, axis=1) & (sampling.temperature == 0)[:, None]
+        accepted |= relaxed_ok
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)  # [B]
+    # The emitted token: residual after a rejection at num_accepted, p_K after full acceptance.
+    p_at = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    logits_at = jnp.take_along_axis(logits, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    rejected = num_accepted < num_drafts
+    index = jnp.minimum(num_accepted, num_drafts - 1)
+    if greedy_drafts:
+        q_at = jax.nn.one_hot(jnp.take_along_axis(draft_tokens, index[:, None], axis=1)[:, 0], p.shape[-1])
+    else:
+        q_at = jnp.take_along_axis(draft_probs, index[:, None, None], axis=1)[:, 0]  # [B, V]
+    residual = jnp.maximum(p_at - jnp.where(rejected[:, None], q_at, 0.0), 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
+    token = sample_from(residual, logits_at, sampling, lengths + num_accepted, STREAM_TARGET)
+    return num_accepted.astype(jnp.int32), token
