@@ -13,11 +13,14 @@ clobber a live entry (JAX would clamp a `dynamic_update_slice` start instead).
 
 `KVCache` is the grouped-query attention layer's cache (keys and values); other attention types
 bring their own (`mtp_jax.layers.mla.MLACache`: compressed latent and rope key). A model's cache is
-the tuple of its layers' caches (`Transformer.init_cache`); every array in it has the shape
-[B, S, ...], so `fill_stale` and `capacity` work on any of them.
+the tuple of its layers' caches (`Transformer.init_cache`), every array [B, S, ...]; with
+`ModelConfig.scan_layers` it holds one `StackedCache` per run of layers of one kind instead, its
+arrays [n, B, S, ...] with a leading layer axis. `fill_stale` and `capacity` work on any of them.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +53,21 @@ class KVCache:
         return KVCache(k=write_at(self.k, k, positions), v=write_at(self.v, v, positions))
 
 
+@struct.dataclass
+class StackedCache:
+    """The caches of n consecutive layers of one kind (`mtp_jax.layers.decoder.DecoderStack`), stacked.
+
+    `layers` is one layer's cache (`KVCache`, `MLACache`) whose every array has a leading layer axis,
+    [n, B, S, ...]; slice i is the stack's layer i's cache.
+    """
+
+    layers: Any
+
+
+def _is_stacked(node) -> bool:
+    return isinstance(node, StackedCache)
+
+
 def check_shape(batch_size: int, max_length: int) -> None:
     """Raises ValueError unless both are ints >= 1 (a cache's batch size and capacity S)."""
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
@@ -68,18 +86,22 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
 
 
 def capacity(cache) -> int:
-    """S, the capacity in tokens of a cache pytree (every array is [B, S, ...])."""
-    return jax.tree.leaves(cache)[0].shape[1]
+    """S, the capacity in tokens of a cache pytree (arrays [B, S, ...], in a `StackedCache` [n, B, S, ...])."""
+    first = jax.tree.leaves(cache, is_leaf=_is_stacked)[0]
+    return jax.tree.leaves(first.layers)[0].shape[2] if _is_stacked(first) else first.shape[1]
 
 
 def fill_stale(cache, lengths: Int[Array, " B"], value: float):
-    """`cache` (any cache pytree) with every entry at or past row b's `lengths[b]` set to `value`.
+    """`cache` (any cache pytree, `StackedCache`s included) with every entry at or past row b's
+    `lengths[b]` (int32 [B]) set to `value`.
 
     Tests: NaN there must change nothing.
     """
 
     def fill(x):
+        if _is_stacked(x):  # every layer of the stack alike
+            return StackedCache(jax.vmap(lambda layer: fill_stale(layer, lengths, value))(x.layers))
         stale = jnp.arange(x.shape[1])[None, :] >= lengths[:, None]  # [B, S]
         return jnp.where(stale.reshape(stale.shape + (1,) * (x.ndim - 2)), value, x)
 
-    return jax.tree.map(fill, cache)
+    return jax.tree.map(fill, cache, is_leaf=_is_stacked)

@@ -10,8 +10,10 @@ Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_n
 place that maps them: `layers.3.mlp.up_proj.kernel` is `model.layers.3.mlp.up_proj.weight`.
 Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files; the MoE's
 stacked routed experts [R, in, out] are R tensors `mlp.experts.{r}.<proj>.weight` [out, in] there
-(`hf_names`), the router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] as
-they are (float32, whatever the dtype of the rest). MTP modules
+(`hf_names`), and a scanned model's stacked layer groups (`ModelConfig.scan_layers`,
+`layer_groups.{g}.layer.<path>` [n, ...]) one tensor set per layer, under the unrolled layout's
+names: both layouts read and write the same files. The router `mlp.gate.weight` [R, E] and
+`mlp.gate.e_score_correction_bias` [R] are as they are (float32, whatever the dtype of the rest). MTP modules
 are imported and exported in DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>`
 is `model.layers.{L + j}.<name>`, and `num_nextn_predict_layers` plus mtp_jax's conventions
 (`MTP_CONVENTION_FIELDS`) sit in config.json.
@@ -59,7 +61,7 @@ from mtp_jax.hf_config import (
     config_from_hf,
     config_to_hf,
 )
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, per_layer_path
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -114,24 +116,39 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
     return ".".join([*prefix, *modules, name]), leaf == "kernel"
 
 
-def _is_stacked(path: tuple[str | int, ...]) -> bool:
+def _is_experts(path: tuple[str | int, ...]) -> bool:
     """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate,up,down}_proj`, [R, in, out])."""
     return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_proj", "up_proj", "down_proj")
+
+
+def _tensor_axes(path: tuple[str | int, ...]) -> int:
+    """How many leading axes of the parameter at `path` enumerate separate tensors of the files (0, 1 or 2):
+    a stacked layer group's layer axis (`ModelConfig.scan_layers`), then the routed experts' axis."""
+    return (str(path[0]) == "layer_groups") + _is_experts(path)
 
 
 def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
     """The HF tensors of one parameter path: [(name, transposed)], one per tensor in the files.
 
-    `hf_name`'s single tensor, except the MoE's stacked routed experts (`mtp_jax.layers.moe`):
-    `...mlp.experts.gate_proj` [R, E, I] is the R tensors `...mlp.experts.{r}.gate_proj.weight`
-    [I, E] (each the transpose of slice r), likewise `up_proj` and `down_proj` [R, I, E]; this is
-    DeepSeek-V3's and GLM-4.5's layout, which transformers 5 stacks on load and splits on save.
+    `hf_name`'s single tensor, except for stacked parameters, which are one tensor per slice of
+    their `_tensor_axes` leading axes, in row-major order:
+      - the MoE's routed experts (`mtp_jax.layers.moe`): `...mlp.experts.gate_proj` [R, E, I] is the R
+        tensors `...mlp.experts.{r}.gate_proj.weight` [I, E] (each the transpose of slice r), likewise
+        `up_proj` and `down_proj` [R, I, E]; this is DeepSeek-V3's and GLM-4.5's layout, which
+        transformers 5 stacks on load and splits on save;
+      - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
+        slice i is layer `start + i`'s `<path>` (`mtp_jax.model.per_layer_path`), so both layouts
+        read and write the same files. A stacked layer's experts are n x R tensors, layer-major.
     """
-    if not _is_stacked(path):
-        return [hf_name(path, config)]
-    base, _ = hf_name((*path[:-1], "kernel"), config)  # "...mlp.experts.weight"
-    stem = base[: -len(".weight")]
-    return [(f"{stem}.{r}.{path[-1]}.weight", True) for r in range(config.n_routed_experts)]
+    names = []
+    for layer_path in per_layer_path(path, config):
+        if not _is_experts(layer_path):
+            names.append(hf_name(layer_path, config))
+            continue
+        base, _ = hf_name((*layer_path[:-1], "kernel"), config)  # "...mlp.experts.weight"
+        stem = base[: -len(".weight")]
+        names += [(f"{stem}.{r}.{layer_path[-1]}.weight", True) for r in range(config.n_routed_experts)]
+    return names
 
 
 def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...], Any]]:
@@ -139,8 +156,7 @@ def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bo
     layout = {}
     for path, variable in nnx.to_flat_state(params):
         shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
-        if _is_stacked(path):
-            shape = shape[1:]  # one expert's [in, out]
+        shape = shape[_tensor_axes(path):]  # one tensor's: e.g. one expert's [in, out]
         for name, transposed in hf_names(path, config):
             layout[name] = (path, transposed, shape[::-1] if transposed else shape, dtype)
     return layout
@@ -269,7 +285,8 @@ def _shared_copies(config: ModelConfig) -> dict[str, str]:
     return copies
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> Transformer:
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
+                       scan_layers: bool | None = None) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
     Args:
@@ -279,6 +296,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
       dtype: "float32", "bfloat16" or "float16" for the model's weights and compute; default the
         checkpoint's stored dtype (`config.json` `dtype` / `torch_dtype`, else float32). Tensors are
         cast on load.
+      scan_layers: the returned model's layer layout (`ModelConfig.scan_layers`; config.json does
+        not hold it); default `ModelConfig`'s. Either layout reads the same files.
 
     Returns:
       The model; Linear kernels [in, out] are the files' weights [out, in] transposed.
@@ -307,10 +326,11 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> 
     is finished first, so `path` holds the new checkpoint.
     """
     path = Path(path)
-    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, shown=path))
+    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers,
+                                                                shown=path))
 
 
-def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None,
+def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None, scan_layers: bool | None = None,
                   shown: str | os.PathLike | None = None) -> Transformer:
     """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
 
@@ -332,6 +352,8 @@ def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None,
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
         config = config.replace(dtype=dtype, param_dtype=dtype)
+    if scan_layers is not None:
+        config = config.replace(scan_layers=scan_layers)
     with contextlib.ExitStack() as stack:
         handles = _open_weights(root, shown, stack)
         return _read_weights(handles, config, shown)
@@ -380,7 +402,8 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
     flat = []
     for path_, variable in nnx.to_flat_state(params):
         names = [name for name, _ in hf_names(path_, config)]
-        value = jnp.stack([values[n] for n in names]) if _is_stacked(path_) else values[names[0]]  # [R, in, out]
+        value = (jnp.stack([values[n] for n in names]).reshape(variable.get_value().shape)  # [n?, R?, ...]
+                 if _tensor_axes(path_) else values[names[0]])
         flat.append((path_, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -416,6 +439,29 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """HF tensor name -> the numpy array the files hold (torch's [out, in] for kernels), in model order.
+
+    What `write_hf_files` writes. Both layer layouts (`ModelConfig.scan_layers`) give the same dict
+    for the same weights, in the same order (a layer group's tensors layer by layer, as the unrolled
+    layout orders them), so they shard and save alike.
+    """
+    keyed = []  # ((position of the path or of its layer group's first path, layer within the group, path), ...)
+    group_position: dict[tuple, int] = {}
+    for position, (param_path, variable) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        array = np.asarray(jax.device_get(variable.get_value()))
+        names = hf_names(param_path, model.config)
+        axes = _tensor_axes(param_path)  # stacked layers / experts: one tensor per slice
+        parts = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
+        grouped = str(param_path[0]) == "layer_groups"
+        where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
+        per_layer = len(names) // (array.shape[0] if grouped else 1)
+        for k, ((name, transposed), part) in enumerate(zip(names, parts, strict=True)):
+            tensor = np.ascontiguousarray(part.T if transposed else part)
+            keyed.append(((where, k // per_layer, position), name, tensor))
+    return {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
+
+
 def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
                    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES, model_type: str | None = None) -> None:
     """Writes `model`'s checkpoint files into the existing `directory`, in place (not atomic).
@@ -431,13 +477,7 @@ def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
     directory = Path(directory)
     config = model.config
     hf_config = config_to_hf(config, model_type=model_type)
-    tensors = {}
-    for param_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        array = np.asarray(jax.device_get(variable.get_value()))
-        names = hf_names(param_path, config)
-        parts = list(array) if _is_stacked(param_path) else [array]  # stacked experts: one tensor per expert
-        for (name, transposed), part in zip(names, parts, strict=True):
-            tensors[name] = np.ascontiguousarray(part.T if transposed else part)
+    tensors = hf_tensors(model)
     shards = _shards({name: t.nbytes for name, t in tensors.items()}, max_shard_size_bytes)
     metadata = {"format": "pt"}  # as save_pretrained writes it (transformers 4.x checks this field)
     if len(shards) == 1:

@@ -29,6 +29,8 @@ MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
 ATTENTION_TYPES = ("gqa", "mla")
 FFN_TYPES = ("dense", "moe")
 MOE_SCORING_FUNCS = ("sigmoid", "softmax")
+# `ModelConfig.scan_layers`'s default (unrolled, as before; benchmarks/bench_compile.py measures both layouts).
+SCAN_LAYERS_DEFAULT = False
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -138,6 +140,12 @@ class ModelConfig:
     param_dtype: str = "float32"
     # Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
     attention_impl: str = "auto"
+    # Layer layout (`mtp_jax.model.Transformer`): False keeps one module per layer, run in a Python loop;
+    # True stores each run of consecutive layers of one kind (`layer_groups`: DeepSeek-V3's dense layers,
+    # then its MoE layers) as one module with a leading layer axis on every parameter, run under
+    # `jax.lax.scan` against a cache stacked likewise. Same weights and HF checkpoints either way; not in
+    # config.json (a layout, not the model). SCAN_LAYERS_DEFAULT says why the default is what it is.
+    scan_layers: bool = SCAN_LAYERS_DEFAULT
     initializer_range: float = 0.02
     # Token ids the tokenizer defines; generation stops at eos_token_id unless told otherwise.
     bos_token_id: int | None = None
@@ -188,7 +196,7 @@ class ModelConfig:
         if self.rotary_dim % 2:
             raise ValueError(f"the rotary part of a head (partial_rotary_factor x head_dim = {self.rotary_dim}) "
                              "must be even")
-        for name in ("use_qk_norm", "rope_interleave", "norm_topk_prob"):
+        for name in ("use_qk_norm", "rope_interleave", "norm_topk_prob", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_type == "mla":
@@ -252,6 +260,17 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has the MoE feed-forward block."""
         return self.ffn_type == "moe" and layer >= self.first_k_dense_replace
+
+    @property
+    def layer_groups(self) -> tuple[range, ...]:
+        """The runs of consecutive decoder layers of one kind (the same modules and shapes), in order.
+
+        One run for a dense model; DeepSeek-V3 / GLM-4.5: the dense layers [0, first_k_dense_replace)
+        (when any), then the MoE layers up to num_hidden_layers. With `scan_layers` each run is one
+        stacked module (`mtp_jax.layers.decoder.DecoderStack`).
+        """
+        cut = min(self.first_k_dense_replace, self.num_hidden_layers) if self.ffn_type == "moe" else 0
+        return tuple(r for r in (range(0, cut), range(cut, self.num_hidden_layers)) if len(r))
 
     @property
     def resolved_head_dim(self) -> int:

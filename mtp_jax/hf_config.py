@@ -20,6 +20,10 @@ Every field that is read is type-checked as JSON (no coercion: "64" is not an in
 int, "false" is not a bool; NaN and Infinity, which Python's json accepts, are not numbers; null
 means absent, and only absent fields take defaults), and anything this model cannot reproduce
 raises a ValueError naming the field. `config_to_hf` inverts `config_from_hf`.
+
+How a model runs rather than what it computes is not in config.json: `attention_impl` and the layer
+layout `scan_layers` are left out on export and take `ModelConfig`'s defaults on import
+(`mtp_jax.checkpoint.load_hf_checkpoint(..., scan_layers=)` chooses the layout).
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ also DeepSeek-V3's names, so checkpoint import is a rename-free walk (`mtp_jax.c
 `Transformer.__call__(tokens, positions, cache)` runs T >= 1 new tokens per row at the positions the
 caller gives against a per-layer cache and returns the logits, the final hidden states (which the MTP
 modules consume) and the new cache; it never decides lengths (`mtp_jax.cache`).
+
+Two layouts of the same weights (`ModelConfig.scan_layers`): `layers[i]`, one `DecoderLayer` per
+layer run in a Python loop (compile time grows with depth), or `layer_groups[g]`, one `DecoderStack`
+per run of layers of one kind (`ModelConfig.layer_groups`) run under `jax.lax.scan`, its parameters
+with a leading layer axis (`layers.{start + i}.<path>` is `layer_groups.{g}.layer.<path>[i]`, see
+`per_layer_path`) and its cache a `StackedCache`. A seed gives the same weights in both.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, StackedCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers.decoder import DecoderLayer
+from mtp_jax.layers.decoder import DecoderLayer, DecoderStack
 from mtp_jax.layers.indexing import sequence_positions, take_rows
 from mtp_jax.layers.linear import linear
+from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.mtp import make_mtp_modules
+
+Cache = KVCache | MLACache | StackedCache  # one entry of the main model's cache
 
 
 class Transformer(nnx.Module):
@@ -42,13 +51,22 @@ class Transformer(nnx.Module):
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)])
+        layers = [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
+        if config.scan_layers:  # built per layer, then stacked: the same weights as the unrolled layout
+            self.layer_groups = nnx.List([DecoderStack(layers[g.start:g.stop], g.start) for g in config.layer_groups])
+        else:
+            self.layers = nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = (
             None if config.tie_word_embeddings else linear(config, config.hidden_size, config.vocab_size, rngs)
         )
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
         self.mtp = make_mtp_modules(config, rngs)
+
+    @property
+    def blocks(self) -> nnx.List:
+        """What the forward runs in turn, one cache each: `layer_groups` (scan_layers) or `layers`."""
+        return self.layer_groups if self.config.scan_layers else self.layers
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         return self.embed_tokens(tokens)
@@ -59,17 +77,18 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
 
-    def init_cache(self, batch_size: int, max_length: int) -> tuple[KVCache, ...]:
-        """The main model's empty cache: one cache per layer, capacity `max_length` tokens.
+    def init_cache(self, batch_size: int, max_length: int) -> tuple[Cache, ...]:
+        """The main model's empty cache, capacity `max_length` tokens: one cache per layer (`KVCache` or
+        `MLACache`, arrays [B, S, ...]), or with `scan_layers` one `StackedCache` per layer group.
 
         Raises ValueError for a batch size or capacity below 1.
         """
-        return tuple(layer.init_cache(batch_size, max_length) for layer in self.layers)
+        return tuple(block.init_cache(batch_size, max_length) for block in self.blocks)
 
     def __call__(
-        self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: tuple[KVCache, ...],
+        self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: tuple[Cache, ...],
         segment_ids: Int[Array, "B T"] | None = None, *, logits_at: Int[Array, " B"] | None = None,
-    ) -> tuple[jax.Array, jax.Array, tuple[KVCache, ...]]:
+    ) -> tuple[jax.Array, jax.Array, tuple[Cache, ...]]:
         """Forward of T new tokens per row at the positions the caller gives (the model contract).
 
         Args:
@@ -78,7 +97,8 @@ class Transformer(nnx.Module):
             written there and token t attends to cache positions <= positions[b, t]; positions at
             or past S are dropped (such rows give wrong results rather than corrupt others; callers
             bound them).
-          cache: one cache per layer (`init_cache`), holding each row's earlier positions.
+          cache: `init_cache`'s pytree (one cache per layer, or per layer group with `scan_layers`),
+            holding each row's earlier positions.
           segment_ids: optional int32 [B, T] document ids of packed rows (training). When given, the
             cache must be empty: token t attends only to new tokens s <= t of its own segment.
           logits_at: optional int32 [B]: compute the logits of row b's new token `logits_at[b]`
@@ -91,9 +111,9 @@ class Transformer(nnx.Module):
         """
         x = self.embed(tokens)
         new_cache = []
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            x, layer_cache = layer(x, positions, layer_cache, segment_ids)
-            new_cache.append(layer_cache)
+        for block, block_cache in zip(self.blocks, cache, strict=True):
+            x, block_cache = block(x, positions, block_cache, segment_ids)
+            new_cache.append(block_cache)
         logits = self.head(self.norm(x if logits_at is None else take_rows(x, logits_at)))
         return logits, x, tuple(new_cache)
 
@@ -107,6 +127,18 @@ class Transformer(nnx.Module):
         batch, num = tokens.shape
         logits, hidden, _ = self(tokens, sequence_positions(batch, num), self.init_cache(batch, num), segment_ids)
         return logits, hidden
+
+
+def per_layer_path(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str | int, ...]]:
+    """The unrolled layout's paths of the slices of one parameter path (as `nnx.state` gives it).
+
+    `("layer_groups", g, "layer", *rest)`, whose array is [n, ...], is the n paths
+    `("layers", start + i, *rest)` of its slices i; any other path is itself (a list of one).
+    """
+    if str(path[0]) != "layer_groups":
+        return [path]
+    group = config.layer_groups[int(path[1])]
+    return [("layers", layer, *path[3:]) for layer in group]
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:

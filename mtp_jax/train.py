@@ -6,8 +6,9 @@ MTP loss). One jitted step takes the trainable parameters and the optimizer stat
 static graph definition inside (`nnx.split` outside jit, `nnx.merge` inside, as in flax's
 `examples/gemma`).
 
-Two modes:
-  - full training: every `nnx.Param` is trained;
+Two modes (`trainable_filter`; neither trains the MoE routers' `ScoreCorrectionBias`, DeepSeek-V3's
+`e_score_correction_bias`, which a load-balancing rule sets, not a gradient: it travels in `frozen`):
+  - full training: every other `nnx.Param` is trained;
   - `mtp_only`: the main model is frozen and only the MTP modules (`mtp.MTP_PARAMS`) are trained.
     The main parameters travel in `frozen`, get no gradient and no optimizer state, and come out
     bit-identical (for adding MTP heads to an existing model, e.g. one imported from Hugging Face).
@@ -57,6 +58,7 @@ from tqdm.auto import tqdm
 
 from mtp_jax import checkpoint, data
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.loss import compute_loss, label_mask
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.mtp import MTP_PARAMS, make_mtp_modules, shift_left
@@ -163,7 +165,7 @@ class _StaticOptimizer:
         clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
         self.tx = optax.chain(*clip, optax.adamw(
             learning_rate_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay,
-            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+            mask=_decayed))
 
     def _key(self) -> tuple:
         c = self.config
@@ -177,14 +179,25 @@ class _StaticOptimizer:
         return isinstance(other, _StaticOptimizer) and other._key() == self._key()
 
 
+def _decayed(params: nnx.State) -> nnx.State:
+    """AdamW's weight-decay mask: True for the matrices (kernels, embeddings, routers, experts), False for norms
+    and biases, by the rank of one layer's parameter (a stacked layer group's layer axis does not count)."""
+    def is_matrix(path, p):
+        layer_axes = 1 if getattr(path[0], "key", None) == "layer_groups" else 0  # `ModelConfig.scan_layers`
+        return p.ndim - layer_axes >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW on `learning_rate_schedule(config)`; weight decay on matrices only."""
     return _StaticOptimizer(config).tx
 
 
 def trainable_filter(config: TrainConfig):
-    """The nnx filter of the trained parameters: the MTP modules' (`mtp_only`) or all `nnx.Param`s."""
-    return MTP_PARAMS if config.mtp_only else nnx.Param
+    """The nnx filter of the trained parameters: the MTP modules' (`mtp_only`) or all `nnx.Param`s, less the
+    MoE routers' `ScoreCorrectionBias` (not trained by gradient; it stays in the frozen state)."""
+    return nnx.All(MTP_PARAMS if config.mtp_only else nnx.Param, nnx.Not(ScoreCorrectionBias))
 
 
 @struct.dataclass

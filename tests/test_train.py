@@ -19,6 +19,7 @@ from test_data import tiny_documents
 
 from mtp_jax import checkpoint, cli, data, train
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
 from mtp_jax.pretrained import save_pretrained
@@ -403,3 +404,19 @@ def test_cli_parses_into_train_config():
     assert config == train.TrainConfig(num_steps=50, warmup_steps=5, learning_rate=1e-3, mtp_only=True)
     assert args.func is cli.run_train and args.init_from == "hf"
     assert parser.parse_args(["eval", "runs/x"]).func is cli.run_eval
+
+
+def test_the_score_correction_bias_is_never_trained():
+    """DeepSeek-V3's e_score_correction_bias (`ScoreCorrectionBias`, an `nnx.Param`) is set by its load-balancing
+    rule, not by gradient: both modes leave it in the frozen state, with every other parameter of the mode
+    trained."""
+    config = ModelConfig.from_name("tiny", num_hidden_layers=2, num_nextn_predict_layers=1, ffn_type="moe",
+                                   moe_intermediate_size=16, n_routed_experts=4, first_k_dense_replace=1)
+    model = init_model(config)
+    biases = {path for path, _ in nnx.to_flat_state(nnx.state(model, ScoreCorrectionBias))}
+    assert len(biases) == 2  # main layer 1 and the MTP layer
+    for mtp_only, trained in ((False, nnx.Param), (True, MTP_PARAMS)):
+        _, params, frozen = train.split_model(model, TRAIN.replace(mtp_only=mtp_only))
+        params, frozen = ({path for path, _ in nnx.to_flat_state(s)} for s in (params, frozen))
+        assert biases <= frozen and not biases & params
+        assert params == {path for path, _ in nnx.to_flat_state(nnx.state(model, trained))} - biases

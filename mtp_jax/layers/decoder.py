@@ -4,15 +4,22 @@ Its attention is the config's (`attention_type`: grouped-query `Attention` with 
 DeepSeek-V3's `MLAttention` with an `MLACache`) and its feed-forward block the layer's (`MLP`, or
 the `MoE` from layer `first_k_dense_replace` on; DeepSeek-V3's MTP layers, numbered after the
 main model's, are MoE layers too).
+
+`DecoderStack` holds consecutive layers of one kind as one module whose every parameter has a leading
+layer axis, and runs them under `jax.lax.scan` (`ModelConfig.scan_layers`): the compiled program holds
+one layer body per stack instead of one per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, StackedCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.attention import Attention
 from mtp_jax.layers.ffn import MLP
@@ -56,3 +63,44 @@ class DecoderLayer(nnx.Module):
             attn, cache = self.self_attn(h, positions, cache, segment_ids)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class DecoderStack(nnx.Module):
+    """Layers `start .. start + num_layers - 1` of one kind, stacked, run in turn under `jax.lax.scan`.
+
+    `layer` is a `DecoderLayer` whose every parameter carries a leading layer axis: `layer.<path>[i]`
+    is layer `start + i`'s `<path>` (e.g. `layer.mlp.experts.gate_proj` [n, R, E, I]). Its cache is a
+    `StackedCache` of that layer's cache type, every array [n, B, S, ...].
+    """
+
+    def __init__(self, layers: Sequence[DecoderLayer], start: int):
+        """Stacks `layers` (consecutive, of one kind: equal graphs); raises ValueError if they differ."""
+        graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
+        if any(g != graphdefs[0] for g in graphdefs[1:]):
+            raise ValueError(f"layers {start} .. {start + len(layers) - 1} are not all of one kind")
+        self.start, self.num_layers = start, len(layers)
+        self.layer = nnx.merge(graphdefs[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+    def init_cache(self, batch_size: int, max_length: int) -> StackedCache:
+        """The stack's empty cache: its layers' caches with a leading layer axis, capacity `max_length` tokens."""
+        one = self.layer.init_cache(batch_size, max_length)
+        return StackedCache(jax.tree.map(lambda x: jnp.zeros((self.num_layers, *x.shape), x.dtype), one))
+
+    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: StackedCache,
+                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, StackedCache]:
+        """`DecoderLayer.__call__` of each layer in turn (a scan over the layer axis); returns x and the cache.
+
+        The stacked cache is the scan's carry: layer i reads slice i and writes it back in place.
+        """
+        graphdef, params = nnx.split(self.layer)
+
+        def body(carry, inputs):
+            x, stacked = carry
+            layer_params, i = inputs
+            layer_cache = jax.tree.map(lambda c: c[i], stacked)
+            x, layer_cache = nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids)
+            stacked = jax.tree.map(lambda c, new: c.at[i].set(new), stacked, layer_cache)
+            return (x, stacked), None
+
+        (x, stacked), _ = jax.lax.scan(body, (x, cache.layers), (params, jnp.arange(self.num_layers)))
+        return x, StackedCache(stacked)
