@@ -147,13 +147,17 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
 def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
     """The main model over `[t_{L-1}, d_1 .. d_K]` at positions L-1 .. L-1+K (int32 [B, K+1]).
 
-    Returns the K+1 targets, the hidden states [B, K+1, E] (before the final norm) and the main
-    cache with the K+1 entries written (a finished row's writes land past its length, stale).
+    Returns the K+1 targets, h^0 [B, K+1, E] for the drafter (`mtp.initial_hidden`; the final norm
+    runs once for it and the logits) and the main cache with the K+1 entries written (a finished
+    row's writes land past its length, stale).
     """
     last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
     window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
-    logits, hidden, cache = model(window, sequence_positions(*window.shape, state.lengths - 1), state.cache)
-    return Target.from_logits(logits, state.sampling), hidden, cache
+    _, hidden, cache = model(window, sequence_positions(*window.shape, state.lengths - 1), state.cache,
+                             with_logits=False)
+    normed = model.norm(hidden)
+    target = Target.from_logits(model.head(normed), state.sampling)
+    return target, initial_hidden(model, hidden, normed), cache
 
 
 @jax.named_scope("commit")
@@ -214,11 +218,10 @@ def prefill(model: Transformer, spec: SpeculativeConfig | None, state: DecodeSta
 
 def step(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
-    target, hidden, cache = verify(model, state)
+    target, h0, cache = verify(model, state)  # h0: [B, K+1, E] at positions L-1 .. L-1+K
     before = state
     state, num, num_accepted = _accept_and_commit(spec, state.replace(cache=cache), target)
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
-    h0 = initial_hidden(model, hidden)  # [B, K+1, E] at positions L-1 .. L-1+K
     return state.replace(draft=draft_after_verify(model, spec, state.sampling, state.tokens, state.draft, h0,
                                                   before.lengths, num))
 

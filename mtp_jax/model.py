@@ -88,7 +88,8 @@ class Transformer(nnx.Module):
     def __call__(
         self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: tuple[Cache, ...],
         segment_ids: Int[Array, "B T"] | None = None, *, logits_at: Int[Array, " B"] | None = None,
-    ) -> tuple[jax.Array, jax.Array, tuple[Cache, ...]]:
+        with_logits: bool = True,
+    ) -> tuple[jax.Array | None, jax.Array, tuple[Cache, ...]]:
         """Forward of T new tokens per row at the positions the caller gives (the model contract).
 
         Args:
@@ -103,10 +104,13 @@ class Transformer(nnx.Module):
             cache must be empty: token t attends only to new tokens s <= t of its own segment.
           logits_at: optional int32 [B]: compute the logits of row b's new token `logits_at[b]`
             only (a prefill needs the last prompt token's), as float32 [B, 1, V].
+          with_logits: False to skip the final norm and head (logits None): a caller that needs
+            both the normed hidden states and the logits applies `norm` and `head` itself, once.
 
         Returns:
-          logits float32 [B, T, V] ([B, 1, V] with `logits_at`); hidden states [B, T, E] *before*
-          the final norm (the input of `norm` and `head`); the cache with the T new entries written.
+          logits float32 [B, T, V] ([B, 1, V] with `logits_at`, None without `with_logits`); hidden
+          states [B, T, E] *before* the final norm (the input of `norm` and `head`); the cache with
+          the T new entries written.
           The model keeps no lengths: which positions are live is the caller's state.
         """
         x = self.embed(tokens)
@@ -114,6 +118,8 @@ class Transformer(nnx.Module):
         for block, block_cache in zip(self.blocks, cache, strict=True):
             x, block_cache = block(x, positions, block_cache, segment_ids)
             new_cache.append(block_cache)
+        if not with_logits:
+            return None, x, tuple(new_cache)
         logits = self.head(self.norm(x if logits_at is None else take_rows(x, logits_at)))
         return logits, x, tuple(new_cache)
 

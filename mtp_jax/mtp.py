@@ -143,10 +143,15 @@ def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     return nnx.List([cls(config, rngs, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)])
 
 
-def initial_hidden(model: nnx.Module, main_hidden: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+def initial_hidden(model: nnx.Module, main_hidden: Float[Array, "B T E"],
+                   normed: Float[Array, "B T E"] | None = None) -> Float[Array, "B T E"]:
     """h^0 from the main model's hidden state (as `Transformer.__call__` returns it, before the final
-    norm): `model.norm(main_hidden)` when `config.mtp_hidden_after_norm`, else unchanged."""
-    return model.norm(main_hidden) if model.config.mtp_hidden_after_norm else main_hidden
+    norm): `model.norm(main_hidden)` when `config.mtp_hidden_after_norm`, else unchanged. `normed`:
+    `model.norm(main_hidden)` where the caller has it already (the verify pass, which needs it for
+    its logits too), so it is not computed twice."""
+    if not model.config.mtp_hidden_after_norm:
+        return main_hidden
+    return model.norm(main_hidden) if normed is None else normed
 
 
 def shift_left(tokens: Int[Array, "B T"], n: int, fill: int = 0) -> Int[Array, "B T"]:
