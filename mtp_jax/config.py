@@ -29,7 +29,8 @@ MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
 ATTENTION_TYPES = ("gqa", "mla")
 FFN_TYPES = ("dense", "moe")
 MOE_SCORING_FUNCS = ("sigmoid", "softmax")
-# `ModelConfig.scan_layers`'s default (unrolled, as before; benchmarks/bench_compile.py measures both layouts).
+# `ModelConfig.scan_layers`'s default: unrolled, by benchmarks/bench_compile.py's measurements (ModelConfig's
+# docstring gives them).
 SCAN_LAYERS_DEFAULT = False
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -90,6 +91,17 @@ class ModelConfig:
     q/k/v bias, SwiGLU MLP, tied or untied embeddings. Sizes are in elements; `dtype` is the
     compute dtype and `param_dtype` the storage dtype of the weights ("float32", "bfloat16" or
     "float16").
+
+    `scan_layers` defaults to False (unrolled), chosen by `benchmarks/bench_compile.py` (CPU, 2 shared
+    cores, fp32, `benchmarks/results/compile_cpu_2026-12-01.json`). Compile time of prefill + an eagle
+    loop for a tiny DeepSeek-V3-shaped model: unrolled 10.7 s at 2 layers, 35.0 s at 61 (3.3x); scanned
+    9.2 s and 7.7 s (flat in depth). Greedy decode at batch 1, scanned / unrolled tok/s: Llama-shaped
+    (preset "small") 0.95 at cache capacity 104 and 0.67 at 2048 (the scan copies each layer's cache
+    slice out of and back into the stacked carry every step, in proportion to the capacity);
+    DeepSeek-V3-shaped (MLA's small latent cache) 1.98 and 1.19. The dense GQA models this library
+    mostly runs decode slower scanned, and unrolled keeps `model.layers` and the existing runs'
+    checkpoint layout; deep models, where compile time dominates (DeepSeek-V3's 61 layers), should set
+    `scan_layers=True`.
     """
 
     vocab_size: int
