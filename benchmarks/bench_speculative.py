@@ -10,10 +10,11 @@ Three parts (each optional):
    forward / a 1-token forward, c = one MTP draft forward / a 1-token forward, and the speculative
    step's time against the sum of its parts (verify forward + drafting); the bound
    tau / (r_K + K c) on the speedup and the fraction of it reached.
-3. ``large``: a random-weight model (preset "medium", ~200M parameters) with an oracle drafter that
-   replays the plain greedy output, so every draft is accepted: r_K and the speedup at full
-   acceptance for K = 1..8, against the bound (K + 1) / r_K. The same script runs unchanged on a
-   GPU, where this is the headline measurement.
+3. ``large``: random-weight models (the Llama-shaped preset "medium", ~200M parameters, and the
+   DeepSeek-V3-shaped "deepseek-v3-small": MLA, MoE) with the oracle drafter, which replays the
+   plain greedy output, so every draft is accepted: r_K and the speedup at full acceptance for
+   K = 1..8, against the bound (K + 1) / r_K. The same script runs unchanged on a GPU, where this
+   is the headline measurement.
 
 Writes JSON and markdown under --out (named with the device and date) and a PNG plot of the
 per-position acceptance.
@@ -257,14 +258,14 @@ def bench_cost(model, tokenizer, args, demo_rows) -> list[dict]:
     return rows
 
 
-def bench_large(args) -> list[dict]:
+def bench_large(args, preset: str) -> list[dict]:
     """A large random model, oracle drafts (the plain greedy output): every draft is accepted.
 
     The decode phase (prefill excluded) is timed separately: the bound (K+1) / r_K is a bound on the
     speedup of decoding steps, while the end-to-end time also holds the prefill, which plain and
     speculative decoding share.
     """
-    config = mtp_jax.ModelConfig.from_name(args.large_preset, num_nextn_predict_layers=1)
+    config = mtp_jax.ModelConfig.from_name(preset, num_nextn_predict_layers=1)
     model = mtp_jax.init_model(config, seed=0)
     params_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     rng = np.random.default_rng(0)
@@ -288,14 +289,15 @@ def bench_large(args) -> list[dict]:
         metrics = SpeculativeMetrics.from_counters(state.metrics)
         r_k = time_tokens(k + 1, args.repeats) / one
         speedup = plain_loop_s / loop_s
-        rows.append(dict(k=k, params=int(params_count), r_k=r_k, tau=metrics.mean_acceptance_length,
+        rows.append(dict(preset=preset, k=k, params=int(params_count), r_k=r_k, tau=metrics.mean_acceptance_length,
                          one_token_ms=one * 1e3, plain_step_ms=plain_loop_s / int(plain_steps) * 1e3,
                          spec_step_ms=loop_s / metrics.num_steps * 1e3, verify_ms=r_k * one * 1e3,
                          plain_prefill_ms=plain_prefill_s * 1e3, spec_prefill_ms=prefill_s * 1e3,
                          speedup=speedup, bound=(k + 1) / r_k, fraction_of_bound=speedup / ((k + 1) / r_k),
                          end_to_end_speedup=(plain_prefill_s + plain_loop_s) / (prefill_s + loop_s)))
-        print(f"large K={k}: r_K {r_k:.2f}, tau {metrics.mean_acceptance_length:.2f}, decode speedup {speedup:.2f}x "
-              f"(bound {(k + 1) / r_k:.2f}x), end to end {rows[-1]['end_to_end_speedup']:.2f}x", flush=True)
+        print(f"large {preset} K={k}: r_K {r_k:.2f}, tau {metrics.mean_acceptance_length:.2f}, decode speedup "
+              f"{speedup:.2f}x (bound {(k + 1) / r_k:.2f}x), end to end "
+              f"{rows[-1]['end_to_end_speedup']:.2f}x", flush=True)
     return rows
 
 
@@ -329,16 +331,18 @@ def _markdown(meta, demo, cost, large) -> str:
                   f"{_fmt(r['decode_speedup'], '.2f')}x | {_fmt(r['fraction_of_bound'], '.0%')} | "
                   f"{_fmt(r['end_to_end_speedup'], '.2f')}x |" for r in cost]
         lines.append("")
-    if large:
-        lines += [f"Large random model ({large[0]['params'] / 1e6:.0f}M parameters, fp32), oracle drafts "
+    for preset in dict.fromkeys(r["preset"] for r in large):
+        rows = [r for r in large if r["preset"] == preset]
+        lines += [f"Random model {preset!r} ({rows[0]['params'] / 1e6:.0f}M parameters, fp32), oracle drafts "
                   "(every draft accepted), batch 1. Decode phase (prefill excluded): speedup = plain decode time / "
                   "speculative decode time, bound = (K+1) / r_K; end to end includes the prefill (plain "
-                  f"{large[0]['plain_prefill_ms']:.0f} ms, one plain step {large[0]['plain_step_ms']:.1f} ms).", "",
+                  f"{rows[0]['plain_prefill_ms']:.0f} ms, one plain step {rows[0]['plain_step_ms']:.1f} ms).", "",
                   "| K | r_K | tau | step ms | verify forward ms | decode speedup | bound | of bound | end to end |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['k']} | {r['r_k']:.2f} | {r['tau']:.2f} | {r['spec_step_ms']:.1f} | {r['verify_ms']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {r['fraction_of_bound']:.0%} | "
-                  f"{r['end_to_end_speedup']:.2f}x |" for r in large]
+                  f"{r['end_to_end_speedup']:.2f}x |" for r in rows]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -372,7 +376,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--eagle-max-k", type=int, default=5)
-    parser.add_argument("--large-preset", default="medium")
+    parser.add_argument("--large-presets", nargs="+", default=["medium", "deepseek-v3-small"])
     parser.add_argument("--large-new-tokens", type=int, default=48)
     parser.add_argument("--large-k", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--repeats", type=int, default=3)
@@ -385,7 +389,7 @@ def main() -> None:
         demo = bench_demo(model, tokenizer, args) if "demo" in args.parts else []
         cost = bench_cost(model, tokenizer, args, demo) if "cost" in args.parts else []
     if "large" in args.parts:
-        large = bench_large(args)
+        large = [row for preset in args.large_presets for row in bench_large(args, preset)]
     device = jax.devices()[0].device_kind
     meta = dict(benchmark="speculative", date=str(date.today()), device=device, cpu_count=os.cpu_count(),
                 platform=platform.platform(), jax=jax.__version__, prompt_tokens=args.prompt_tokens,

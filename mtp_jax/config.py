@@ -353,4 +353,13 @@ PRESETS: dict[str, ModelConfig] = {
     # About 200M parameters (0.8 GB in fp32): far larger than CPU caches.
     "medium": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096),
+    # DeepSeek-V3's shape at the benchmark's small scale: MLA (q/kv low-rank, rope/nope split), one dense
+    # layer then MoE layers (sigmoid routing, 4 groups, 16 routed experts of which 4 per token, 1 shared);
+    # about 28M parameters.
+    "deepseek-v3-small": ModelConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=8, max_position_embeddings=2048, attention_type="mla", q_lora_rank=256,
+        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, ffn_type="moe",
+        moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1),
 }
