@@ -7,20 +7,24 @@ Format (what `transformers`' `save_pretrained` writes and `from_pretrained` read
     `model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {name: file}}.
 
 Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_name` is the one
-place that maps them: `layers.3.mlp.up_proj.kernel` is `model.layers.3.mlp.up_proj.weight`.
-Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files; the MoE's
-stacked routed experts [R, in, out] are R tensors `mlp.experts.{r}.<proj>.weight` [out, in] there
-(`hf_names`), and a scanned model's stacked layer groups (`ModelConfig.scan_layers`,
-`layer_groups.{g}.layer.<path>` [n, ...]) one tensor set per layer, under the unrolled layout's
-names: both layouts read and write the same files. The router `mlp.gate.weight` [R, E] and
-`mlp.gate.e_score_correction_bias` [R] are as they are (float32, whatever the dtype of the rest). MTP modules
-are imported and exported in DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>`
-is `model.layers.{L + j}.<name>`, and `num_nextn_predict_layers` plus mtp_jax's conventions
-(`MTP_CONVENTION_FIELDS`) sit in config.json.
+place that maps them: `layers.3.mlp.down_proj.kernel` is `model.layers.3.mlp.down_proj.weight`.
+Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files. A fused
+projection (`FUSED_MODULES`: `self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`) is
+the HF modules it stands for side by side along its output axis, one tensor each in the files
+(`qkv_proj.kernel` [E, (H + 2G) D] is `q_proj.weight` [H D, E], `k_proj.weight` and `v_proj.weight`
+[G D, E]); the MoE's stacked routed experts [R, in, out] are R tensor sets
+`mlp.experts.{r}.<proj>.weight` [out, in] there (`hf_names`), and a scanned model's stacked layer
+groups (`ModelConfig.scan_layers`, `layer_groups.{g}.layer.<path>` [n, ...]) one tensor set per
+layer, under the unrolled layout's names: both layouts read and write the same files. The router
+`mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] are as they are (float32,
+whatever the dtype of the rest). MTP modules are imported and exported in DeepSeek-V3's layout
+(README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`, and
+`num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
 
-Loading is strict: every tensor in the files must fill a parameter and every parameter must be
-filled, with the stored shape; otherwise a `CheckpointError` lists what is missing, unexpected or
-mis-shaped. Two documented exceptions: `*.rotary_emb.inv_freq` buffers (old exports) are
+Loading is strict: every tensor in the files must fill a parameter (or its piece of a fused one) and
+every parameter must be filled, each tensor with its own shape; otherwise a `CheckpointError` lists
+what is missing, unexpected or mis-shaped, tensor by tensor (a fused parameter's pieces each under
+its HF name). Two documented exceptions: `*.rotary_emb.inv_freq` buffers (old exports) are
 ignored, and with tied embeddings a `lm_head.weight` equal to `model.embed_tokens.weight` is
 accepted as a redundant copy (a *different* one is an error: the checkpoint is not tied).
 Every field of config.json that is read is type-checked (`mtp_jax.hf_config`), and a corrupt
@@ -98,12 +102,22 @@ class CheckpointError(ValueError):
 # Names
 
 
+# A fused module (several HF modules that read the same input, computed as one matmul) -> the HF
+# modules it holds side by side along its output (last) axis, in this order.
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),  # `mtp_jax.layers.attention.Attention`
+    "gate_up_proj": ("gate_proj", "up_proj"),  # `mtp_jax.layers.ffn.MLP`, `mtp_jax.layers.moe.Experts`
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # `mtp_jax.layers.mla.MLAttention`
+}
+
+
 def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool]:
-    """The HF tensor name of one parameter path (as `nnx.state` gives it) and whether it is transposed.
+    """The HF tensor name of one unfused, unstacked parameter path and whether it is transposed.
 
     The whole mapping: `lm_head.*` stays at top level, main-model paths get the `model.` prefix,
     MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3); leaf
     `kernel` [in, out] is `weight` [out, in], `embedding` is `weight`, others keep their name.
+    Fused and stacked parameters are several tensors: `hf_names`.
     """
     *modules, leaf = (str(p) for p in path)
     if modules[0] == "lm_head":
@@ -117,8 +131,8 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
 
 
 def _is_experts(path: tuple[str | int, ...]) -> bool:
-    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate,up,down}_proj`, [R, in, out])."""
-    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_proj", "up_proj", "down_proj")
+    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate_up,down}_proj`, [R, in, out])."""
+    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_up_proj", "down_proj")
 
 
 def _tensor_axes(path: tuple[str | int, ...]) -> int:
@@ -127,27 +141,58 @@ def _tensor_axes(path: tuple[str | int, ...]) -> int:
     return (str(path[0]) == "layer_groups") + _is_experts(path)
 
 
+def _module_at(path: tuple[str | int, ...]) -> int:
+    """The index in `path` of its module's name: the last entry for stacked experts, else the one before the leaf."""
+    return len(path) - (1 if _is_experts(path) else 2)
+
+
+def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
+    """The unfused paths a (per-layer) parameter path stands for: itself, or a fused module's (`FUSED_MODULES`)
+    paths with each of its HF modules in its place, in order."""
+    at = _module_at(path)
+    return [(*path[:at], module, *path[at + 1:]) for module in FUSED_MODULES.get(str(path[at]), (path[at],))]
+
+
+def _piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
+    """The widths along the last axis (of size `width`) of the HF tensors one slice of the parameter at
+    `path` holds side by side (`_pieces`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj`
+    I, I; `fused_qkv_a_proj` q_lora_rank, C + R."""
+    module = str(path[_module_at(path)])
+    if module == "qkv_proj":
+        q = config.num_attention_heads * config.resolved_head_dim
+        return [q, (width - q) // 2, (width - q) // 2]
+    if module == "gate_up_proj":
+        return [width // 2, width // 2]
+    if module == "fused_qkv_a_proj":
+        return [config.q_lora_rank, width - config.q_lora_rank]
+    return [width]
+
+
 def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
     """The HF tensors of one parameter path: [(name, transposed)], one per tensor in the files.
 
-    `hf_name`'s single tensor, except for stacked parameters, which are one tensor per slice of
-    their `_tensor_axes` leading axes, in row-major order:
-      - the MoE's routed experts (`mtp_jax.layers.moe`): `...mlp.experts.gate_proj` [R, E, I] is the R
-        tensors `...mlp.experts.{r}.gate_proj.weight` [I, E] (each the transpose of slice r), likewise
-        `up_proj` and `down_proj` [R, I, E]; this is DeepSeek-V3's and GLM-4.5's layout, which
-        transformers 5 stacks on load and splits on save;
+    `hf_name`'s single tensor, except for stacked and fused parameters. Stacked ones are one tensor set
+    per slice of their `_tensor_axes` leading axes, in row-major order, and a fused one (`FUSED_MODULES`)
+    is, per slice, one tensor per HF module it holds along its last axis, in `FUSED_MODULES` order
+    (`_pieces`, `_piece_widths`):
+      - the MoE's routed experts (`mtp_jax.layers.moe`): `...mlp.experts.gate_up_proj` [R, E, 2I] is
+        the 2R tensors `...mlp.experts.{r}.gate_proj.weight`, `...mlp.experts.{r}.up_proj.weight` [I, E]
+        (the transposes of slice r's first and last I columns), `down_proj` [R, I, E] the R tensors
+        `...mlp.experts.{r}.down_proj.weight` [E, I]; this is DeepSeek-V3's and GLM-4.5's layout,
+        which transformers 5 stacks on load and splits on save;
       - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
         slice i is layer `start + i`'s `<path>` (`mtp_jax.model.per_layer_path`), so both layouts
-        read and write the same files. A stacked layer's experts are n x R tensors, layer-major.
+        read and write the same files. A stacked layer's experts are n x R tensor sets, layer-major.
     """
     names = []
     for layer_path in per_layer_path(path, config):
+        pieces = _pieces(layer_path)
         if not _is_experts(layer_path):
-            names.append(hf_name(layer_path, config))
+            names += [hf_name(piece, config) for piece in pieces]
             continue
         base, _ = hf_name((*layer_path[:-1], "kernel"), config)  # "...mlp.experts.weight"
         stem = base[: -len(".weight")]
-        names += [(f"{stem}.{r}.{layer_path[-1]}.weight", True) for r in range(config.n_routed_experts)]
+        names += [(f"{stem}.{r}.{piece[-1]}.weight", True) for r in range(config.n_routed_experts) for piece in pieces]
     return names
 
 
@@ -156,9 +201,11 @@ def _layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bo
     layout = {}
     for path, variable in nnx.to_flat_state(params):
         shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
-        shape = shape[_tensor_axes(path):]  # one tensor's: e.g. one expert's [in, out]
-        for name, transposed in hf_names(path, config):
-            layout[name] = (path, transposed, shape[::-1] if transposed else shape, dtype)
+        shape = shape[_tensor_axes(path):]  # one slice's: e.g. one expert's [in, out]
+        widths = _piece_widths(path, shape[-1], config)
+        for k, (name, transposed) in enumerate(hf_names(path, config)):
+            piece = (*shape[:-1], widths[k % len(widths)])  # one tensor's: a fused slice's piece
+            layout[name] = (path, transposed, piece[::-1] if transposed else piece, dtype)
     return layout
 
 
@@ -401,9 +448,12 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
                                   unexpected=[name])
     flat = []
     for path_, variable in nnx.to_flat_state(params):
+        shape = variable.get_value().shape
         names = [name for name, _ in hf_names(path_, config)]
-        value = (jnp.stack([values[n] for n in names]).reshape(variable.get_value().shape)  # [n?, R?, ...]
-                 if _tensor_axes(path_) else values[names[0]])
+        pieces = len(_piece_widths(path_, shape[-1], config))  # a fused slice's tensors, side by side
+        slices = [jnp.concatenate([values[n] for n in names[i:i + pieces]], axis=-1) if pieces > 1 else values[names[i]]
+                  for i in range(0, len(names), pieces)]
+        value = jnp.stack(slices).reshape(shape) if _tensor_axes(path_) else slices[0]  # [n?, R?, ...]
         flat.append((path_, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -451,8 +501,10 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     for position, (param_path, variable) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
         array = np.asarray(jax.device_get(variable.get_value()))
         names = hf_names(param_path, model.config)
-        axes = _tensor_axes(param_path)  # stacked layers / experts: one tensor per slice
-        parts = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
+        axes = _tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
+        slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
+        bounds = np.cumsum(_piece_widths(param_path, array.shape[-1], model.config))[:-1]
+        parts = [part for one in slices for part in np.split(one, bounds, axis=-1)]  # a fused slice's HF tensors
         grouped = str(param_path[0]) == "layer_groups"
         where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
         per_layer = len(names) // (array.shape[0] if grouped else 1)

@@ -14,6 +14,7 @@ from mtp_jax.checkpoint import (
     config_from_hf,
     config_to_hf,
     hf_name,
+    hf_tensors,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
@@ -235,6 +236,85 @@ def test_hf_names():
                                                                             False)
 
 
+# Fused projections: GQA's qkv_proj (with biases), the MLPs' and the stacked experts' gate_up_proj (main
+# layers, shared experts, MTP blocks), MLA's fused_qkv_a_proj (with biases).
+_FUSED_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=128, num_nextn_predict_layers=1, ffn_type="moe",
+                     moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                     first_k_dense_replace=1, attention_bias=True)
+FUSED_CONFIGS = {
+    "glm4_moe": ModelConfig(**_FUSED_COMMON, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+                            use_qk_norm=True),
+    "deepseek_v3": ModelConfig(**_FUSED_COMMON, num_key_value_heads=4, attention_type="mla", q_lora_rank=24,
+                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+}
+
+
+def _side_by_side(files: dict, prefix: str, modules: tuple[str, ...], leaf: str = "weight") -> np.ndarray:
+    """The HF tensors `{prefix}.{module}.{leaf}` for `modules`, as ours ([in, out]), joined along the output axis."""
+    return np.concatenate([files[f"{prefix}.{m}.{leaf}"].T for m in modules], axis=-1)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_CONFIGS))
+def test_fused_params_are_their_hf_tensors_side_by_side(tmp_path, name):
+    """Each fused param is the concatenation along its output axis of the HF tensors it stands for (files written
+    with the HF names only), and the export splits it back bit-exactly, in either layer layout."""
+    config = FUSED_CONFIGS[name]
+    save_hf_checkpoint(_random_model(config, seed=5), tmp_path)
+    files = load_file(tmp_path / "model.safetensors")
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in files)  # HF names: nothing fused on disk
+    model = load_hf_checkpoint(tmp_path)
+    blocks = [*model.layers, *model.mtp]  # MTP module j's block is model.layers.{L + j}
+    for i, block in enumerate(blocks):
+        prefix = f"model.layers.{i}"
+        attn = block.self_attn
+        if config.attention_type == "mla":
+            joined, modules = attn.fused_qkv_a_proj, ("q_a_proj", "kv_a_proj_with_mqa")
+        else:
+            joined, modules = attn.qkv_proj, ("q_proj", "k_proj", "v_proj")
+        np.testing.assert_array_equal(joined.kernel[...], _side_by_side(files, f"{prefix}.self_attn", modules))
+        np.testing.assert_array_equal(joined.bias[...], _side_by_side(files, f"{prefix}.self_attn", modules, "bias"))
+        mlps = [(f"{prefix}.mlp", block.mlp)] if i < config.first_k_dense_replace else [
+            (f"{prefix}.mlp.shared_experts", block.mlp.shared_experts)]
+        for mlp_prefix, mlp in mlps:
+            np.testing.assert_array_equal(mlp.gate_up_proj.kernel[...],
+                                          _side_by_side(files, mlp_prefix, ("gate_proj", "up_proj")))
+        if i >= config.first_k_dense_replace:
+            gate_up = np.asarray(block.mlp.experts.gate_up_proj[...])  # [R, E, 2I]
+            for r in range(config.n_routed_experts):
+                np.testing.assert_array_equal(
+                    gate_up[r], _side_by_side(files, f"{prefix}.mlp.experts.{r}", ("gate_proj", "up_proj")))
+    for scan_layers in (False, True):
+        exported = hf_tensors(load_hf_checkpoint(tmp_path, scan_layers=scan_layers))
+        assert sorted(exported) == sorted(files)
+        assert all(_same_bits(exported[n], files[n]) for n in files)
+
+
+@pytest.mark.parametrize("name,piece", [
+    ("glm4_moe", "model.layers.1.self_attn.v_proj.bias"),
+    ("glm4_moe", "model.layers.2.mlp.experts.3.up_proj.weight"),
+    ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+])
+def test_a_fused_params_pieces_are_accounted_for_one_by_one(tmp_path, name, piece):
+    """A fused param's HF tensors are checked each on its own: one missing, or mis-shaped, is named."""
+    save_hf_checkpoint(_random_model(FUSED_CONFIGS[name], seed=5), tmp_path)
+    tensors = dict(load_file(tmp_path / "model.safetensors"))
+    _edit_weights(tmp_path, lambda t: t.pop(piece))
+    with pytest.raises(CheckpointError) as info:
+        load_hf_checkpoint(tmp_path)
+    assert info.value.missing == [piece] and not info.value.unexpected and not info.value.mismatched
+    shape = tensors[piece].shape
+    _edit_weights(tmp_path, lambda t: t.update({piece: np.zeros((shape[0] + 1, *shape[1:]), np.float32)}))
+    with pytest.raises(CheckpointError) as info:
+        load_hf_checkpoint(tmp_path)
+    assert info.value.mismatched == [f"{piece} (expected shape {list(shape)}, found {[shape[0] + 1, *shape[1:]]})"]
+    assert not info.value.missing and not info.value.unexpected
+
+
 # ----------------------------------------------------------------------------------------------
 # Config mapping
 
@@ -346,7 +426,8 @@ def test_mtp_round_trip_in_deepseek_layout(tmp_path):
     names = set(load_file(tmp_path / "model.safetensors"))
     layer = f"model.layers.{TINY.num_hidden_layers + 1}"
     assert {f"{layer}.enorm.weight", f"{layer}.hnorm.weight", f"{layer}.eh_proj.weight",
-            f"{layer}.shared_head.norm.weight", f"{layer}.self_attn.q_proj.weight"} <= names
+            f"{layer}.shared_head.norm.weight", f"{layer}.self_attn.q_proj.weight",
+            f"{layer}.mlp.up_proj.weight"} <= names
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["num_nextn_predict_layers"] == 2 and hf["mtp_concat_order"] == "hidden_first"
     loaded = load_hf_checkpoint(tmp_path)

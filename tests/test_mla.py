@@ -65,7 +65,8 @@ def _to_float64(module: MLAttention) -> MLAttention:
 
 
 def _hf_attention(config: ModelConfig, module: MLAttention, rope: dict | None) -> tuple:
-    """transformers' DeepseekV3Attention and rotary embedding holding `module`'s weights."""
+    """transformers' DeepseekV3Attention and rotary embedding holding `module`'s weights (its q_a_proj and
+    kv_a_proj_with_mqa are our fused_qkv_a_proj's first q_lora_rank and remaining output columns)."""
     hf_config = DeepseekV3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=1, num_attention_heads=config.num_attention_heads,
@@ -77,13 +78,15 @@ def _hf_attention(config: ModelConfig, module: MLAttention, rope: dict | None) -
         rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": config.rope_theta})
     hf_config._attn_implementation = "eager"
     hf = DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    fused = {"q_a_proj": slice(None, config.q_lora_rank), "kv_a_proj_with_mqa": slice(config.q_lora_rank, None)}
     for name, sub in hf.named_children():
-        ours = getattr(module, name)
+        fuses = config.q_lora_rank is not None and name in fused
+        ours, columns = (module.fused_qkv_a_proj, fused[name]) if fuses else (getattr(module, name), slice(None))
         with torch.no_grad():
             if isinstance(ours, nnx.Linear):
-                sub.weight.copy_(torch.from_numpy(np.asarray(ours.kernel[...]).T.copy()))
+                sub.weight.copy_(torch.from_numpy(np.asarray(ours.kernel[...])[:, columns].T.copy()))
                 if ours.bias is not None:
-                    sub.bias.copy_(torch.from_numpy(np.array(ours.bias[...])))
+                    sub.bias.copy_(torch.from_numpy(np.array(ours.bias[...])[columns]))
             else:
                 sub.weight.copy_(torch.from_numpy(np.array(ours.weight[...])))
     return hf, DeepseekV3RotaryEmbedding(hf_config)

@@ -55,7 +55,7 @@ def _load_from_hf(moe: MoE, hf) -> None:
 
     transformers 5 stacks `mlp.experts.{r}.gate_proj.weight` / `up_proj.weight` [I, E] into `gate_up_proj`
     [R, 2I, E] (gate first) and `down_proj.weight` [E, I] into `down_proj` [R, E, I]; we unstack them back
-    into the checkpoint's tensors, then stack and transpose as `mtp_jax.layers.moe` documents.
+    into the checkpoint's tensors, then join, stack and transpose as `mtp_jax.layers.moe` documents.
     """
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     i = moe.experts.config.moe_intermediate_size
@@ -65,11 +65,13 @@ def _load_from_hf(moe: MoE, hf) -> None:
     ckpt_down = list(down)  # each [E, I]
     moe.gate.weight.set_value(jnp.asarray(sd["gate.weight"]))  # [R, E]
     moe.gate.e_score_correction_bias.set_value(jnp.asarray(sd["gate.e_score_correction_bias"]))  # [R]
-    moe.experts.gate_proj.set_value(jnp.asarray(np.stack(ckpt_gate).transpose(0, 2, 1)))  # [R, E, I]
-    moe.experts.up_proj.set_value(jnp.asarray(np.stack(ckpt_up).transpose(0, 2, 1)))  # [R, E, I]
+    ours_gate_up = [np.concatenate([g.T, u.T], axis=-1) for g, u in zip(ckpt_gate, ckpt_up, strict=True)]  # [E, 2I]
+    moe.experts.gate_up_proj.set_value(jnp.asarray(np.stack(ours_gate_up)))  # [R, E, 2I]
     moe.experts.down_proj.set_value(jnp.asarray(np.stack(ckpt_down).transpose(0, 2, 1)))  # [R, I, E]
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(moe.shared_experts, name).kernel.set_value(jnp.asarray(sd[f"shared_experts.{name}.weight"].T))
+    shared = {name: sd[f"shared_experts.{name}.weight"].T for name in ("gate_proj", "up_proj", "down_proj")}
+    moe.shared_experts.gate_up_proj.kernel.set_value(
+        jnp.asarray(np.concatenate([shared["gate_proj"], shared["up_proj"]], axis=-1)))  # [E, 2I]
+    moe.shared_experts.down_proj.kernel.set_value(jnp.asarray(shared["down_proj"]))  # [I, E]
 
 
 def _margins(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -143,8 +145,7 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
     tokens = x.reshape(b * t, e)  # [N, E]
     indices, weights = moe.gate(tokens)  # [N, k]
     dense = (jax.nn.one_hot(indices, moe.experts.config.n_routed_experts) * weights[..., None]).sum(1)  # [N, R]
-    gate = jnp.einsum("ne,rei->nri", tokens, moe.experts.gate_proj[...])  # [N, R, I]
-    up = jnp.einsum("ne,rei->nri", tokens, moe.experts.up_proj[...])  # [N, R, I]
+    gate, up = jnp.split(jnp.einsum("ne,rei->nri", tokens, moe.experts.gate_up_proj[...]), 2, axis=-1)  # [N, R, I]
     y = jnp.einsum("nri,rie->nre", jax.nn.silu(gate) * up, moe.experts.down_proj[...])  # [N, R, E]
     out = jnp.einsum("nre,nr->ne", y, dense).reshape(b, t, e)  # [B, T, E]
     return out + moe.shared_experts(x)
@@ -243,9 +244,8 @@ def test_params_and_shapes():
     shapes = {"/".join(map(str, p)): v[...].shape for p, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))}
     assert shapes == {
         "gate/weight": (8, 32), "gate/e_score_correction_bias": (8,),
-        "experts/gate_proj": (8, 32, 16), "experts/up_proj": (8, 32, 16), "experts/down_proj": (8, 16, 32),
-        "shared_experts/gate_proj/kernel": (32, 16), "shared_experts/up_proj/kernel": (32, 16),
-        "shared_experts/down_proj/kernel": (16, 32)}
+        "experts/gate_up_proj": (8, 32, 32), "experts/down_proj": (8, 16, 32),
+        "shared_experts/gate_up_proj/kernel": (32, 32), "shared_experts/down_proj/kernel": (16, 32)}
     assert isinstance(moe.gate.e_score_correction_bias, ScoreCorrectionBias)
     assert moe.gate.weight[...].dtype == jnp.float32
     trained = nnx.state(moe, nnx.All(nnx.Param, nnx.Not(ScoreCorrectionBias)))

@@ -72,7 +72,7 @@ def test_a_seed_gives_the_same_weights_in_both_layouts_and_stacked_groups():
     assert [len(r) for r in CONFIGS["deepseek_v3"].layer_groups] == [1, 2]  # dense, then MoE
     assert [len(r) for r in CONFIGS["llama"].layer_groups] == [3]
     experts = init_model(CONFIGS["deepseek_v3"].replace(scan_layers=True)).layer_groups[1].layer.mlp.experts
-    assert experts.gate_proj.get_value().shape == (2, 8, 32, 16)  # [n, R, E, I]
+    assert experts.gate_up_proj.get_value().shape == (2, 8, 32, 32)  # [n, R, E, 2I]
 
 
 def test_logits_hidden_and_stale_nan_decode_agree(pair):

@@ -94,14 +94,17 @@ class Attention(nnx.Module):
     Llama / Qwen2 / Mistral, and GLM-4.5's variant (`Glm4MoeAttention`): RoPE on the first
     `config.rotary_dim` entries of each head only (`partial_rotary_factor`), and with `use_qk_norm`
     an RMSNorm over each query and key head (`q_norm`, `k_norm`) before RoPE.
+
+    Parameters (kernels [in, out] in `config.weight_dtype`): `qkv_proj` [E, (H + 2G) D] (+ bias
+    [(H + 2G) D] when `attention_bias`), HF's `q_proj`, `k_proj` and `v_proj` side by side in that
+    order along the output axis (one matmul; `mtp_jax.checkpoint` splits and joins them); `o_proj`
+    [H D, E]; with `use_qk_norm`, `q_norm` and `k_norm` [D].
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = linear(config, config.hidden_size, h * d, rngs, config.attention_bias)
-        self.k_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
-        self.v_proj = linear(config, config.hidden_size, g * d, rngs, config.attention_bias)
+        self.qkv_proj = linear(config, config.hidden_size, (h + 2 * g) * d, rngs, config.attention_bias)
         self.o_proj = linear(config, h * d, config.hidden_size, rngs)
         if config.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
@@ -131,9 +134,8 @@ class Attention(nnx.Module):
         c = self.config
         batch, num_new, _ = x.shape
         d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
-        q = self.q_proj(x).reshape(batch, num_new, h, d)  # [B, T, H, D]
-        k = self.k_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
-        v = self.v_proj(x).reshape(batch, num_new, g, d)  # [B, T, G, D]
+        qkv = self.qkv_proj(x).reshape(batch, num_new, h + 2 * g, d)  # [B, T, H + 2G, D]
+        q, k, v = qkv[:, :, :h], qkv[:, :, h:h + g], qkv[:, :, h + g:]  # [B, T, H, D], [B, T, G, D] x 2
         if c.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, positions), self._rope(k, positions)

@@ -69,7 +69,7 @@ class DecoderStack(nnx.Module):
     """Layers `start .. start + num_layers - 1` of one kind, stacked, run in turn under `jax.lax.scan`.
 
     `layer` is a `DecoderLayer` whose every parameter carries a leading layer axis: `layer.<path>[i]`
-    is layer `start + i`'s `<path>` (e.g. `layer.mlp.experts.gate_proj` [n, R, E, I]). Its cache is a
+    is layer `start + i`'s `<path>` (e.g. `layer.mlp.experts.gate_up_proj` [n, R, E, 2I]). Its cache is a
     `StackedCache` of that layer's cache type, every array [n, B, S, ...].
     """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
@@ -10,14 +11,19 @@ from mtp_jax.layers.linear import linear
 
 
 class MLP(nnx.Module):
-    """`down_proj(silu(gate_proj(x)) * up_proj(x))`: [..., E] -> [..., E] through `intermediate_size`
-    (default `config.intermediate_size`; DeepSeek-V3's experts and shared experts pass their own)."""
+    """`down_proj(silu(gate) * up)` with `[gate, up] = gate_up_proj(x)`: [..., E] -> [..., E] through
+    I = `intermediate_size` (default `config.intermediate_size`; DeepSeek-V3's shared experts pass their own).
+
+    Parameters (kernels [in, out] in `config.weight_dtype`, no biases): `gate_up_proj` [E, 2I], HF's
+    `gate_proj` then `up_proj` side by side along the output axis (one matmul; `mtp_jax.checkpoint`
+    splits and joins them), and `down_proj` [I, E].
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
         width = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = linear(config, config.hidden_size, width, rngs)
-        self.up_proj = linear(config, config.hidden_size, width, rngs)
+        self.gate_up_proj = linear(config, config.hidden_size, 2 * width, rngs)
         self.down_proj = linear(config, width, config.hidden_size, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)  # [..., I] each
+        return self.down_proj(jax.nn.silu(gate) * up)

@@ -97,10 +97,13 @@ class MLAttention(nnx.Module):
     """DeepSeek-V3 multi-head latent attention over an `MLACache` (arXiv 2405.04434 §2.1).
 
     Parameters (DeepSeek-V3 names; kernels [in, out] in `config.weight_dtype`):
-      q_a_proj [E, q_lora_rank] (+ bias if attention_bias), q_a_layernorm [q_lora_rank],
-      q_b_proj [q_lora_rank, H (N + R)] when `q_lora_rank` is set, else q_proj [E, H (N + R)];
-      kv_a_proj_with_mqa [E, C + R] (+ bias), kv_a_layernorm [C], kv_b_proj [C, H (N + V)]
-      (per head: N key columns, then V value columns), o_proj [H V, E] (+ bias).
+      when `q_lora_rank` is set: fused_qkv_a_proj [E, q_lora_rank + C + R] (+ bias if attention_bias),
+      DeepSeek-V3's q_a_proj [E, q_lora_rank] and kv_a_proj_with_mqa [E, C + R] side by side in that order
+      along the output axis (both read x: one matmul; `mtp_jax.checkpoint` splits and joins them),
+      q_a_layernorm [q_lora_rank], q_b_proj [q_lora_rank, H (N + R)]; else q_proj [E, H (N + R)] and
+      kv_a_proj_with_mqa [E, C + R] (+ bias);
+      kv_a_layernorm [C], kv_b_proj [C, H (N + V)] (per head: N key columns, then V value columns),
+      o_proj [H V, E] (+ bias).
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -109,14 +112,14 @@ class MLAttention(nnx.Module):
         c = config
         self.config = c
         heads, qk_dim = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+        kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank is None:
             self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs)
+            self.kv_a_proj_with_mqa = linear(c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias)
         else:
-            self.q_a_proj = linear(c, c.hidden_size, c.q_lora_rank, rngs, bias=c.attention_bias)
+            self.fused_qkv_a_proj = linear(c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
             self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs)
-        self.kv_a_proj_with_mqa = linear(c, c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, rngs,
-                                         bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
         self.kv_b_proj = linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), rngs)
         self.o_proj = linear(c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias)
@@ -150,12 +153,13 @@ class MLAttention(nnx.Module):
         batch, num_new, _ = x.shape
         heads, nope, rope, v_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         if c.q_lora_rank is None:
-            q = self.q_proj(x)  # [B, T, H (N + R)]
+            q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)  # [B, T, H (N + R)], [B, T, C + R]
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # [B, T, H (N + R)]
+            qkv_a = self.fused_qkv_a_proj(x)  # [B, T, q_lora_rank + C + R]
+            q_a, kv = qkv_a[..., : c.q_lora_rank], qkv_a[..., c.q_lora_rank:]  # [B, T, q_lora_rank], [B, T, C + R]
+            q = self.q_b_proj(self.q_a_layernorm(q_a))  # [B, T, H (N + R)]
         q = q.reshape(batch, num_new, heads, nope + rope)  # [B, T, H, N + R]
         q_nope, q_rope = q[..., :nope], self._rope(q[..., nope:], positions)  # [B, T, H, N], [B, T, H, R]
-        kv = self.kv_a_proj_with_mqa(x)  # [B, T, C + R]
         latent = self.kv_a_layernorm(kv[..., : c.kv_lora_rank])  # [B, T, C]
         k_rope = self._rope(kv[..., None, c.kv_lora_rank:], positions)[:, :, 0]  # [B, T, 1, R] -> [B, T, R]
 

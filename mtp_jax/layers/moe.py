@@ -22,13 +22,14 @@ default, which turns group limiting off; `tests/test_moe.py` checks both).
 Checkpoint layout (DeepSeek-V3 safetensors, prefix `model.layers.{l}.mlp.`):
   `gate.weight` [R, E]                      -> `gate.weight` (as is)
   `gate.e_score_correction_bias` [R]        -> `gate.e_score_correction_bias` (as is)
-  `experts.{r}.gate_proj.weight` [I, E]     -> `experts.gate_proj` [R, E, I] = stack over r, then transpose(0, 2, 1)
-  `experts.{r}.up_proj.weight` [I, E]       -> `experts.up_proj` [R, E, I]   (likewise)
+  `experts.{r}.gate_proj.weight` [I, E]     -> `experts.gate_up_proj[r, :, :I]` = its transpose
+  `experts.{r}.up_proj.weight` [I, E]       -> `experts.gate_up_proj[r, :, I:]` = its transpose
+                                               (`experts.gate_up_proj` [R, E, 2I]: one grouped matmul for both)
   `experts.{r}.down_proj.weight` [E, I]     -> `experts.down_proj` [R, I, E] = stack over r, then transpose(0, 2, 1)
-  `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts` (an `MLP`; kernels are the transposes)
+  `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts` (an `MLP`: `gate_up_proj` [E, 2I] is the
+                                               gate and up weights' transposes side by side, `down_proj` [I, E])
 transformers 5 holds the stacked experts as `gate_up_proj` [R, 2I, E] (gate rows first, then up) and
-`down_proj` [R, E, I]; ours are `gate_up_proj[:, :I].transpose(0, 2, 1)`, `gate_up_proj[:, I:]...` and
-`down_proj.transpose(0, 2, 1)`.
+`down_proj` [R, E, I]; ours are their `transpose(0, 2, 1)`.
 
 The routed experts run as grouped matmuls (`jax.lax.ragged_dot`) over the N*k token-expert assignments
 sorted by expert; every shape is fixed (no data-dependent shapes, no loop over experts). On TPU and GPU
@@ -129,19 +130,19 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """The R routed SwiGLU experts, stacked: `gate_proj`, `up_proj` [R, E, I] and `down_proj` [R, I, E].
+    """The R routed SwiGLU experts, stacked: `gate_up_proj` [R, E, 2I] (each expert's gate columns, then
+    its up columns) and `down_proj` [R, I, E], in `config.weight_dtype`.
 
     `__call__(x [N, E], indices int32 [N, k], weights float32 [N, k]) -> [N, E]`:
-    `sum_j weights[:, j] * down(silu(x @ gate[indices[:, j]]) * (x @ up[indices[:, j]]))`, as three
-    `lax.ragged_dot`s over the N*k assignments sorted by expert.
+    `sum_j weights[:, j] * down(silu(gate) * up)` with `[gate, up] = x @ gate_up_proj[indices[:, j]]`, as
+    two `lax.ragged_dot`s over the N*k assignments sorted by expert.
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
-        self.gate_proj = nnx.Param(init(rngs.params(), (r, e, i), config.weight_dtype))
-        self.up_proj = nnx.Param(init(rngs.params(), (r, e, i), config.weight_dtype))
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (r, e, 2 * i), config.weight_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (r, i, e), config.weight_dtype))
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
@@ -151,8 +152,8 @@ class Experts(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # [M], assignments grouped by expert
         group_sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)  # [R]
         xs = x.astype(dtype)[order // top_k]  # [M, E], the token of each sorted assignment
-        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dtype), group_sizes)  # [M, I]
-        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dtype), group_sizes)  # [M, I]
+        gate_up = jax.lax.ragged_dot(xs, self.gate_up_proj[...].astype(dtype), group_sizes)  # [M, 2I]
+        gate, up = jnp.split(gate_up, 2, axis=-1)  # [M, I] each
         ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dtype), group_sizes)  # [M, E]
         inverse = jnp.argsort(order)  # [M], sorted position of each assignment
         y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
