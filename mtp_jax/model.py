@@ -1,8 +1,9 @@
-"""The main model: a Llama/Qwen2-family decoder in Flax NNX with an explicit KV cache.
+"""The main model: a decoder in Flax NNX (Llama/Qwen2, GLM-4.5, DeepSeek-V3) with an explicit cache.
 
-Module and parameter names follow Hugging Face's `LlamaForCausalLM` (`embed_tokens`,
-`layers[i].self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `norm`, `lm_head`), which are
-also DeepSeek-V3's names, so checkpoint import is a rename-free walk (`mtp_jax.checkpoint`).
+Module and parameter names follow Hugging Face's `LlamaForCausalLM` and DeepSeek-V3 (`embed_tokens`,
+`layers[i].self_attn`, `mlp`, `input_layernorm`, `norm`, `lm_head`), except the fused projections
+(`self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`), which `mtp_jax.checkpoint`
+joins from the checkpoint's separate tensors on load and splits back on export.
 
 `Transformer.__call__(tokens, positions, cache)` runs T >= 1 new tokens per row at the positions the
 caller gives against a per-layer cache and returns the logits, the final hidden states (which the MTP

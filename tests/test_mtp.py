@@ -64,9 +64,10 @@ def np_block(layer, x):
     h, g, d = c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim
     a = layer.self_attn
     y = np_rms(x, w(layer.input_layernorm.weight))
-    q = np_rope((y @ w(a.q_proj.kernel)).reshape(b, t, h, d))
-    k = np.repeat(np_rope((y @ w(a.k_proj.kernel)).reshape(b, t, g, d)), h // g, axis=2)  # head j reads kv j // (H/G)
-    v = np.repeat((y @ w(a.v_proj.kernel)).reshape(b, t, g, d), h // g, axis=2)
+    q, k, v = np.split(y @ w(a.qkv_proj.kernel), [h * d, (h + g) * d], axis=-1)  # q_proj, k_proj, v_proj side by side
+    q = np_rope(q.reshape(b, t, h, d))
+    k = np.repeat(np_rope(k.reshape(b, t, g, d)), h // g, axis=2)  # head j reads kv j // (H/G)
+    v = np.repeat(v.reshape(b, t, g, d), h // g, axis=2)
     scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
     scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
@@ -74,8 +75,8 @@ def np_block(layer, x):
     x = x + np.einsum("bhts,bshd->bthd", p, v).reshape(b, t, h * d) @ w(a.o_proj.kernel)
     y = np_rms(x, w(layer.post_attention_layernorm.weight))
     m = layer.mlp
-    gate = y @ w(m.gate_proj.kernel)
-    return x + ((gate / (1 + np.exp(-gate))) * (y @ w(m.up_proj.kernel))) @ w(m.down_proj.kernel)
+    gate, up = np.split(y @ w(m.gate_up_proj.kernel), 2, axis=-1)  # gate_proj, up_proj side by side
+    return x + ((gate / (1 + np.exp(-gate))) * up) @ w(m.down_proj.kernel)
 
 
 def np_mtp(model, main_hidden, tokens, *, enorm, hnorm, head_norm, embedding_first, after_norm, chain_after):
@@ -215,7 +216,7 @@ def test_parameter_names_follow_the_deepseek_layout():
                      "post_attention_layernorm"}
     paths = {path for path, _ in nnx.to_flat_state(nnx.state(model, MTP_PARAMS))}
     assert ("mtp", 1, "shared_head", "norm", "weight") in paths
-    assert ("mtp", 0, "self_attn", "q_proj", "kernel") in paths
+    assert ("mtp", 0, "self_attn", "qkv_proj", "kernel") in paths
     assert model.mtp[0].eh_proj.kernel[...].shape == (2 * TINY.hidden_size, TINY.hidden_size)  # [2E, E]
     assert isinstance(model.mtp[0], MTPModule)
     parallel = init_model(TINY.replace(mtp_style="parallel"))

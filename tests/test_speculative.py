@@ -118,8 +118,9 @@ def scripted(config: ModelConfig, seed: int):
             add(module.eh_proj.kernel, (tokens, READS[k]), 4 / root)  # [2E, E]
             continue
         ahead = SUCCESSOR[ahead]  # the token head k + 1 stands for at position i: t_{i+1+k}
-        add(module.mlp.gate_proj.kernel, (tokens, tokens), 1.0)  # [E, I]: unit t opens for e_t
-        add(module.mlp.up_proj.kernel, (tokens, tokens), 1 / root)
+        width = module.mlp.down_proj.kernel.get_value().shape[0]  # I; gate_up_proj [E, 2I] is gate, then up
+        add(module.mlp.gate_up_proj.kernel, (tokens, tokens), 1.0)  # unit t's gate opens for e_t
+        add(module.mlp.gate_up_proj.kernel, (tokens, width + tokens), 1 / root)
         add(module.mlp.down_proj.kernel, tokens, (2 * one_hot[READS[k][ahead]] - one_hot) * root / silu)  # [I, E]
     return model
 
@@ -389,11 +390,10 @@ def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, m
     np.testing.assert_array_equal(state.lengths, [S] * 3)  # the caches hold positions 0 .. S - 2
     main, module = _fresh_caches(model, state.tokens)
     fresh = [(main, state.cache)] + ([(module, state.draft.caches[0])] if method == "eagle" else [])
-    live = state.lengths - 1  # positions 0 .. S - 2; zero the rest (any cache layout, stacked or not)
     for want, got in fresh:
-        for leaf_want, leaf_got in zip(jax.tree.leaves(fill_stale(want, live, 0.0)),
-                                       jax.tree.leaves(fill_stale(got, live, 0.0)), strict=True):
-            np.testing.assert_allclose(np.asarray(leaf_got), np.asarray(leaf_want), atol=1e-5)
+        for leaf_want, leaf_got in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(np.asarray(leaf_got)[:, : S - 1], np.asarray(leaf_want)[:, : S - 1],
+                                       atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
