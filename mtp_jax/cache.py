@@ -20,11 +20,13 @@ arrays [n, B, S, ...] with a leading layer axis. `fill_stale` and `capacity` wor
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from mtp_jax.config import ModelConfig
@@ -36,6 +38,10 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+
+    # `mtp_jax.sharding` names of each array's axes (see `logical_axes`).
+    LOGICAL_AXES: ClassVar[dict[str, P]] = {"k": P("batch", "cache_sequence", "kv_heads", "head_dim"),
+                                             "v": P("batch", "cache_sequence", "kv_heads", "head_dim")}
 
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -83,6 +89,18 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     positions = jnp.where(positions < 0, cache.shape[1], positions)  # negative would wrap: send past the end
     rows = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], positions.shape)  # [B, T]
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def logical_axes(cache):
+    """The cache pytree's logical axes (`mtp_jax.sharding`): the same tree with a `PartitionSpec` of
+    axis names per array, from each cache class's `LOGICAL_AXES`; a `StackedCache` prefixes "layers"."""
+
+    def axes(node):
+        if _is_stacked(node):
+            return StackedCache(jax.tree.map(lambda spec: P("layers", *spec), logical_axes(node.layers)))
+        return type(node)(**{f.name: node.LOGICAL_AXES[f.name] for f in dataclasses.fields(node)})
+
+    return jax.tree.map(axes, cache, is_leaf=lambda x: _is_stacked(x) or hasattr(x, "LOGICAL_AXES"))
 
 
 def capacity(cache) -> int:

@@ -25,6 +25,7 @@ generation length, sampling parameters, stop tokens and prompt contents are data
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
@@ -33,15 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.acceptance import Target, accept, initial_phase, update_phase
 from mtp_jax.cache import KVCache
+from mtp_jax.cache import logical_axes as cache_axes
 from mtp_jax.layers.indexing import sequence_positions, take_rows
 from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
 from mtp_jax.model import Transformer, static_split
 from mtp_jax.mtp import initial_hidden
 from mtp_jax.request import MAX_STOP_TOKENS, check_request
 from mtp_jax.sampling import SamplingParams, SamplingState
+from mtp_jax.sharding import constrain_tree, named_shardings, place, shard_params, to_host
 from mtp_jax.speculative import (
     DraftState,
     SpeculativeConfig,
@@ -69,6 +74,14 @@ class DecodeState:
     thinking: jax.Array  # bool [B]: in a thinking phase after the last committed token (relaxed acceptance)
     draft: DraftState  # the drafter's state (empty arrays when not speculating)
     metrics: SpecMetrics  # per-row step and acceptance counters
+
+    def logical_axes(self) -> DecodeState:
+        """The same tree with each array's logical axes (`mtp_jax.sharding`): rows over "batch"
+        everywhere, the caches as `mtp_jax.cache.logical_axes` names them, the draft distributions'
+        vocabulary over "vocab", the stop tokens whole."""
+        axes = jax.tree.map(lambda x: P("batch", *([None] * (x.ndim - 1))), self)
+        return axes.replace(cache=cache_axes(self.cache), stop_tokens=P(None), draft=axes.draft.replace(
+            probs=P("batch", None, "vocab"), caches=cache_axes(self.draft.caches)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +225,9 @@ def prefill(model: Transformer, spec: SpeculativeConfig | None, state: DecodeSta
     no_drafts = state.draft.replace(tokens=state.draft.tokens[:, :0], probs=state.draft.probs[:, :0])
     state = _accept_and_commit(spec, state.replace(cache=cache, draft=no_drafts), target)[0].replace(
         draft=state.draft)
-    return state.replace(draft=draft_after_prefill(model, spec, state.sampling, state.tokens, state.draft,
-                                                   initial_hidden(model, hidden), state.lengths))
+    state = state.replace(draft=draft_after_prefill(model, spec, state.sampling, state.tokens, state.draft,
+                                                    initial_hidden(model, hidden), state.lengths))
+    return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
 def step(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
@@ -222,8 +236,9 @@ def step(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState)
     before = state
     state, num, num_accepted = _accept_and_commit(spec, state.replace(cache=cache), target)
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
-    return state.replace(draft=draft_after_verify(model, spec, state.sampling, state.tokens, state.draft, h0,
-                                                  before.lengths, num))
+    state = state.replace(draft=draft_after_verify(model, spec, state.sampling, state.tokens, state.draft, h0,
+                                                   before.lengths, num))
+    return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
@@ -253,6 +268,12 @@ class DecodeEngine:
     once, here: build a new engine after changing them. Every call that takes a state donates it
     (its buffers are reused; do not read a state after passing it in).
 
+    `mesh` (`mtp_jax.sharding.make_mesh`): the weights are placed on it by their logical axes, the
+    states `init_state` builds by `DecodeState.logical_axes` (rows over `data` x `fsdp`: the batch
+    must be a multiple of their product, else ValueError), and every jitted call runs under it
+    (GSPMD; the step keeps the state's placement, so nothing recompiles). With `jax.distributed`,
+    every process builds the same engine and state, and owns its devices' shards.
+
         engine = DecodeEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
         state, padded = engine.init_state(prompts, max_new_tokens=64)
         state = engine.prefill(state, padded)
@@ -262,32 +283,46 @@ class DecodeEngine:
     Raises ValueError at construction when the model cannot serve `speculative`.
     """
 
-    def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None):
+    def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None, *, mesh: Mesh | None = None):
         if speculative is not None:
             speculative.check_model(model, model.config.vocab_size)
-        self.model, self.speculative = model, speculative
+        self.model, self.speculative, self.mesh = model, speculative, mesh
         self._graph, self._params = static_split(model)
+        if mesh is not None:
+            self._params = shard_params(self._params, mesh)
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def init_state(self, prompts: Sequence[Sequence[int]], **request) -> tuple[DecodeState, jax.Array]:
-        """The initial state and padded prompts; keyword arguments as `init_state`'s (max_new_tokens,
-        sampling, max_length, stop_tokens, oracle_tokens)."""
-        return init_state(self.model, prompts, speculative=self.speculative, **request)
+        """The initial state and padded prompts (int32 [B, P]), placed on the engine's mesh if any;
+        keyword arguments as `init_state`'s (max_new_tokens, sampling, max_length, stop_tokens,
+        oracle_tokens)."""
+        state, padded = init_state(self.model, prompts, speculative=self.speculative, **request)
+        if self.mesh is not None:
+            state = place(state, named_shardings(state, state.logical_axes(), self.mesh))
+            padded = place(padded, named_shardings(padded, P("batch", None), self.mesh))
+        return state, padded
 
     def prefill(self, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
         """The prompts through the model, the first token committed, the first drafts made."""
-        return _prefill_jit(self._graph, self._params, self.speculative, state, padded_prompts)
+        with self._on_mesh():
+            return _prefill_jit(self._graph, self._params, self.speculative, state, padded_prompts)
 
     def step(self, state: DecodeState) -> DecodeState:
         """One decode step for every row (`step`)."""
-        return _step_jit(self._graph, self._params, self.speculative, state)
+        with self._on_mesh():
+            return _step_jit(self._graph, self._params, self.speculative, state)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Steps until every row is done, as one `lax.while_loop` on device."""
-        return _run_jit(self._graph, self._params, self.speculative, state)
+        with self._on_mesh():
+            return _run_jit(self._graph, self._params, self.speculative, state)
 
     def lower_run(self, state: DecodeState) -> jax.stages.Lowered:
         """`run` lowered for this state's shapes (`.compile().as_text()` is the HLO a profile reads)."""
-        return _run_jit.lower(self._graph, self._params, self.speculative, state)
+        with self._on_mesh():
+            return _run_jit.lower(self._graph, self._params, self.speculative, state)
 
     def result(self, state: DecodeState, seconds: float) -> GenerationResult:
         """The host-side view of a state (`seconds`: the wall time to report)."""
@@ -305,7 +340,7 @@ def _finish_reason(row_tokens: np.ndarray, length: int, prompt_length: int, max_
 
 def results_from_state(state: DecodeState, seconds: float, *, speculating: bool) -> GenerationResult:
     """Host-side view of a state; `num_steps` counts the decode (verify) steps, metrics only when speculating."""
-    tokens, lengths, prompt_lengths, logprobs, max_new, stop, steps = jax.device_get(
+    tokens, lengths, prompt_lengths, logprobs, max_new, stop, steps = to_host(
         (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens,
          state.metrics.num_steps))
     stop_set = {int(t) for t in stop if t >= 0}
@@ -317,4 +352,4 @@ def results_from_state(state: DecodeState, seconds: float, *, speculating: bool)
         finish_reasons=[_finish_reason(tokens[b], int(lengths[b]), int(prompt_lengths[b]), int(max_new[b]),
                                        capacity, stop_set) for b in rows],
         num_steps=int(steps.max()), seconds=seconds,
-        metrics=SpeculativeMetrics.from_counters(state.metrics) if speculating else None)
+        metrics=SpeculativeMetrics.from_counters(to_host(state.metrics)) if speculating else None)

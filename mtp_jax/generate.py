@@ -12,18 +12,19 @@ import time
 from collections.abc import Generator, Iterable, Sequence
 
 import jax
-import numpy as np
+from jax.sharding import Mesh
 
 from mtp_jax.engine import DecodeEngine, GenerationResult
 from mtp_jax.model import Transformer
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import to_host
 from mtp_jax.speculative import SpeculativeConfig
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-             stop_tokens: Iterable[int] | None = None,
-             speculative: SpeculativeConfig | None = None) -> GenerationResult:
+             stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
+             mesh: Mesh | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` tokens for each prompt, the whole loop on device.
 
     Args:
@@ -40,13 +41,16 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         decoding. Greedy rows then produce exactly the tokens of plain greedy decoding; sampled rows
         are distributed exactly as plain sampling (relaxed acceptance, when on, trades that for
         speed in thinking phases).
+      mesh: a device mesh (`mtp_jax.sharding.make_mesh`) to run sharded on (`DecodeEngine`); the
+        number of prompts must then be a multiple of its `data` x `fsdp` size. Greedy tokens equal
+        the single-device ones up to floating-point summation order (ties within ~1e-6 may differ).
 
     Returns:
       A `GenerationResult` (with `metrics` when speculating). Raises TypeError / ValueError, naming
       the argument, on invalid input (see `mtp_jax.request.check_request`) and ValueError when the
       model cannot serve `speculative` (no MTP modules, vanilla/parallel with K > D, ...).
     """
-    engine = DecodeEngine(model, speculative)
+    engine = DecodeEngine(model, speculative, mesh=mesh)
     state, padded = engine.init_state(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       max_length=max_length, stop_tokens=stop_tokens)
     start = time.perf_counter()
@@ -57,8 +61,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
            sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-           stop_tokens: Iterable[int] | None = None,
-           speculative: SpeculativeConfig | None = None) -> Generator[list[list[int]], None, GenerationResult]:
+           stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
+           mesh: Mesh | None = None) -> Generator[list[list[int]], None, GenerationResult]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 
     A finished row yields empty lists. The concatenation of everything yielded for a row equals
@@ -67,14 +71,14 @@ def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_toke
     time from the prefill to the last step, the consumer's time between steps included. Raises as
     `generate`, at the first `next`.
     """
-    engine = DecodeEngine(model, speculative)
+    engine = DecodeEngine(model, speculative, mesh=mesh)
     state, padded = engine.init_state(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       max_length=max_length, stop_tokens=stop_tokens)
-    before = np.asarray(state.lengths)
+    before = to_host(state.lengths)
     start = time.perf_counter()
     state = engine.prefill(state, padded)
     while True:
-        tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
+        tokens, lengths, done = to_host((state.tokens, state.lengths, state.done))
         yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
         if done.all():
             return engine.result(state, time.perf_counter() - start)

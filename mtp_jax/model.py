@@ -51,6 +51,7 @@ class Transformer(nnx.Module):
             param_dtype=config.weight_dtype,
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
+            embedding_metadata={"logical_axes": ("vocab", "embed")},
         )
         layers = [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
         if config.scan_layers:  # built per layer, then stacked: the same weights as the unrolled layout
@@ -59,7 +60,8 @@ class Transformer(nnx.Module):
             self.layers = nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = (
-            None if config.tie_word_embeddings else linear(config, config.hidden_size, config.vocab_size, rngs)
+            None if config.tie_word_embeddings
+            else linear(config, config.hidden_size, config.vocab_size, rngs, axes=("embed", "vocab"))
         )
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
         self.mtp = make_mtp_modules(config, rngs)

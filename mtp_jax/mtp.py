@@ -92,7 +92,7 @@ class MTPModule(_MTPBlock):
         super().__init__(config, rngs, layer_index)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs)
+        self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs, axes=(None, "embed"))
 
     def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                  cache: KVCache, *, embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,

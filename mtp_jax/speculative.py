@@ -24,11 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache
 from mtp_jax.layers.indexing import take_rows
 from mtp_jax.model import Transformer
 from mtp_jax.sampling import STREAM_DRAFT, SamplingState, is_int, is_real, sample_from, target_probs
+from mtp_jax.sharding import argmax_last
 
 METHODS = ("vanilla", "eagle", "parallel", "oracle")
 MAX_SPECULATIVE_TOKENS = 16  # the largest K a SpeculativeConfig accepts (see its docstring)
@@ -172,8 +174,8 @@ def init_draft_state(model: Transformer, spec: SpeculativeConfig | None, batch_s
 def _pick_draft(spec: SpeculativeConfig, logits: jax.Array, sampling: SamplingState,
                 positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A draft token per row from MTP logits [B, V] for `positions`, and q ([B, V], or [B, 0] if greedy)."""
-    if spec.draft_sampling == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    if spec.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
+        return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
     q = target_probs(logits, sampling)
     return sample_from(q, logits, sampling, positions, STREAM_DRAFT), q
 

@@ -1,5 +1,9 @@
 """Shared test setup: tests never reach the network (Hugging Face Hub lookups fail fast instead), and each
-test module starts with JAX's compiled-program caches empty."""
+test module starts with JAX's compiled-program caches empty.
+
+`tests/multidevice/` needs 8 devices: it is collected only in a process that has them, the one
+`tests/test_multidevice.py` starts with 8 fake CPU devices (the rest of the suite keeps one).
+"""
 
 import os
 
@@ -9,6 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+MULTIDEVICE_COUNT = 8
+collect_ignore = [] if jax.device_count() >= MULTIDEVICE_COUNT else ["multidevice"]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -104,8 +104,9 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.qkv_proj = linear(config, config.hidden_size, (h + 2 * g) * d, rngs, config.attention_bias)
-        self.o_proj = linear(config, h * d, config.hidden_size, rngs)
+        self.qkv_proj = linear(config, config.hidden_size, (h + 2 * g) * d, rngs, config.attention_bias,
+                               axes=("embed", "heads"))
+        self.o_proj = linear(config, h * d, config.hidden_size, rngs, axes=("heads", "embed"))
         if config.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache, StackedCache
@@ -26,6 +27,9 @@ from mtp_jax.layers.ffn import MLP
 from mtp_jax.layers.mla import MLACache, MLAttention
 from mtp_jax.layers.moe import MoE
 from mtp_jax.layers.norm import RMSNorm
+from mtp_jax.sharding import constrain
+
+ACTIVATIONS = P("batch", None, None)  # logical axes of the hidden states [B, T, E] between blocks
 
 # MLA runs in its absorbed form (attention in the latent space over the compressed cache) for at most
 # this many new tokens per row: decode and verify steps. Longer calls (prefills) decompress the cache
@@ -62,7 +66,8 @@ class DecoderLayer(nnx.Module):
         else:
             attn, cache = self.self_attn(h, positions, cache, segment_ids)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        # The block boundary: rows over the batch axes, the hidden axis whole on every device.
+        return constrain(x + self.mlp(self.post_attention_layernorm(x)), ACTIVATIONS), cache
 
 
 class DecoderStack(nnx.Module):
@@ -79,7 +84,11 @@ class DecoderStack(nnx.Module):
         if any(g != graphdefs[0] for g in graphdefs[1:]):
             raise ValueError(f"layers {start} .. {start + len(layers) - 1} are not all of one kind")
         self.start, self.num_layers = start, len(layers)
-        self.layer = nnx.merge(graphdefs[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+        for variable in jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            if "logical_axes" in variable.get_metadata():  # the new leading axis is the "layers" axis
+                variable.set_metadata(logical_axes=("layers", *variable.get_metadata("logical_axes")))
+        self.layer = nnx.merge(graphdefs[0], stacked)
 
     def init_cache(self, batch_size: int, max_length: int) -> StackedCache:
         """The stack's empty cache: its layers' caches with a leading layer axis, capacity `max_length` tokens."""

@@ -1,4 +1,5 @@
-"""The one linear layer of the models: `nnx.Linear` in the config's dtypes with N(0, initializer_range) init."""
+"""The one linear layer of the models: `nnx.Linear` in the config's dtypes with N(0, initializer_range) init,
+its kernel named by logical axes (`mtp_jax.sharding`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 
 
-def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False, *,
+           axes: tuple[str | None, str | None]) -> nnx.Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
-    `config.compute_dtype`; an optional bias (zeros)."""
+    `config.compute_dtype`; an optional bias (zeros).
+
+    `axes`: the kernel's logical axis names (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`);
+    the bias takes the output's.
+    """
     return nnx.Linear(
         fan_in,
         fan_out,
@@ -18,4 +24,6 @@ def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias:
         param_dtype=config.weight_dtype,
         kernel_init=nnx.initializers.normal(config.initializer_range),
         rngs=rngs,
+        kernel_metadata={"logical_axes": axes},
+        bias_metadata={"logical_axes": axes[1:]},
     )

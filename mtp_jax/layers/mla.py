@@ -25,10 +25,12 @@ R qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import check_shape, write_at
@@ -53,6 +55,10 @@ class MLACache:
 
     latent: jax.Array
     k_rope: jax.Array
+
+    # `mtp_jax.sharding` names (`mtp_jax.cache.logical_axes`): no head axis, so whole over `tensor`.
+    LOGICAL_AXES: ClassVar[dict[str, P]] = {"latent": P("batch", "cache_sequence", "latent"),
+                                             "k_rope": P("batch", "cache_sequence", None)}
 
     @property
     def max_length(self) -> int:
@@ -114,15 +120,19 @@ class MLAttention(nnx.Module):
         heads, qk_dim = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs)
-            self.kv_a_proj_with_mqa = linear(c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias)
+            self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", "heads"))
+            self.kv_a_proj_with_mqa = linear(c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias,
+                                             axes=("embed", None))
         else:
-            self.fused_qkv_a_proj = linear(c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias)
+            self.fused_qkv_a_proj = linear(c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias,
+                                           axes=("embed", None))
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
-            self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs)
+            self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", "heads"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
-        self.kv_b_proj = linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), rngs)
-        self.o_proj = linear(c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias)
+        self.kv_b_proj = linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), rngs,
+                                 axes=("latent", "heads"))
+        self.o_proj = linear(c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias,
+                             axes=("heads", "embed"))
 
     def __call__(
         self,

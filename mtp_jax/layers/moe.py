@@ -49,9 +49,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.ffn import MLP
+from mtp_jax.sharding import axis_size, context_spec
 
 
 class ScoreCorrectionBias(nnx.Param):
@@ -118,7 +120,8 @@ class Router(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         shape = (config.n_routed_experts, config.hidden_size)
-        self.weight = nnx.Param(nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32))
+        self.weight = nnx.Param(nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32),
+                                 logical_axes=(None, "embed"))  # small: whole on every device
         self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -142,23 +145,61 @@ class Experts(nnx.Module):
         self.config = config
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
-        self.gate_up_proj = nnx.Param(init(rngs.params(), (r, e, 2 * i), config.weight_dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (r, i, e), config.weight_dtype))
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (r, e, 2 * i), config.weight_dtype),
+                                      logical_axes=("experts", "embed", "moe_mlp"))
+        self.down_proj = nnx.Param(init(rngs.params(), (r, i, e), config.weight_dtype),
+                                   logical_axes=("experts", "moe_mlp", "embed"))
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
-        num_tokens, top_k = indices.shape
         dtype = self.config.compute_dtype
-        flat = indices.reshape(-1)  # [M], assignment m = token m // k, slot m % k
-        order = jnp.argsort(flat, stable=True)  # [M], assignments grouped by expert
-        group_sizes = jnp.bincount(flat, length=self.config.n_routed_experts).astype(jnp.int32)  # [R]
-        xs = x.astype(dtype)[order // top_k]  # [M, E], the token of each sorted assignment
-        gate_up = jax.lax.ragged_dot(xs, self.gate_up_proj[...].astype(dtype), group_sizes)  # [M, 2I]
-        gate, up = jnp.split(gate_up, 2, axis=-1)  # [M, I] each
-        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dtype), group_sizes)  # [M, E]
-        inverse = jnp.argsort(order)  # [M], sorted position of each assignment
-        y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
-        out = jnp.einsum("nke,nk->ne", y.astype(jnp.float32), weights.astype(jnp.float32))  # [N, E]
-        return out.astype(x.dtype)
+        gate_up, down = self.gate_up_proj[...].astype(dtype), self.down_proj[...].astype(dtype)
+        if axis_size("expert") == 1:
+            return _expert_sum(x, indices, weights, gate_up, down, first=0)
+        return _expert_parallel(x, indices, weights, gate_up, down)
+
+
+def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *,
+                first: jax.Array | int) -> jax.Array:
+    """`Experts.__call__` over the experts `first .. first + R' - 1` that `gate_up` [R', E, 2I] and `down`
+    [R', I, E] hold (all R of them, or one device's share under expert parallelism): assignments to
+    other experts contribute nothing. Returns [N, E] in x's dtype."""
+    num_tokens, top_k = indices.shape
+    num_local = gate_up.shape[0]
+    local = indices.reshape(-1) - first  # [M], assignment m = token m // k, slot m % k
+    mine = (local >= 0) & (local < num_local)  # [M]
+    key = jnp.where(mine, local, num_local)  # others sort last, beyond every group
+    order = jnp.argsort(key, stable=True)  # [M], assignments grouped by expert
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [R']
+    xs = x.astype(gate_up.dtype)[order // top_k]  # [M, E], the token of each sorted assignment
+    gate_up_out = jax.lax.ragged_dot(xs, gate_up, group_sizes)  # [M, 2I]; rows past the groups: 0
+    gate, up = jnp.split(gate_up_out, 2, axis=-1)  # [M, I] each
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [M, E]
+    inverse = jnp.argsort(order)  # [M], sorted position of each assignment
+    y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
+    y = jnp.where(mine.reshape(num_tokens, top_k, 1), y, 0)  # other devices' experts: nothing here
+    out = jnp.einsum("nke,nk->ne", y.astype(jnp.float32), weights.astype(jnp.float32))  # [N, E]
+    return out.astype(x.dtype)
+
+
+def _expert_parallel(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array,
+                     down: jax.Array) -> jax.Array:
+    """`_expert_sum` with the experts split over the context mesh's `expert` axis (`mtp_jax.sharding`):
+    each device runs its R / n experts on every token routed to them (tokens stay sharded over the
+    batch axes and whole over `expert`), and one all-reduce (`psum`) over `expert` adds the shares.
+    Raises ValueError when n does not divide R."""
+    num_experts, n = gate_up.shape[0], axis_size("expert")
+    if num_experts % n:
+        raise ValueError(f"expert parallelism needs n_routed_experts ({num_experts}) to be a multiple of the "
+                         f"mesh's expert axis ({n})")
+    rows = context_spec(P("batch", None), x.shape)
+    experts = P("expert", None, None)
+
+    def local(x, indices, weights, gate_up, down):
+        first = jax.lax.axis_index("expert") * gate_up.shape[0]
+        return jax.lax.psum(_expert_sum(x, indices, weights, gate_up, down, first=first), "expert")
+
+    return jax.shard_map(local, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
+                         check_vma=False)(x, indices, weights, gate_up, down)
 
 
 class MoE(nnx.Module):
