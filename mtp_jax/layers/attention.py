@@ -9,9 +9,12 @@ its `KVCache` at the positions it is given.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
@@ -19,6 +22,7 @@ from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.rope import apply_rope
+from mtp_jax.sharding import context_spec
 from pallas_kernels.attention_reference import masked_attention
 from pallas_kernels.attention_reference import verify_attention_reference as attention_reference
 
@@ -55,8 +59,24 @@ def attend(
         elif q.shape[1] * (q.shape[2] // k.shape[2]) > MAX_QUERY_ROWS:
             impl = "reference"
         if impl != "reference":
-            return verify_attention(q, k, v, lengths, scale=scale, interpret=impl == "pallas_interpret")
+            kernel = functools.partial(verify_attention, scale=scale, interpret=impl == "pallas_interpret")
+            return _per_shard(kernel, q, k, v, lengths)
     return attention_reference(q, k, v, lengths, scale=scale)
+
+
+def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """`kernel(q, k, v, lengths)` on each device's rows and heads under `shard_map` when a context mesh
+    shards them (`mtp_jax.sharding`: rows over the batch axes, heads over `tensor`); a Pallas call is
+    opaque to GSPMD, which would otherwise gather its operands onto every device. Query heads are split
+    over `tensor` only together with the KV heads (each device keeps whole GQA groups), else only rows."""
+    q_spec = context_spec(P("batch", None, "heads", None), q.shape)
+    if q_spec is None or all(axis is None for axis in q_spec):
+        return kernel(q, k, v, lengths)
+    kv_spec = context_spec(P("batch", None, "kv_heads", None), k.shape)
+    if q_spec[2] != kv_spec[2]:  # the KV heads are not split like the query heads: split rows only
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(q_spec[0], None, None, None)
+    return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0])), out_specs=q_spec,
+                         check_vma=False)(q, k, v, lengths)
 
 
 def segment_attention_reference(
