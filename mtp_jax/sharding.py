@@ -121,8 +121,8 @@ def resolve(logical: P, shape: Sequence[int], mesh) -> P:
 
     Each name maps to its `LOGICAL_RULES` mesh axes of size > 1, not yet used by an earlier dimension;
     a dimension those axes' product does not divide is replicated, except "batch", which raises
-    ValueError (a batch of 3 rows cannot be split over `data=2`); an empty array is replicated. Raises ValueError for an unknown name
-    or a spec longer than the array's rank.
+    ValueError (a batch of 3 rows cannot be split over `data=2`); an empty array is replicated. Raises
+    ValueError for an unknown name or a spec longer than the array's rank.
     """
     if len(logical) > len(shape):
         raise ValueError(f"logical axes {logical} have more entries than the array's shape {tuple(shape)}")
