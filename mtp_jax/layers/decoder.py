@@ -99,14 +99,17 @@ class DecoderStack(nnx.Module):
                  segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, StackedCache]:
         """`DecoderLayer.__call__` of each layer in turn (a scan over the layer axis); returns x and the cache.
 
-        The scan reads layer i's parameters and cache as its i-th inputs and emits its written cache as
-        its i-th output (the stacked cache is never carried or indexed).
+        The stacked cache is the scan's carry: layer i reads slice i and writes it back in place.
         """
         graphdef, params = nnx.split(self.layer)
 
-        def body(x, inputs):
-            layer_params, layer_cache = inputs
-            return nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids)
+        def body(carry, inputs):
+            x, stacked = carry
+            layer_params, i = inputs
+            layer_cache = jax.tree.map(lambda c: c[i], stacked)
+            x, layer_cache = nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids)
+            stacked = jax.tree.map(lambda c, new: c.at[i].set(new), stacked, layer_cache)
+            return (x, stacked), None
 
-        x, stacked = jax.lax.scan(body, x, (params, cache.layers))
+        (x, stacked), _ = jax.lax.scan(body, (x, cache.layers), (params, jnp.arange(self.num_layers)))
         return x, StackedCache(stacked)
