@@ -87,8 +87,8 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     Positions outside [0, S) are dropped, never clamped or wrapped.
     """
     positions = jnp.where(positions < 0, cache.shape[1], positions)  # negative would wrap: send past the end
-    rows = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], positions.shape)  # [B, T]
-    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+    # Per row (vmap: the scatter's batch dimension), so a batch sharded over devices scatters locally.
+    return jax.vmap(lambda c, n, p: c.at[p].set(n, mode="drop"))(cache, new.astype(cache.dtype), positions)
 
 
 def logical_axes(cache):

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.acceptance import Target, accept, initial_phase, update_phase
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, write_at
 from mtp_jax.cache import logical_axes as cache_axes
 from mtp_jax.layers.indexing import sequence_positions, take_rows
 from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
@@ -183,7 +183,7 @@ def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
     capacity S; finished rows take nothing. Returns the new state and the number of tokens each row
     committed (int32 [B]).
     """
-    batch, capacity = state.tokens.shape
+    capacity = state.tokens.shape[1]
     index = jnp.arange(candidates.shape[1])[None, :]  # [1, N]
     offered = index < num_candidates[:, None]  # [B, N]
     is_stop = offered & jnp.any(candidates[:, :, None] == state.stop_tokens[None, None, :], axis=-1)  # [B, N]
@@ -192,9 +192,8 @@ def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
     num = jnp.where(state.done, 0, jnp.clip(jnp.minimum(through_stop, room), 0, None))  # [B]
     taken = index < num[:, None]  # [B, N]
     positions = jnp.where(taken, state.lengths[:, None] + index, capacity)  # untaken: past the end, dropped
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)
-    tokens = state.tokens.at[rows, positions].set(candidates, mode="drop")
-    logprobs = state.logprobs.at[rows, positions].set(candidate_logprobs, mode="drop")
+    tokens = write_at(state.tokens, candidates, positions)
+    logprobs = write_at(state.logprobs, candidate_logprobs, positions)
     lengths = state.lengths + num
     done = (state.done | jnp.any(is_stop & taken, axis=-1) | (lengths - state.prompt_lengths >= state.max_new_tokens)
             | (lengths >= capacity))

@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, write_at
 from mtp_jax.layers.indexing import take_rows
 from mtp_jax.model import Transformer
 from mtp_jax.sampling import STREAM_DRAFT, SamplingState, is_int, is_real, sample_from, target_probs
@@ -237,7 +237,7 @@ def draft(model: Transformer, spec: SpeculativeConfig | None, sampling: Sampling
                 logits, depth_hidden, cache = module(depth_hidden, token_at(window + j + 1), window, caches[j],
                                                      logits_at=last, **call)
             token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
-            ext = ext.at[jnp.arange(ext.shape[0]), lengths + j].set(token, mode="drop")
+            ext = write_at(ext, token[:, None], (lengths + j)[:, None])
             drafts.append(token)
             probs.append(q)
             new_caches.append(cache)
