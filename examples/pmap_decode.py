@@ -7,7 +7,7 @@ The prompts are split into one equal sub-batch per device of `jax.local_devices(
 sub-batches padded with copies of the last prompt, dropped afterwards). Each sub-batch gets its own
 `DecodeState` from the engine's `init_state`, all with the same padded prompt bucket and capacity, so
 their shapes agree; the states are stacked on a leading device axis and one `pmap` runs the engine's
-`prefill` and then its `step` in a `lax.while_loop` on every device (each device loops until its own
+`prefill` and then its `run` (`step` in a `lax.while_loop`) on every device (each device loops until its own
 rows are done; no collective runs). `results_from_state` reads each device's slice back.
 
 **Prefer `jit` with shardings** (`examples/sharded_decode.py`, `DecodeEngine(model, spec, mesh=...)`,
@@ -37,17 +37,16 @@ import jax
 import jax.numpy as jnp
 
 import mtp_jax
-from mtp_jax.engine import GenerationResult, init_state, prefill, results_from_state, step
+from mtp_jax.engine import GenerationResult, init_state, prefill, results_from_state, run
 from mtp_jax.model import Transformer, static_split
 from mtp_jax.speculative import SpeculativeConfig
 
 
 def _decode(graph, params, speculative, state, padded_prompts):
     """One device's sub-batch (state arrays [rows, ...], prompts int32 [rows, P]): prefill, then steps until
-    its rows are done, the engine's `prefill` and `step` as `DecodeEngine.run` loops them."""
+    its rows are done: the engine's `prefill` and `run`, as `DecodeEngine` jits them."""
     model = graph.merge(params)
-    state = prefill(model, speculative, state, padded_prompts)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, speculative, s), state)
+    return run(model, speculative, prefill(model, speculative, state, padded_prompts))
 
 
 @functools.cache

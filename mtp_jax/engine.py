@@ -240,6 +240,11 @@ def step(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState)
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
+def run(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
+    """`step` until every row is done, as one `lax.while_loop` (traceable: jit it, or pmap it)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, spec, s), state)
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
 def _prefill_jit(graph, params, spec, state, padded_prompts):
     return prefill(graph.merge(params), spec, state, padded_prompts)
@@ -252,8 +257,7 @@ def _step_jit(graph, params, spec, state):
 
 @functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
 def _run_jit(graph, params, spec, state):
-    model = graph.merge(params)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, spec, s), state)
+    return run(graph.merge(params), spec, state)
 
 
 # ----------------------------------------------------------------------------------------------
