@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from mtp_jax import checkpoint, data
+from mtp_jax.cli_mesh import add_mesh_arguments, check_num_prompts, mesh_from_args
 from mtp_jax.config import PRESETS
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
 from mtp_jax.train import (
@@ -44,7 +45,7 @@ tokens generated / wall time of prefill plus decode)."""
 _GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b": "--max-length",
                    r"\btemperature\b": "--temperature", r"\btop_k\b": "--top-k", r"\btop_p\b": "--top-p",
                    r"\bseed\b": "--seed", r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
-                   r"\bmtp_style\b|\bno MTP modules\b": "--speculative"}
+                   r"\bmtp_style\b|\bno MTP modules\b": "--speculative", r"\bmesh\b": "--mesh"}
 
 
 def cache_root() -> pathlib.Path:
@@ -85,6 +86,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                        help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
                             "else $XDG_CACHE_HOME/mtp_jax/jax_cache, i.e. ~/.cache/mtp_jax/jax_cache)")
     cache.add_argument("--no-compilation-cache", action="store_true", help="compile from scratch, cache nothing")
+    add_mesh_arguments(p, mesh_help="The number of prompts must be a multiple of data x fsdp (an error otherwise: "
+                                    "no dummy rows are added).")
     p.set_defaults(func=run_generate)
     return p
 
@@ -171,7 +174,7 @@ def _name_flags(error: ValueError, sources: list[str]) -> ValueError:
     return ValueError(f"{', '.join(flags)}: {message}") if flags else error
 
 
-def _generate_kwargs(args, model, num_prompts: int) -> dict:
+def _generate_kwargs(args, model, num_prompts: int, mesh=None) -> dict:
     """The keyword arguments of `generate` / `stream` that the flags give; raises ValueError on bad flags."""
     from mtp_jax.sampling import MAX_SEED, SamplingParams
     from mtp_jax.speculative import SpeculativeConfig
@@ -188,7 +191,7 @@ def _generate_kwargs(args, model, num_prompts: int) -> dict:
             k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
         speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
     return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
-                speculative=speculative)
+                speculative=speculative, mesh=mesh)
 
 
 def _warm_up(model, prompts: list[list[int]], kwargs: dict, streaming: bool) -> float:
@@ -239,8 +242,10 @@ def run_generate(args) -> int:
     from mtp_jax.generate import generate
     from mtp_jax.pretrained import load_pretrained
 
+    mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     cache_dir = _configure_compilation_cache(args)
     texts, sources = _prompts(args)
+    check_num_prompts(args, mesh, len(texts))
     if Path(args.model).exists() and not Path(args.model).is_dir():
         raise ValueError(f"--model: {args.model} is not a directory (a model directory holds config.json, "
                          "safetensors weights and tokenizer.json)")
@@ -254,7 +259,7 @@ def run_generate(args) -> int:
     if args.stream and len(prompts) != 1:
         raise ValueError("--stream takes exactly one prompt")
     try:
-        kwargs = _generate_kwargs(args, model, len(prompts))
+        kwargs = _generate_kwargs(args, model, len(prompts), mesh)
         compile_seconds = _warm_up(model, prompts, kwargs, args.stream)
         if args.stream:
             result, num_generated, decode_seconds = _print_stream(model, tokenizer, texts[0], prompts[0], kwargs)
@@ -367,6 +372,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
+    add_mesh_arguments(p, mesh_help="--batch-size must be a multiple of data x fsdp; data=N replicates the "
+                                    "parameters and optimizer state (data parallel), fsdp=N splits them along the "
+                                    "hidden size (FSDP), tensor=N along heads, FFN width and vocabulary. A run "
+                                    "may resume on another mesh.")
     p.set_defaults(func=run_train)
     return p
 
@@ -434,6 +443,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train_from_args(args: argparse.Namespace):
+    mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     run_dir = pathlib.Path(args.run_dir)
     check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)  # fail before preparing the corpus
     if args.resume:
@@ -441,7 +451,7 @@ def _train_from_args(args: argparse.Namespace):
         train_config = _resume_config(args, run_dir, run)
         corpus = _corpus_of_run(run_dir, run, args.data_dir)
         return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
-                     export=not args.no_export)
+                     export=not args.no_export, mesh=mesh)
     train_config = _train_config_from_args(args)
     vocab_size = 4096 if args.vocab_size is None else args.vocab_size
     heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
@@ -471,7 +481,7 @@ def _train_from_args(args: argparse.Namespace):
     if train_config.mtp_only and not args.init_from:
         print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
     return train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
-                 overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export)
+                 overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export, mesh=mesh)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:

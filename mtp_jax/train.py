@@ -6,6 +6,12 @@ MTP loss). One jitted step takes the trainable parameters and the optimizer stat
 static graph definition inside (`nnx.split` outside jit, `nnx.merge` inside, as in flax's
 `examples/gemma`).
 
+On a device mesh (`train(..., mesh=)`, `mtp_jax.sharding`) the same step runs sharded (GSPMD): the
+parameters and the optimizer state are placed by the parameters' logical axes
+(`train_state_logical_axes`: data parallel on `data`, FSDP on `fsdp`, Megatron-style on `tensor`),
+the batch rows are split over data x fsdp, and the step returns the state on the shardings it got.
+Checkpoints restore onto whatever mesh the run continues on.
+
 Two modes (`trainable_filter`; neither trains the MoE routers' `ScoreCorrectionBias`, DeepSeek-V3's
 `e_score_correction_bias`, which a load-balancing rule sets, not a gradient: it travels in `frozen`):
   - full training: every other `nnx.Param` is trained;
@@ -54,6 +60,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from mtp_jax import checkpoint, data
@@ -72,7 +80,6 @@ from mtp_jax.run_dir import (
     NoUsableCheckpointError,  # noqa: F401  (re-exported)
     RunDirInUseError,  # noqa: F401  (re-exported)
     append_log,
-    check_run_dir,
     checkpoint_manager,
     config_to_dict,
     is_run_dir,
@@ -86,6 +93,8 @@ from mtp_jax.run_dir import (
     truncate_log,
     write_run,
 )
+from mtp_jax.run_dir import check_run_dir as check_run_dir_here
+from mtp_jax.sharding import constrain_tree, named_shardings, param_logical_axes, place, resolve, to_host
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +104,8 @@ class TrainConfig:
     The learning rate warms up linearly from 0 to `learning_rate` over `warmup_steps`, then
     decays along a cosine to `learning_rate * min_lr_ratio` at `num_steps`. AdamW decays only
     matrices (kernels, embeddings), not norms or biases. Gradients are clipped to global norm
-    `grad_clip_norm` (0: no clipping).
+    `grad_clip_norm` (0: no clipping). `eps` is Adam's epsilon (added to the root of the second
+    moment; Kingma & Ba 2015).
     """
 
     batch_size: int = 16
@@ -107,6 +117,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
+    eps: float = 1e-8
     grad_clip_norm: float = 1.0
     mtp_lambda: float = 0.1
     mtp_only: bool = False  # freeze the main model, train the MTP modules only
@@ -133,6 +144,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -164,12 +177,12 @@ class _StaticOptimizer:
         self.config = config
         clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
         self.tx = optax.chain(*clip, optax.adamw(
-            learning_rate_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay,
-            mask=_decayed))
+            learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
+            weight_decay=config.weight_decay, mask=_decayed))
 
     def _key(self) -> tuple:
         c = self.config
-        return (c.learning_rate, c.warmup_steps, c.num_steps, c.min_lr_ratio, c.weight_decay, c.b1, c.b2,
+        return (c.learning_rate, c.warmup_steps, c.num_steps, c.min_lr_ratio, c.weight_decay, c.b1, c.b2, c.eps,
                 c.grad_clip_norm, c.mtp_lambda)
 
     def __hash__(self):
@@ -214,6 +227,63 @@ def split_model(model: Transformer, config: TrainConfig) -> tuple[nnx.GraphDef, 
     return nnx.split(model, trainable_filter(config), ...)
 
 
+def train_state_logical_axes(state: TrainState) -> TrainState:
+    """The logical `PartitionSpec` of every array of `state` (concrete or abstract): the params' from their
+    `logical_axes` metadata (`sharding.param_logical_axes`); each optimizer-state subtree that mirrors the
+    params tree (AdamW's `mu` and `nu`) the params'; every other leaf (the step, optax's counts) P().
+
+    On a `fsdp` mesh the moments are therefore sharded exactly as their parameters (ZeRO-3 style);
+    on a `data` mesh everything is replicated.
+    """
+    params = param_logical_axes(state.params)
+    params_def = jax.tree.structure(state.params)
+
+    def mirrors_params(x) -> bool:
+        return jax.tree.structure(x) == params_def
+
+    opt_state = jax.tree.map(lambda x: params if mirrors_params(x) else P(), state.opt_state,
+                             is_leaf=mirrors_params)
+    return TrainState(step=P(), params=params, opt_state=opt_state)
+
+
+def train_state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+    """The `NamedSharding` on `mesh` of every array of `state` (`train_state_logical_axes` resolved), its
+    spec without trailing Nones: as the jitted step returns them, so the step's input and output
+    shardings compare equal and it compiles once."""
+    def trimmed(sharding: NamedSharding) -> NamedSharding:
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return NamedSharding(sharding.mesh, P(*spec))
+
+    return jax.tree.map(trimmed, named_shardings(state, train_state_logical_axes(state), mesh))
+
+
+def place_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
+    """A batch (int32 [B, T] each, the same on every process) with its rows split over `mesh`'s batch axes
+    (`P("batch", None)`: data x fsdp); without a mesh, as given. Raises ValueError when B is not a multiple
+    of data x fsdp."""
+    if mesh is None:
+        return tokens, segment_ids
+    batch = (tokens, segment_ids)
+    return place(batch, named_shardings(batch, (P("batch", None),) * 2, mesh))
+
+
+def _place(tree, shardings):
+    """`sharding.place`, leaving the arrays already on (an equivalent of) their sharding as they are: a
+    model the trainer sharded is evaluated without copies (with several processes, `place` takes every
+    array through the host)."""
+    def put(x, sharding):
+        on_it = isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)
+        return x if on_it else place(x, sharding)
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def _on_mesh(mesh: Mesh | None):
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 @partial(jax.jit, static_argnames=("graphdef", "optimizer"), donate_argnames=("state",))
 def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
                 graphdef: nnx.GraphDef, optimizer: _StaticOptimizer) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -224,18 +294,27 @@ def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      opt_state=opt_state), metrics
+    state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+    # On a mesh (the context's) the new state keeps the placement of the old: no recompile at the next step.
+    return constrain_tree(state, train_state_logical_axes(state)), metrics
 
 
 def train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
-               graphdef: nnx.GraphDef, config: TrainConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+               graphdef: nnx.GraphDef, config: TrainConfig,
+               mesh: Mesh | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a batch (tokens, segment_ids int32 [B, T]); `state` is donated.
+
+    With `mesh`, `state` and `frozen` must already be on it (`sharding.place(state,
+    train_state_shardings(state, mesh))`, `sharding.shard_params(frozen, mesh)`); the batch is
+    placed here (`place_batch`) and the step runs under `jax.set_mesh(mesh)`, the new state on the
+    same shardings as the old.
 
     Returns the new state and `compute_loss`'s metrics (before the update) plus "grad_norm"
     (global norm before clipping).
     """
-    return _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=_StaticOptimizer(config))
+    tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
+    with _on_mesh(mesh):
+        return _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=_StaticOptimizer(config))
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mtp_lambda"))
@@ -251,8 +330,10 @@ def _eval_step(params: nnx.State, tokens: jax.Array, segment_ids: jax.Array, tok
 
 
 def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.ndarray, *, batch_size: int,
-             seq_len: int, mtp_lambda: float = 0.1, max_batches: int | None = None) -> dict[str, float]:
-    """Held-out metrics over `split` (one pass, `data.heldout_batches`), pooled over tokens.
+             seq_len: int, mtp_lambda: float = 0.1, max_batches: int | None = None,
+             mesh: Mesh | None = None) -> dict[str, float]:
+    """Held-out metrics over `split` (one pass, `data.heldout_batches`), pooled over tokens; with `mesh`,
+    the model's parameters placed on it by their logical axes and each batch's rows split over data x fsdp.
 
     Returns floats: "main_loss" (nats per predicted token), "bits_per_byte" (the main loss summed
     over predicted tokens, in bits, over the UTF-8 bytes of those tokens; `<|endoftext|>` counts
@@ -260,18 +341,25 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
     "mtp_agreement_{k}" (fraction of depth k's predictions whose argmax equals the main model's
     argmax for the same token), "num_tokens" and "num_bytes".
 
-    Raises ValueError if batch_size < 1, seq_len < 2 or max_batches < 1.
+    Raises ValueError if batch_size < 1, seq_len < 2 or max_batches < 1, or batch_size is not a
+    multiple of the mesh's data x fsdp.
     """
     if batch_size < 1 or seq_len < 2 or (max_batches is not None and max_batches < 1):
         raise ValueError(f"need batch_size >= 1, seq_len >= 2 and max_batches >= 1 (or None), got batch_size "
                          f"{batch_size}, seq_len {seq_len}, max_batches {max_batches}")
     graphdef, params = nnx.split(model)
-    token_bytes = jnp.asarray(token_bytes)
+    token_bytes = np.asarray(token_bytes)
+    if mesh is not None:
+        resolve(P("batch"), (batch_size,), mesh)  # raises for a batch the mesh cannot split
+        params = _place(params, named_shardings(params, param_logical_axes(params), mesh))
+        token_bytes = place(token_bytes, NamedSharding(mesh, P()))
     sums: dict[str, float] = {}
     depths = range(1, model.config.num_nextn_predict_layers + 1)
     for tokens, segment_ids in data.heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
-        m = jax.device_get(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef,
-                                      mtp_lambda=mtp_lambda))
+        tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
+        with _on_mesh(mesh):
+            m = to_host(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef,
+                                   mtp_lambda=mtp_lambda))
         weights = {"main_loss": m["num_tokens"]}
         weights.update({f"{name}_{k}": m[f"num_tokens_{k}"] for k in depths for name in ("mtp_loss", "mtp_agreement")})
         for name, weight in weights.items():
@@ -310,16 +398,33 @@ def _checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.Check
 
 
 def _save(manager: ocp.CheckpointManager, state: TrainState, frozen: nnx.State, meta: dict) -> None:
-    save_checkpoint(manager, int(state.step), {"train": state, "frozen": frozen}, meta)
+    save_checkpoint(manager, int(to_host(state.step)), {"train": state, "frozen": frozen}, meta)
 
 
-def _abstract_state(model_config: ModelConfig, train_config: TrainConfig) -> tuple[nnx.GraphDef, dict]:
-    """(graphdef, the abstract {"train": TrainState, "frozen": ...} that a checkpoint restores into)."""
+def _shardings(state: TrainState, frozen: nnx.State, mesh: Mesh | None) -> dict:
+    """The shardings of {"train": state, "frozen": frozen} (arrays or abstract): by the logical axes on
+    `mesh`; without one, all on this process's first device."""
+    if mesh is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda _: device, {"train": state, "frozen": frozen})
+    return {"train": train_state_shardings(state, mesh),
+            "frozen": named_shardings(frozen, param_logical_axes(frozen), mesh)}
+
+
+def _abstract_state(model_config: ModelConfig, train_config: TrainConfig,
+                    mesh: Mesh | None = None) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, the abstract {"train": TrainState, "frozen": ...} that a checkpoint restores into).
+
+    Each leaf is a `jax.ShapeDtypeStruct` carrying its target sharding (`_shardings`), so orbax reads
+    every array straight onto `mesh` (or one device), whatever mesh the checkpoint was saved from.
+    """
     abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
     graphdef, params, frozen = split_model(abstract, train_config)
-    target = {"train": TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                                  opt_state=jax.eval_shape(_StaticOptimizer(train_config).tx.init, params)),
-              "frozen": frozen}
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                       opt_state=jax.eval_shape(_StaticOptimizer(train_config).tx.init, params))
+    target = {"train": state, "frozen": frozen}
+    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), target,
+                          _shardings(state, frozen, mesh))
     return graphdef, target
 
 
@@ -374,12 +479,21 @@ class TrainResult:
 def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: ModelConfig | None = None,
           train_config: TrainConfig | None = None, model: Transformer | None = None, resume: bool = False,
           overwrite: bool = False, stop_at_step: int | None = None, progress: bool = True,
-          export: bool = True) -> TrainResult:
+          export: bool = True, mesh: Mesh | None = None) -> TrainResult:
     """Trains (or resumes) the run in `run_dir` on `corpus` and returns the model.
 
     The run dir is locked for the whole call (one trainer per run dir). Every step's loss and
     gradient norm are checked: the first non-finite one ends the run with `NonFiniteError` before
     anything of that step is saved.
+
+    With `mesh` (`sharding.make_mesh`) the run is sharded: the parameters, the frozen state and the
+    optimizer state are placed by their logical axes (`train_state_logical_axes`: on `data=N`
+    replicated, data parallelism; on `fsdp=N` split along "embed", FSDP / ZeRO-3; `tensor` splits
+    heads, FFN width and vocabulary), each batch's rows are split over data x fsdp, and the step
+    keeps that placement. A checkpoint saved on one mesh resumes on any other (or on one device):
+    it is restored straight onto the shardings of the mesh given now. Under `jax.distributed` every
+    process calls `train` with the same arguments; process 0 alone locks the run dir and writes its
+    files, all of them take part in the orbax saves and restores.
 
     Args:
       run_dir: the run's directory (layout in the module docstring).
@@ -398,6 +512,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
       stop_at_step: stop (and checkpoint) after this step, as an interruption would; resume later.
       progress: show a tqdm bar (loss, tokens/s, ETA).
       export: after the last step, write `run_dir/export` with `save_pretrained`.
+      mesh: the device mesh to train on; None: one device.
 
     Raises:
       FileExistsError: a fresh run in a non-empty run_dir without `overwrite`, or with `overwrite`
@@ -409,8 +524,8 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         the last finite one.
       ValueError: settings that differ from the saved run's outside `RESUMABLE_FIELDS` (each field
         named with its saved and given value), a `num_steps` below the restored step, a corpus
-        other than the run's, a vocabulary that does not fit the model, or `mtp_only` with no MTP
-        modules.
+        other than the run's, a vocabulary that does not fit the model, `mtp_only` with no MTP
+        modules, or a batch_size that is not a multiple of the mesh's data x fsdp.
     """
     run_dir = pathlib.Path(run_dir)
     if not resume:
@@ -421,63 +536,124 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         if model_config is None or train_config is None:
             raise ValueError("a fresh run needs model_config (or model) and train_config")
         _check_compatible(model_config, train_config, corpus)
+        _check_mesh(train_config, mesh)
     check_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with locked(run_dir):
+    primary = jax.process_index() == 0
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    with locked(run_dir) if primary else contextlib.nullcontext():
         if resume:
             run, model_config, saved_train, train_config = _load_run(run_dir, corpus, model_config, train_config,
                                                                       model)
+            _check_mesh(train_config, mesh)
         else:
             corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction",
                            "tokenizer_source")
             run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
                    "corpus": {"work_dir": str(corpus.work_dir.resolve()),
                               **{k: corpus.metadata.get(k) for k in corpus_keys}}}
-            start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
+            if primary:
+                start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
+        _sync("mtp_jax.train: run dir ready")
 
         manager = _checkpoint_manager(run_dir, train_config)
         try:
-            if resume:
-                graphdef, target = _abstract_state(model_config, train_config)
-                step, restored = restore_latest(manager, run_dir, target, move_unreadable=True)
+            if resume:  # restored straight onto `mesh` (or one device), whatever mesh saved it
+                graphdef, target = _abstract_state(model_config, train_config, mesh)
+                step, restored = restore_latest(manager, run_dir, target, move_unreadable=primary)
                 state, frozen = restored["train"], restored["frozen"]
-                _record_resume(run_dir, run, saved_train, train_config, step)
-                truncate_log(run_dir, step, train_config.num_steps)
+                if primary:
+                    _record_resume(run_dir, run, saved_train, train_config, step)
+                    truncate_log(run_dir, step, train_config.num_steps)
             else:
                 model = model if model is not None else init_model(model_config, train_config.seed)
                 graphdef, params, frozen = split_model(model, train_config)
                 params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
                 state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                    opt_state=make_optimizer(train_config).init(params))
+                if mesh is not None:
+                    placed = place({"train": state, "frozen": frozen}, _shardings(state, frozen, mesh))
+                    state, frozen = placed["train"], placed["frozen"]
             end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
             state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen,
-                                                      train_config, end=end, progress=progress)
+                                                      train_config, end=end, progress=progress and primary, mesh=mesh)
         finally:
             manager.close()
-        step = int(state.step)
+        step = int(to_host(state.step))
         model = nnx.merge(graphdef, state.params, frozen)
         stopped_early = step < train_config.num_steps
         if not stopped_early:
-            eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step)
+            eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step, mesh)
             if export:
-                save_pretrained(model, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
+                host = model if jax.process_count() == 1 else nnx.merge(graphdef, to_host(state.params),
+                                                                       to_host(frozen))
+                if primary:
+                    save_pretrained(host, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
+    _sync("mtp_jax.train: done")  # the lock is released: a next call on any process finds the run dir free
     return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
                        eval_metrics=eval_metrics)
 
 
+def _check_mesh(config: TrainConfig, mesh: Mesh | None) -> None:
+    """Raises ValueError when `mesh` cannot split `config`'s batch rows (naming batch_size)."""
+    if mesh is not None:
+        try:
+            resolve(P("batch"), (config.batch_size,), mesh)
+        except ValueError as error:
+            raise ValueError(f"batch_size {config.batch_size} does not fit the mesh: {error}") from None
+
+
+def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False) -> None:
+    """`mtp_jax.run_dir.check_run_dir` (raises what `train` would raise for `run_dir`, changing nothing),
+    in a `jax.distributed` run by process 0 alone, the one that locks and writes the run dir: the others
+    wait for its verdict and raise RuntimeError when it refused."""
+    if jax.process_count() == 1:
+        return check_run_dir_here(run_dir, resume=resume, overwrite=overwrite)
+    from jax.experimental import multihost_utils
+
+    error = None
+    if jax.process_index() == 0:
+        try:
+            check_run_dir_here(run_dir, resume=resume, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001  (raised below, after the others have heard of it)
+            error = e
+    if multihost_utils.broadcast_one_to_all(np.asarray(error is not None)):
+        raise error or RuntimeError(f"process 0 refused run dir {run_dir} (its error says why)")
+
+
+def _sync(name: str) -> None:
+    """A barrier across the processes of a `jax.distributed` run (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _log(run_dir: pathlib.Path, record: dict) -> None:
+    if jax.process_index() == 0:
+        append_log(run_dir, record)
+
+
 def _evaluate_and_log(run_dir: pathlib.Path, model: Transformer, corpus: data.Corpus, config: TrainConfig,
-                      step: int) -> dict[str, float]:
+                      step: int, mesh: Mesh | None) -> dict[str, float]:
     result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=config.batch_size,
-                      seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches)
-    append_log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
-    tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), file=sys.stderr)
+                      seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches,
+                      mesh=mesh)
+    _log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
+    if jax.process_index() == 0:
+        tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()),
+                   file=sys.stderr)
     return result
 
 
 def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointManager, graphdef: nnx.GraphDef,
-         state: TrainState, frozen: nnx.State, config: TrainConfig, *, end: int,
-         progress: bool) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
+         state: TrainState, frozen: nnx.State, config: TrainConfig, *, end: int, progress: bool,
+         mesh: Mesh | None) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
     """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics).
+
+    With `mesh`, `state` and `frozen` are on it already; each batch is placed (`place_batch`) and every
+    step runs under `jax.set_mesh(mesh)`. Whatever is read back (losses, metrics, the finiteness check)
+    goes through `sharding.to_host`, which also works on arrays spread over several processes.
 
     Raises NonFiniteError at the first step whose loss or gradient norm (or, at a checkpoint, whose
     updated state) is not finite, before saving anything of it.
@@ -488,34 +664,38 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
     meta = {"tokens_per_step": config.tokens_per_step}
     train_metrics: dict[str, float] = {}
     eval_metrics = None
-    step = int(state.step)
+    step = int(to_host(state.step))
     bar = tqdm(total=config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     with _stop_requests() as stop, bar:
         last_time, last_step = time.perf_counter(), step
         while step < end:
-            tokens, segment_ids = batches.batch(step)
-            state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=optimizer)
+            tokens, segment_ids = place_batch(*batches.batch(step), mesh)
+            with _on_mesh(mesh):
+                state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef,
+                                             optimizer=optimizer)
             step += 1
             bar.update(1)
-            loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"])))
+            loss, grad_norm = (float(x) for x in to_host((metrics["loss"], metrics["grad_norm"])))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise _non_finite(run_dir, manager, step, f"the loss ({loss}) or the gradient norm ({grad_norm}) is")
             if step % config.log_every == 0 or step == end:
-                train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                train_metrics = {k: float(v) for k, v in to_host(metrics).items()}
                 now = time.perf_counter()
                 tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
                 train_metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s)
-                append_log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step,
-                                     **train_metrics})
+                _log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step,
+                               **train_metrics})
                 bar.set_postfix(loss=f"{train_metrics['loss']:.3f}", main=f"{train_metrics['main_loss']:.3f}",
                                 tok_s=f"{tokens_per_s:.0f}")
             if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
                 eval_metrics = _evaluate_and_log(run_dir, nnx.merge(graphdef, state.params, frozen), corpus, config,
-                                                 step)
+                                                 step, mesh)
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
             if step % config.checkpoint_every == 0 or step == end or stop.is_set():
-                if not bool(_all_finite((state.params, state.opt_state))):
+                with _on_mesh(mesh):
+                    finite = bool(to_host(_all_finite((state.params, state.opt_state))))
+                if not finite:
                     raise _non_finite(run_dir, manager, step, "the updated parameters or optimizer state are")
                 _save(manager, state, frozen, meta)
             if stop.is_set():
@@ -523,20 +703,22 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
     return state, train_metrics, eval_metrics
 
 
-def load_run(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Transformer, dict]:
+def load_run(run_dir: str | os.PathLike, step: int | None = None, *,
+             mesh: Mesh | None = None) -> tuple[Transformer, dict]:
     """The model at checkpoint `step` of a run, and the run's `run.json` dict.
 
     Without `step`, the latest checkpoint that can be restored (falling back past unreadable ones
-    with a `CheckpointFallbackWarning`; nothing is moved). Raises FileNotFoundError if run_dir
-    holds no run or no such checkpoint, NoUsableCheckpointError if it (or every one) cannot be
-    restored.
+    with a `CheckpointFallbackWarning`; nothing is moved). The parameters are restored straight onto
+    `mesh` by their logical axes (default: one device), whatever mesh the checkpoint was saved from.
+    Raises FileNotFoundError if run_dir holds no run or no such checkpoint, NoUsableCheckpointError if
+    it (or every one) cannot be restored.
     """
     run_dir = pathlib.Path(run_dir)
     if not is_run_dir(run_dir):
         raise FileNotFoundError(f"no run in {run_dir} ({RUN_FILE} is missing or not a run file)")
     run = read_run(run_dir)
     train_config = TrainConfig(**run["train_config"])
-    graphdef, target = _abstract_state(model_config_from_dict(run["model_config"]), train_config)
+    graphdef, target = _abstract_state(model_config_from_dict(run["model_config"]), train_config, mesh)
     manager = _checkpoint_manager(run_dir, train_config)
     try:
         if step is None:

@@ -1,8 +1,10 @@
 """The `mtp-jax generate` command on a small model directory: output, timing line, compilation cache, errors."""
 
 import importlib.metadata
+import json
 import os
 import re
+import types
 
 import jax
 import jax.monitoring
@@ -231,3 +233,89 @@ def test_train_refuses_resume_with_overwrite(tmp_path, capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith("error: argument --overwrite: not allowed with argument --resume\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_generate_on_a_one_device_mesh_prints_the_same_text(model_dir, capsys):
+    argv = ["generate", "--model", str(model_dir), "--prompt", "class A", "--prompt", "def f", "--max-new-tokens",
+            "6", "--max-length", "64", "--no-compilation-cache"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--mesh", "data=-1,tensor=1"]) == 0  # -1: the rest, here the one device
+    assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+@pytest.mark.parametrize("spec, message", [
+    ("data=two", "argument --mesh: mesh axis 'data' needs an integer size, got 'two'"),
+    ("pipeline=2", "argument --mesh: unknown mesh axis 'pipeline'; the axes are ('data', 'fsdp', 'expert', "
+                   "'tensor')"),
+    ("data=2,data=1", "argument --mesh: mesh axis 'data' is given twice"),
+    ("data=0", "argument --mesh: mesh axis 'data' needs a size >= 1 (or -1: the rest), got 0"),
+    ("data", "argument --mesh: mesh spec entry 'data' is not 'axis=size' (in 'data')"),
+])
+def test_bad_mesh_spec_is_an_argparse_error_naming_the_flag(tmp_path, capsys, command, spec, message):
+    target = ["--model", "/nonexistent"] if command == "generate" else [str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *target, "--mesh", spec])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(f"mtp-jax {command}: error: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_mesh_flags_parse_and_default_to_none():
+    from mtp_jax.cli import build_parser
+
+    args = build_parser().parse_args(["train", "run", "--mesh", "data=2,tensor=4", "--coordinator-address",
+                                      "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"])
+    assert (args.mesh, args.coordinator_address, args.num_processes, args.process_id) == (
+        "data=2,tensor=4", "10.0.0.1:1234", 2, 1)
+    args = build_parser().parse_args(["generate"])
+    assert (args.mesh, args.coordinator_address, args.num_processes, args.process_id) == (None, None, None, None)
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_mesh_larger_than_the_devices_and_partial_distributed_flags_are_refused(tmp_path, capsys, monkeypatch,
+                                                                                 command):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED"):
+        monkeypatch.delenv(name, raising=False)
+    target = ["--prompt", "x"] if command == "generate" else [str(tmp_path / "run")]
+    assert main([command, *target, "--mesh", "data=2,tensor=4"]) == 2
+    assert capsys.readouterr().err == (f"mtp-jax {command}: error: --mesh data=2,tensor=4: mesh 'data=2,tensor=4' "
+                                       f"has 8 devices but {jax.device_count()} are given (jax.devices(): "
+                                       f"{jax.device_count()})\n")
+    assert main([command, *target, "--process-id", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mtp-jax {command}: error: --coordinator-address, --num-processes, --process-id: "
+                          "multi-process runs need all of coordinator_address, num_processes and process_id")
+    assert "process_id=1" in err and "coordinator_address=None" in err
+    assert not (tmp_path / "run").exists()  # refused before the run dir or the corpus were touched
+
+
+def test_prompts_the_mesh_cannot_split_are_refused_naming_mesh(model_dir, capsys, monkeypatch):
+    data_2 = types.SimpleNamespace(shape={"data": 2, "fsdp": 1, "expert": 1, "tensor": 1})  # a data=2 mesh's sizes
+    monkeypatch.setattr("mtp_jax.cli.mesh_from_args", lambda args: data_2)  # this process has one device
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--prompt", "y", "--prompt", "z",
+                 "--mesh", "data=2"]) == 2
+    assert capsys.readouterr().err == ("mtp-jax generate: error: --mesh data=2: 3 prompts cannot be split over "
+                                       "data x fsdp = 2 devices; give a multiple of 2 prompts (--prompt, "
+                                       "--prompt-file)\n")
+
+
+def test_train_resumes_on_a_one_device_mesh_as_it_would_without(tmp_path, monkeypatch, capsys):
+    from mtp_jax import cli, data, train
+
+    documents = {f"pkg/mod_{i}.py": "".join(TEXT[i % 3: i % 3 + 6]) for i in range(16)}
+    corpus = data.prepare_corpus(tmp_path / "corpus", documents=documents, vocab_size=300, heldout_fraction=0.25)
+    config = ModelConfig.from_name("tiny", vocab_size=300, num_hidden_layers=1, num_nextn_predict_layers=1,
+                                   eos_token_id=corpus.eos_id)
+    settings = train.TrainConfig(batch_size=2, seq_len=16, num_steps=2, warmup_steps=0, log_every=1, eval_batches=1)
+    straight = train.train(tmp_path / "straight", corpus, model_config=config, train_config=settings, progress=False,
+                           export=False)
+    train.train(tmp_path / "run", corpus, model_config=config, train_config=settings, stop_at_step=1, progress=False,
+                export=False)
+    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    assert main(["train", str(tmp_path / "run"), "--resume", "--mesh", "data=1", "--no-progress", "--no-export"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 2 and not result["stopped_early"]
+    assert result["train"]["loss"] == pytest.approx(straight.train_metrics["loss"], rel=1e-6)
+    assert result["heldout"]["main_loss"] == pytest.approx(straight.eval_metrics["main_loss"], rel=1e-6)
