@@ -18,6 +18,7 @@ from mtp_jax.metrics import SpeculativeMetrics
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR, TextStream, load_pretrained, save_pretrained, stream_text
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import make_mesh
 from mtp_jax.speculative import SpeculativeConfig
 
 __version__ = "0.1.0"
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MODEL_DIR", "DecodeEngine", "DecodeState", "GenerationResult", "KVCache", "ModelConfig",
     "RopeScaling", "SamplingParams", "SpeculativeConfig", "SpeculativeMetrics", "TextStream", "Transformer",
-    "generate", "init_model", "load_pretrained", "save_pretrained", "stream", "stream_text",
+    "generate", "init_model", "load_pretrained", "make_mesh", "save_pretrained", "stream", "stream_text",
 ]
