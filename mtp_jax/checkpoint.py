@@ -9,17 +9,20 @@ Format (what `transformers`' `save_pretrained` writes and `from_pretrained` read
 Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_name` is the one
 place that maps them: `layers.3.mlp.down_proj.kernel` is `model.layers.3.mlp.down_proj.weight`.
 Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files. A fused
-projection (`FUSED_MODULES`: `self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`) is
-the HF modules it stands for side by side along its output axis, one tensor each in the files
-(`qkv_proj.kernel` [E, (H + 2G) D] is `q_proj.weight` [H D, E], `k_proj.weight` and `v_proj.weight`
-[G D, E]); the MoE's stacked routed experts [R, in, out] are R tensor sets
-`mlp.experts.{r}.<proj>.weight` [out, in] there (`hf_names`), and a scanned model's stacked layer
-groups (`ModelConfig.scan_layers`, `layer_groups.{g}.layer.<path>` [n, ...]) one tensor set per
-layer, under the unrolled layout's names: both layouts read and write the same files. The router
-`mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] are as they are (float32,
-whatever the dtype of the rest). MTP modules are imported and exported in DeepSeek-V3's layout
-(README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`, and
-`num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
+projection (`FUSED_MODULES`: `self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`) holds
+the HF modules it stands for in its output axis, one tensor each in the files (`_fuse`, `_unfuse`):
+`qkv_proj.kernel` [E, (H + 2G) D] is `q_proj.weight` [H D, E], `k_proj.weight` and `v_proj.weight`
+[G D, E] group-major ([E, G, H/G + 2, D]: KV head g's H/G query heads, k_g, v_g), `gate_up_proj`
+[E, 2I] is `gate_proj.weight` and `up_proj.weight` [I, E] interleaved ([E, I, 2]), so that a
+contiguous shard of the output axis (tensor parallelism, `mtp_jax.sharding`) is self-contained;
+`fused_qkv_a_proj` is `q_a_proj` then `kv_a_proj_with_mqa` side by side. The MoE's stacked routed
+experts [R, in, out] are R tensor sets `mlp.experts.{r}.<proj>.weight` [out, in] there (`hf_names`),
+and a scanned model's stacked layer groups (`ModelConfig.scan_layers`, `layer_groups.{g}.layer.<path>`
+[n, ...]) one tensor set per layer, under the unrolled layout's names: both layouts read and write
+the same files. The router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] are
+as they are (float32, whatever the dtype of the rest). MTP modules are imported and exported in
+DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`,
+and `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
 
 Loading is strict: every tensor in the files must fill a parameter (or its piece of a fused one) and
 every parameter must be filled, each tensor with its own shape; otherwise a `CheckpointError` lists
@@ -103,7 +106,7 @@ class CheckpointError(ValueError):
 
 
 # A fused module (several HF modules that read the same input, computed as one matmul) -> the HF
-# modules it holds side by side along its output (last) axis, in this order.
+# modules it holds in its output (last) axis, in this order (`_fuse` gives the layout).
 FUSED_MODULES = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),  # `mtp_jax.layers.attention.Attention`
     "gate_up_proj": ("gate_proj", "up_proj"),  # `mtp_jax.layers.ffn.MLP`, `mtp_jax.layers.moe.Experts`
@@ -154,9 +157,9 @@ def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
 
 
 def _piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
-    """The widths along the last axis (of size `width`) of the HF tensors one slice of the parameter at
-    `path` holds side by side (`_pieces`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj`
-    I, I; `fused_qkv_a_proj` q_lora_rank, C + R."""
+    """The output widths of the HF tensors that one slice of the parameter at `path` (last axis of size
+    `width`) holds (`_pieces`, `_fuse`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj` I, I;
+    `fused_qkv_a_proj` q_lora_rank, C + R."""
     module = str(path[_module_at(path)])
     if module == "qkv_proj":
         q = config.num_attention_heads * config.resolved_head_dim
@@ -168,16 +171,54 @@ def _piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) 
     return [width]
 
 
+def _fuse(path: tuple[str | int, ...], pieces: list[jax.Array], config: ModelConfig) -> jax.Array:
+    """One slice of the parameter at `path` from the HF tensors it holds (`_pieces` order, ours [..., out]
+    each, e.g. a kernel [E, out] or a bias [out]); `_unfuse` inverts it.
+
+      - `qkv_proj`: q [..., H D], k, v [..., G D] -> [..., G (H/G + 2) D], group-major: for each KV head g
+        its H/G query heads g * (H/G) .. (g + 1) * (H/G) - 1 (those that read it, HF's GQA), then k_g, v_g;
+      - `gate_up_proj`: gate, up [..., I] -> [..., 2I] interleaved: column 2i is gate_i, 2i + 1 is up_i;
+      - `fused_qkv_a_proj` (replicated over `tensor`, so never split): its two tensors side by side;
+      - anything else: its one tensor as is.
+    """
+    module = str(path[_module_at(path)])
+    if module == "qkv_proj":
+        q, k, v = pieces
+        g, d, lead = config.num_key_value_heads, config.resolved_head_dim, q.shape[:-1]
+        q = q.reshape(*lead, g, -1, d)  # [..., G, H/G, D]
+        k, v = k.reshape(*lead, g, 1, d), v.reshape(*lead, g, 1, d)  # [..., G, 1, D] each
+        return jnp.concatenate([q, k, v], axis=-2).reshape(*lead, -1)  # [..., G, H/G + 2, D] -> [..., G (H/G + 2) D]
+    if module == "gate_up_proj":
+        gate, up = pieces
+        return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)  # [..., I, 2] -> [..., 2I]
+    return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+
+
+def _unfuse(path: tuple[str | int, ...], array: np.ndarray, config: ModelConfig) -> list[np.ndarray]:
+    """The HF tensors (ours [..., out] each, `_pieces` order) that one slice `array` of the parameter at
+    `path` holds: `_fuse`'s inverse, by reshapes and slices only (bit-exact)."""
+    module, lead = str(path[_module_at(path)]), array.shape[:-1]
+    if module == "qkv_proj":
+        grouped = array.reshape(*lead, config.num_key_value_heads, -1, config.resolved_head_dim)  # [..., G, H/G + 2, D]
+        return [grouped[..., :-2, :].reshape(*lead, -1),  # [..., H D]
+                grouped[..., -2, :].reshape(*lead, -1), grouped[..., -1, :].reshape(*lead, -1)]  # [..., G D] each
+    if module == "gate_up_proj":
+        pairs = array.reshape(*lead, -1, 2)  # [..., I, 2]
+        return [pairs[..., 0], pairs[..., 1]]  # [..., I] each
+    bounds = np.cumsum(_piece_widths(path, array.shape[-1], config))[:-1]
+    return np.split(array, bounds, axis=-1)
+
+
 def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
     """The HF tensors of one parameter path: [(name, transposed)], one per tensor in the files.
 
     `hf_name`'s single tensor, except for stacked and fused parameters. Stacked ones are one tensor set
     per slice of their `_tensor_axes` leading axes, in row-major order, and a fused one (`FUSED_MODULES`)
-    is, per slice, one tensor per HF module it holds along its last axis, in `FUSED_MODULES` order
-    (`_pieces`, `_piece_widths`):
+    is, per slice, one tensor per HF module it holds in its last axis, in `FUSED_MODULES` order
+    (`_pieces`, `_piece_widths`, `_fuse`):
       - the MoE's routed experts (`mtp_jax.layers.moe`): `...mlp.experts.gate_up_proj` [R, E, 2I] is
         the 2R tensors `...mlp.experts.{r}.gate_proj.weight`, `...mlp.experts.{r}.up_proj.weight` [I, E]
-        (the transposes of slice r's first and last I columns), `down_proj` [R, I, E] the R tensors
+        (the transposes of slice r's even and odd columns, interleaved), `down_proj` [R, I, E] the R tensors
         `...mlp.experts.{r}.down_proj.weight` [E, I]; this is DeepSeek-V3's and GLM-4.5's layout,
         which transformers 5 stacks on load and splits on save;
       - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
@@ -450,9 +491,8 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
     for path_, variable in nnx.to_flat_state(params):
         shape = variable.get_value().shape
         names = [name for name, _ in hf_names(path_, config)]
-        pieces = len(_piece_widths(path_, shape[-1], config))  # a fused slice's tensors, side by side
-        slices = [jnp.concatenate([values[n] for n in names[i:i + pieces]], axis=-1) if pieces > 1 else values[names[i]]
-                  for i in range(0, len(names), pieces)]
+        pieces = len(_piece_widths(path_, shape[-1], config))  # a fused slice's tensors
+        slices = [_fuse(path_, [values[n] for n in names[i:i + pieces]], config) for i in range(0, len(names), pieces)]
         value = jnp.stack(slices).reshape(shape) if _tensor_axes(path_) else slices[0]  # [n?, R?, ...]
         flat.append((path_, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -503,8 +543,7 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
         names = hf_names(param_path, model.config)
         axes = _tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
         slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
-        bounds = np.cumsum(_piece_widths(param_path, array.shape[-1], model.config))[:-1]
-        parts = [part for one in slices for part in np.split(one, bounds, axis=-1)]  # a fused slice's HF tensors
+        parts = [part for one in slices for part in _unfuse(param_path, one, model.config)]  # a slice's HF tensors
         grouped = str(param_path[0]) == "layer_groups"
         where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
         per_layer = len(names) // (array.shape[0] if grouped else 1)

@@ -2,8 +2,9 @@
 
 Module and parameter names follow Hugging Face's `LlamaForCausalLM` and DeepSeek-V3 (`embed_tokens`,
 `layers[i].self_attn`, `mlp`, `input_layernorm`, `norm`, `lm_head`), except the fused projections
-(`self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`), which `mtp_jax.checkpoint`
-joins from the checkpoint's separate tensors on load and splits back on export.
+(`self_attn.qkv_proj` group-major, `mlp.gate_up_proj` interleaved, so that a tensor-parallel shard
+is self-contained; MLA's `fused_qkv_a_proj`), which `mtp_jax.checkpoint` fuses from the checkpoint's
+separate tensors on load and takes apart again on export.
 
 `Transformer.__call__(tokens, positions, cache)` runs T >= 1 new tokens per row at the positions the
 caller gives against a per-layer cache and returns the logits, the final hidden states (which the MTP

@@ -250,9 +250,21 @@ FUSED_CONFIGS = {
 }
 
 
-def _side_by_side(files: dict, prefix: str, modules: tuple[str, ...], leaf: str = "weight") -> np.ndarray:
-    """The HF tensors `{prefix}.{module}.{leaf}` for `modules`, as ours ([in, out]), joined along the output axis."""
-    return np.concatenate([files[f"{prefix}.{m}.{leaf}"].T for m in modules], axis=-1)
+def _fused(files: dict, prefix: str, modules: tuple[str, ...], config: ModelConfig, leaf: str = "weight") -> np.ndarray:
+    """The HF tensors `{prefix}.{module}.{leaf}` for `modules`, as ours ([in, out]), laid out column by column
+    as the fused module holds them: q/k/v group-major (per KV head g: query heads g * H/G .. (g + 1) * H/G - 1,
+    then k_g, then v_g), gate/up interleaved (gate_i, up_i), anything else side by side."""
+    parts = [files[f"{prefix}.{m}.{leaf}"].T for m in modules]
+    if modules == ("q_proj", "k_proj", "v_proj"):
+        q, k, v = parts
+        h, g, d = config.num_attention_heads, config.num_key_value_heads, config.resolved_head_dim
+        head = lambda x, n: x[..., n * d:(n + 1) * d]  # noqa: E731  # head n's D columns
+        return np.concatenate([column for kv in range(g) for column in (
+            *(head(q, kv * (h // g) + j) for j in range(h // g)), head(k, kv), head(v, kv))], axis=-1)
+    if modules == ("gate_proj", "up_proj"):
+        gate, up = parts
+        return np.concatenate([np.stack([gate[..., i], up[..., i]], axis=-1) for i in range(gate.shape[-1])], axis=-1)
+    return np.concatenate(parts, axis=-1)
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -260,9 +272,10 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(FUSED_CONFIGS))
-def test_fused_params_are_their_hf_tensors_side_by_side(tmp_path, name):
-    """Each fused param is the concatenation along its output axis of the HF tensors it stands for (files written
-    with the HF names only), and the export splits it back bit-exactly, in either layer layout."""
+def test_fused_params_are_their_hf_tensors_in_the_fused_layout(tmp_path, name):
+    """Each fused param holds the HF tensors it stands for (files written with the HF names only) in its layout:
+    qkv_proj group-major, gate_up_proj interleaved, fused_qkv_a_proj side by side; the export takes them back
+    out bit-exactly, in either layer layout."""
     config = FUSED_CONFIGS[name]
     save_hf_checkpoint(_random_model(config, seed=5), tmp_path)
     files = load_file(tmp_path / "model.safetensors")
@@ -276,18 +289,19 @@ def test_fused_params_are_their_hf_tensors_side_by_side(tmp_path, name):
             joined, modules = attn.fused_qkv_a_proj, ("q_a_proj", "kv_a_proj_with_mqa")
         else:
             joined, modules = attn.qkv_proj, ("q_proj", "k_proj", "v_proj")
-        np.testing.assert_array_equal(joined.kernel[...], _side_by_side(files, f"{prefix}.self_attn", modules))
-        np.testing.assert_array_equal(joined.bias[...], _side_by_side(files, f"{prefix}.self_attn", modules, "bias"))
+        np.testing.assert_array_equal(joined.kernel[...], _fused(files, f"{prefix}.self_attn", modules, config))
+        np.testing.assert_array_equal(joined.bias[...], _fused(files, f"{prefix}.self_attn", modules, config,
+                                                                     "bias"))
         mlps = [(f"{prefix}.mlp", block.mlp)] if i < config.first_k_dense_replace else [
             (f"{prefix}.mlp.shared_experts", block.mlp.shared_experts)]
         for mlp_prefix, mlp in mlps:
             np.testing.assert_array_equal(mlp.gate_up_proj.kernel[...],
-                                          _side_by_side(files, mlp_prefix, ("gate_proj", "up_proj")))
+                                          _fused(files, mlp_prefix, ("gate_proj", "up_proj"), config))
         if i >= config.first_k_dense_replace:
             gate_up = np.asarray(block.mlp.experts.gate_up_proj[...])  # [R, E, 2I]
             for r in range(config.n_routed_experts):
                 np.testing.assert_array_equal(
-                    gate_up[r], _side_by_side(files, f"{prefix}.mlp.experts.{r}", ("gate_proj", "up_proj")))
+                    gate_up[r], _fused(files, f"{prefix}.mlp.experts.{r}", ("gate_proj", "up_proj"), config))
     for scan_layers in (False, True):
         exported = hf_tensors(load_hf_checkpoint(tmp_path, scan_layers=scan_layers))
         assert sorted(exported) == sorted(files)

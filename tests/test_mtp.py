@@ -64,10 +64,10 @@ def np_block(layer, x):
     h, g, d = c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim
     a = layer.self_attn
     y = np_rms(x, w(layer.input_layernorm.weight))
-    q, k, v = np.split(y @ w(a.qkv_proj.kernel), [h * d, (h + g) * d], axis=-1)  # q_proj, k_proj, v_proj side by side
-    q = np_rope(q.reshape(b, t, h, d))
-    k = np.repeat(np_rope(k.reshape(b, t, g, d)), h // g, axis=2)  # head j reads kv j // (H/G)
-    v = np.repeat(v.reshape(b, t, g, d), h // g, axis=2)
+    qkv = (y @ w(a.qkv_proj.kernel)).reshape(b, t, g, h // g + 2, d)  # per KV head: its H/G query heads, k, v
+    q = np_rope(qkv[:, :, :, :-2].reshape(b, t, h, d))
+    k = np.repeat(np_rope(qkv[:, :, :, -2]), h // g, axis=2)  # head j reads kv j // (H/G)
+    v = np.repeat(qkv[:, :, :, -1], h // g, axis=2)
     scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
     scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
@@ -75,7 +75,8 @@ def np_block(layer, x):
     x = x + np.einsum("bhts,bshd->bthd", p, v).reshape(b, t, h * d) @ w(a.o_proj.kernel)
     y = np_rms(x, w(layer.post_attention_layernorm.weight))
     m = layer.mlp
-    gate, up = np.split(y @ w(m.gate_up_proj.kernel), 2, axis=-1)  # gate_proj, up_proj side by side
+    gate_up = y @ w(m.gate_up_proj.kernel)  # gate_proj, up_proj interleaved
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
     return x + ((gate / (1 + np.exp(-gate))) * up) @ w(m.down_proj.kernel)
 
 

@@ -118,9 +118,9 @@ def scripted(config: ModelConfig, seed: int):
             add(module.eh_proj.kernel, (tokens, READS[k]), 4 / root)  # [2E, E]
             continue
         ahead = SUCCESSOR[ahead]  # the token head k + 1 stands for at position i: t_{i+1+k}
-        width = module.mlp.down_proj.kernel.get_value().shape[0]  # I; gate_up_proj [E, 2I] is gate, then up
-        add(module.mlp.gate_up_proj.kernel, (tokens, tokens), 1.0)  # unit t's gate opens for e_t
-        add(module.mlp.gate_up_proj.kernel, (tokens, width + tokens), 1 / root)
+        # gate_up_proj [E, 2I] interleaved: column 2i is unit i's gate, 2i + 1 its up
+        add(module.mlp.gate_up_proj.kernel, (tokens, 2 * tokens), 1.0)  # unit t's gate opens for e_t
+        add(module.mlp.gate_up_proj.kernel, (tokens, 2 * tokens + 1), 1 / root)
         add(module.mlp.down_proj.kernel, tokens, (2 * one_hot[READS[k][ahead]] - one_hot) * root / silu)  # [I, E]
     return model
 

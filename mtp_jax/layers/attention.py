@@ -116,9 +116,13 @@ class Attention(nnx.Module):
     an RMSNorm over each query and key head (`q_norm`, `k_norm`) before RoPE.
 
     Parameters (kernels [in, out] in `config.weight_dtype`): `qkv_proj` [E, (H + 2G) D] (+ bias
-    [(H + 2G) D] when `attention_bias`), HF's `q_proj`, `k_proj` and `v_proj` side by side in that
-    order along the output axis (one matmul; `mtp_jax.checkpoint` splits and joins them); `o_proj`
-    [H D, E]; with `use_qk_norm`, `q_norm` and `k_norm` [D].
+    [(H + 2G) D] when `attention_bias`), HF's `q_proj`, `k_proj` and `v_proj` in one matmul, its output
+    axis group-major: [G, H/G + 2, D] flattened, KV head g's H/G query heads (query head
+    h = g * (H/G) + j, which reads KV head h // (H/G) as in HF's GQA), then k_g, then v_g. A contiguous
+    chunk of the output axis is then whole GQA groups, so tensor parallelism over it (any degree that
+    divides G, `mtp_jax.sharding`) keeps each device's q, k and v local. `mtp_jax.checkpoint` builds
+    it from HF's tensors on load and takes them back out on export. `o_proj` [H D, E]; with
+    `use_qk_norm`, `q_norm` and `k_norm` [D].
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -155,8 +159,9 @@ class Attention(nnx.Module):
         c = self.config
         batch, num_new, _ = x.shape
         d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
-        qkv = self.qkv_proj(x).reshape(batch, num_new, h + 2 * g, d)  # [B, T, H + 2G, D]
-        q, k, v = qkv[:, :, :h], qkv[:, :, h:h + g], qkv[:, :, h + g:]  # [B, T, H, D], [B, T, G, D] x 2
+        qkv = self.qkv_proj(x).reshape(batch, num_new, g, h // g + 2, d)  # [B, T, G, H/G + 2, D], group-major
+        q = qkv[:, :, :, :-2].reshape(batch, num_new, h, d)  # [B, T, H, D], head h = g * (H/G) + j
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [B, T, G, D] each
         if c.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, positions), self._rope(k, positions)

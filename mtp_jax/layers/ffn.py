@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.linear import linear
 
 
+def split_gate_up(gate_up: Float[Array, "... 2I"]) -> tuple[Float[Array, "... I"], Float[Array, "... I"]]:
+    """The gate and up activations [..., I] of an interleaved `gate_up_proj` output [..., 2I] (column 2i is
+    gate unit i, column 2i + 1 up unit i: `MLP`, `mtp_jax.layers.moe.Experts`). A reshape: a contiguous
+    shard of the 2I axis is whole (gate, up) pairs, so it stays on its device."""
+    pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)  # [..., I, 2]
+    return pairs[..., 0], pairs[..., 1]
+
+
 class MLP(nnx.Module):
-    """`down_proj(silu(gate) * up)` with `[gate, up] = gate_up_proj(x)`: [..., E] -> [..., E] through
+    """`down_proj(silu(gate) * up)` with `gate, up = split_gate_up(gate_up_proj(x))`: [..., E] -> [..., E] through
     I = `intermediate_size` (default `config.intermediate_size`; DeepSeek-V3's shared experts pass their own).
 
     Parameters (kernels [in, out] in `config.weight_dtype`, no biases): `gate_up_proj` [E, 2I], HF's
-    `gate_proj` then `up_proj` side by side along the output axis (one matmul; `mtp_jax.checkpoint`
-    splits and joins them), and `down_proj` [I, E].
+    `gate_proj` and `up_proj` in one matmul, interleaved along the output axis ([E, I, 2] flattened:
+    column 2i is gate unit i, column 2i + 1 up unit i), so that a contiguous chunk of it holds matching
+    gate and up units and tensor parallelism over it (any degree that divides I, `mtp_jax.sharding`)
+    needs no exchange before `down_proj`; `mtp_jax.checkpoint` interleaves HF's tensors on load and
+    separates them on export. `down_proj` [I, E].
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
@@ -25,5 +36,5 @@ class MLP(nnx.Module):
         self.down_proj = linear(config, width, config.hidden_size, rngs, axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)  # [..., I] each
+        gate, up = split_gate_up(self.gate_up_proj(x))  # [..., I] each
         return self.down_proj(jax.nn.silu(gate) * up)

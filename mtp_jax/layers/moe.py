@@ -22,14 +22,16 @@ default, which turns group limiting off; `tests/test_moe.py` checks both).
 Checkpoint layout (DeepSeek-V3 safetensors, prefix `model.layers.{l}.mlp.`):
   `gate.weight` [R, E]                      -> `gate.weight` (as is)
   `gate.e_score_correction_bias` [R]        -> `gate.e_score_correction_bias` (as is)
-  `experts.{r}.gate_proj.weight` [I, E]     -> `experts.gate_up_proj[r, :, :I]` = its transpose
-  `experts.{r}.up_proj.weight` [I, E]       -> `experts.gate_up_proj[r, :, I:]` = its transpose
-                                               (`experts.gate_up_proj` [R, E, 2I]: one grouped matmul for both)
+  `experts.{r}.gate_proj.weight` [I, E]     -> `experts.gate_up_proj[r, :, 0::2]` = its transpose
+  `experts.{r}.up_proj.weight` [I, E]       -> `experts.gate_up_proj[r, :, 1::2]` = its transpose
+                                               (`experts.gate_up_proj` [R, E, 2I], gate and up interleaved
+                                               as `ffn.MLP`'s: one grouped matmul for both)
   `experts.{r}.down_proj.weight` [E, I]     -> `experts.down_proj` [R, I, E] = stack over r, then transpose(0, 2, 1)
   `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts` (an `MLP`: `gate_up_proj` [E, 2I] is the
-                                               gate and up weights' transposes side by side, `down_proj` [I, E])
+                                               gate and up weights' transposes interleaved, `down_proj` [I, E])
 transformers 5 holds the stacked experts as `gate_up_proj` [R, 2I, E] (gate rows first, then up) and
-`down_proj` [R, E, I]; ours are their `transpose(0, 2, 1)`.
+`down_proj` [R, E, I]; ours are `gate_up_proj.reshape(R, 2, I, E).transpose(0, 3, 2, 1).reshape(R, E, 2I)`
+and `down_proj.transpose(0, 2, 1)`.
 
 The routed experts run as grouped matmuls (`jax.lax.ragged_dot`) over the N*k token-expert assignments
 sorted by expert; every shape is fixed (no data-dependent shapes, no loop over experts). On TPU and GPU
@@ -52,7 +54,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers.ffn import MLP
+from mtp_jax.layers.ffn import MLP, split_gate_up
 from mtp_jax.sharding import axis_size, context_spec
 
 
@@ -133,11 +135,12 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """The R routed SwiGLU experts, stacked: `gate_up_proj` [R, E, 2I] (each expert's gate columns, then
-    its up columns) and `down_proj` [R, I, E], in `config.weight_dtype`.
+    """The R routed SwiGLU experts, stacked: `gate_up_proj` [R, E, 2I] (each expert's gate and up columns
+    interleaved, [R, E, I, 2] flattened: column 2i is gate unit i, 2i + 1 up unit i, as `ffn.MLP`'s) and
+    `down_proj` [R, I, E], in `config.weight_dtype`.
 
     `__call__(x [N, E], indices int32 [N, k], weights float32 [N, k]) -> [N, E]`:
-    `sum_j weights[:, j] * down(silu(gate) * up)` with `[gate, up] = x @ gate_up_proj[indices[:, j]]`, as
+    `sum_j weights[:, j] * down(silu(gate) * up)` with `gate, up = split_gate_up(x @ gate_up_proj[indices[:, j]])`, as
     two `lax.ragged_dot`s over the N*k assignments sorted by expert.
     """
 
@@ -172,7 +175,7 @@ def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: j
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [R']
     xs = x.astype(gate_up.dtype)[order // top_k]  # [M, E], the token of each sorted assignment
     gate_up_out = jax.lax.ragged_dot(xs, gate_up, group_sizes)  # [M, 2I]; rows past the groups: 0
-    gate, up = jnp.split(gate_up_out, 2, axis=-1)  # [M, I] each
+    gate, up = split_gate_up(gate_up_out)  # [M, I] each
     ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [M, E]
     inverse = jnp.argsort(order)  # [M], sorted position of each assignment
     y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
