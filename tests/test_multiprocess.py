@@ -35,7 +35,9 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def test_two_processes_decode_on_one_mesh_as_one_device(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",  # the workers import this tree's mtp_jax, as this process does
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED"):
         env.pop(name, None)
     address = f"localhost:{_free_port()}"

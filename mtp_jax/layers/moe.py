@@ -48,6 +48,8 @@ assignments, I = moe_intermediate_size, P = n_group, Q = R / P experts per group
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -129,9 +131,15 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
         logits = jnp.einsum("ne,re->nr", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))  # [N, R]
-        return route(logits, self.e_score_correction_bias[...], top_k=c.num_experts_per_tok, n_group=c.n_group,
-                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-                     routed_scaling_factor=c.routed_scaling_factor, scoring_func=c.scoring_func)
+        choose = functools.partial(route, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+                                   scoring_func=c.scoring_func)
+        rows = context_spec(P("batch", None), logits.shape)  # None: no mesh
+        if rows is None or rows == P(None, None):
+            return choose(logits, self.e_score_correction_bias[...])
+        # Row by row, so per device on its rows (GSPMD gathers the rows for lax.top_k otherwise).
+        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows),
+                             check_vma=False)(logits, self.e_score_correction_bias[...])
 
 
 class Experts(nnx.Module):
@@ -156,9 +164,10 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
         dtype = self.config.compute_dtype
         gate_up, down = self.gate_up_proj[...].astype(dtype), self.down_proj[...].astype(dtype)
-        if axis_size("expert") == 1:
+        rows = context_spec(P("batch", None), x.shape)  # None: no mesh
+        if rows is None or (rows == P(None, None) and axis_size("expert") == 1):
             return _expert_sum(x, indices, weights, gate_up, down, first=0)
-        return _expert_parallel(x, indices, weights, gate_up, down)
+        return _experts_on_mesh(x, indices, weights, gate_up, down, rows)
 
 
 def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *,
@@ -184,22 +193,24 @@ def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: j
     return out.astype(x.dtype)
 
 
-def _expert_parallel(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array,
-                     down: jax.Array) -> jax.Array:
-    """`_expert_sum` with the experts split over the context mesh's `expert` axis (`mtp_jax.sharding`):
-    each device runs its R / n experts on every token routed to them (tokens stay sharded over the
-    batch axes and whole over `expert`), and one all-reduce (`psum`) over `expert` adds the shares.
-    Raises ValueError when n does not divide R."""
+def _experts_on_mesh(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
+                     rows: P) -> jax.Array:
+    """`_expert_sum` per device under `shard_map` on the context mesh (`mtp_jax.sharding`): tokens stay
+    where their rows are (`rows`, the batch axes) and whole over `expert`; the experts are split over
+    `expert` (n devices): each device runs its R / n experts on every token routed to them, and one
+    all-reduce (`psum`) over `expert` adds the shares (n = 1: data parallelism alone, no collective;
+    GSPMD would gather the rows for the sort by expert otherwise). Raises ValueError when n does not
+    divide R."""
     num_experts, n = gate_up.shape[0], axis_size("expert")
     if num_experts % n:
         raise ValueError(f"expert parallelism needs n_routed_experts ({num_experts}) to be a multiple of the "
                          f"mesh's expert axis ({n})")
-    rows = context_spec(P("batch", None), x.shape)
     experts = P("expert", None, None)
 
     def local(x, indices, weights, gate_up, down):
         first = jax.lax.axis_index("expert") * gate_up.shape[0]
-        return jax.lax.psum(_expert_sum(x, indices, weights, gate_up, down, first=first), "expert")
+        y = _expert_sum(x, indices, weights, gate_up, down, first=first)
+        return jax.lax.psum(y, "expert") if n > 1 else y
 
     return jax.shard_map(local, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
                          check_vma=False)(x, indices, weights, gate_up, down)

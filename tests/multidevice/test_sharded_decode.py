@@ -7,6 +7,7 @@ decide each token by a top-1/top-2 logit margin far above that (> 1e-3 against d
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -232,3 +233,35 @@ def test_the_draft_argmax_combines_vocabulary_shards_with_the_lowest_index_on_ti
         out = jax.jit(lambda x: argmax_last(x, P("batch", "vocab")))(logits)
     assert out.tolist() == [5, 127, 64, 0] == jnp.argmax(logits, axis=-1).tolist()
     assert "shard_map" in jaxpr and "all_gather" in jaxpr
+
+
+def _step_collectives(model, mesh_spec, rows=8):
+    """(kind, op_name) of every collective in the compiled decode step (eagle K=2) on `mesh_spec`."""
+    engine = DecodeEngine(model, EAGLE, mesh=make_mesh(mesh_spec))
+    state, _ = engine.init_state([[1, 2, 3]] * rows, max_new_tokens=8, max_length=32)
+    with jax.set_mesh(engine.mesh):
+        hlo = engine_lib._step_jit.lower(engine._graph, engine._params, EAGLE, state).compile().as_text()
+    kinds = r"(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?"
+    return [(m.group(1), m.group(2)) for m in re.finditer(kinds + r"\(.*?op_name=\"([^\"]+)\"", hlo)]
+
+
+def test_a_data_parallel_step_communicates_only_its_row_wide_conditions(gqa, deepseek):
+    for model in (gqa, deepseek):  # the cache writes, commits and the MoE's routing and sort stay on each device
+        found = _step_collectives(model, "data=8")
+        assert all(kind == "all-reduce" and re.search(r"reduce_(and|or)", name) for kind, name in found), found
+        assert len(found) <= 2, found
+
+
+def test_the_fused_projections_split_without_moving_data_under_tensor_parallelism(gqa):
+    found = _step_collectives(gqa, "data=2,tensor=4")
+    # qkv_proj (group-major) and gate_up_proj (interleaved): a tensor shard holds whole heads and units
+    assert not [f for f in found if f[0] == "collective-permute" and re.search(r"slice|split|scatter", f[1])], found
+    assert sum(kind == "all-reduce" and "dot_general" in name for kind, name in found) >= 2  # row-parallel o/down
+
+
+def test_expert_parallel_moe_layers_all_reduce_once_each(deepseek):
+    found = _step_collectives(deepseek, "data=2,expert=4")
+    # one per MoE layer call: the main model's MoE layer in the verify forward, the MTP module's (a MoE
+    # layer) in its two calls of the draft (the K+1 verified rows, then the second draft)
+    assert [kind for kind, name in found if "psum" in name] == ["all-reduce"] * 3, found
+    assert all(kind == "all-reduce" for kind, _ in found), found

@@ -13,6 +13,7 @@ The last test runs `train` under `jax.distributed` on localhost: two processes o
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -227,10 +228,18 @@ def test_two_processes_train_as_one_device(tmp_path, corpus, model_config, strai
             "model_config": run_dir_lib.config_to_dict(model_config),
             "train_config": run_dir_lib.config_to_dict(CONFIG), "run_dir": str(run_dir)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    root = pathlib.Path(__file__).parents[2]  # the workers import this tree's mtp_jax, as this process does
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "spec.json"), str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [proc.communicate(timeout=600) for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-4000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
