@@ -119,8 +119,10 @@ def _mesh_sizes(mesh) -> dict[str, int]:
 def resolve(logical: P, shape: Sequence[int], mesh) -> P:
     """The mesh `PartitionSpec` of an array of `shape` whose dimensions have the `logical` names.
 
-    Each name maps to its `LOGICAL_RULES` mesh axes of size > 1, not yet used by an earlier dimension;
-    a dimension those axes' product does not divide is replicated, except "batch", which raises
+    Each name maps to its `LOGICAL_RULES` mesh axes of size > 1, not yet used by an earlier dimension.
+    An entry `(name, block)` splits only at multiples of `block` (a flattened head-major axis splits
+    between heads: `("heads", D)`); a dimension that the axes' product (times its block) does not
+    divide is replicated, except "batch", which raises
     ValueError (a batch of 3 rows cannot be split over `data=2`); an empty array is replicated. Raises
     ValueError for an unknown name or a spec longer than the array's rank.
     """
@@ -133,11 +135,12 @@ def resolve(logical: P, shape: Sequence[int], mesh) -> P:
         if name is None:
             out.append(None)
             continue
+        name, block = name if isinstance(name, tuple) else (name, 1)
         if name not in LOGICAL_RULES:
             raise ValueError(f"unknown logical axis {name!r}; the rules name {sorted(LOGICAL_RULES)}")
         axes = tuple(a for a in LOGICAL_RULES[name] if sizes.get(a, 1) > 1 and a not in used)
         size = math.prod(sizes[a] for a in axes)
-        if dim % size:
+        if dim % (size * block):
             if name == "batch":
                 raise ValueError(f"batch size {dim} is not a multiple of the mesh's batch axes {axes} "
                                  f"({size} devices); use a batch of a multiple of {size} rows")

@@ -69,6 +69,9 @@ def test_resolve_follows_the_rules_and_replicates_what_does_not_divide():
     assert resolve(P("batch", None, "vocab"), (4, 2, 0), mesh) == P()  # empty: nothing to split
     assert resolve(P(None, "embed"), (64, 32), mesh_of(fsdp=2)) == P(None, "fsdp")
     assert resolve(P("embed", "embed"), (32, 32), mesh_of(fsdp=2)) == P("fsdp", None)  # an axis is used once
+    # blocks: 2 KV groups of 6 heads' columns do not split 4 ways, 4 heads of 16 columns do
+    assert resolve(P(None, ("heads", 96)), (32, 192), mesh) == P(None, None)
+    assert resolve(P(("heads", 16), None), (64, 32), mesh) == P("tensor", None)
     with pytest.raises(ValueError, match=r"batch size 3 is not a multiple of the mesh's batch axes \('data',\)"):
         resolve(P("batch", None), (3, 8), mesh)
     with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):

@@ -129,8 +129,8 @@ class Attention(nnx.Module):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = linear(config, config.hidden_size, (h + 2 * g) * d, rngs, config.attention_bias,
-                               axes=("embed", "heads"))
-        self.o_proj = linear(config, h * d, config.hidden_size, rngs, axes=("heads", "embed"))
+                               axes=("embed", ("heads", (h // g + 2) * d)))  # splits between KV groups
+        self.o_proj = linear(config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"))
         if config.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)

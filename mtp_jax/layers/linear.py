@@ -9,11 +9,12 @@ from mtp_jax.config import ModelConfig
 
 
 def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False, *,
-           axes: tuple[str | None, str | None]) -> nnx.Linear:
+           axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None]) -> nnx.Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
     `config.compute_dtype`; an optional bias (zeros).
 
-    `axes`: the kernel's logical axis names (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`);
+    `axes`: the kernel's logical axes (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`): a name,
+    None, or `(name, block)` for an axis that may split only at multiples of `block` (between heads);
     the bias takes the output's.
     """
     return nnx.Linear(

@@ -120,19 +120,19 @@ class MLAttention(nnx.Module):
         heads, qk_dim = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", "heads"))
+            self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", ("heads", qk_dim)))
             self.kv_a_proj_with_mqa = linear(c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias,
                                              axes=("embed", None))
         else:
             self.fused_qkv_a_proj = linear(c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias,
                                            axes=("embed", None))
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
-            self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", "heads"))
+            self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", ("heads", qk_dim)))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
         self.kv_b_proj = linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), rngs,
-                                 axes=("latent", "heads"))
+                                 axes=("latent", ("heads", c.qk_nope_head_dim + c.v_head_dim)))
         self.o_proj = linear(c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias,
-                             axes=("heads", "embed"))
+                             axes=(("heads", c.v_head_dim), "embed"))
 
     def __call__(
         self,

@@ -156,6 +156,12 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated():
     engine = DecodeEngine(model, None, mesh=make_mesh("data=2,tensor=4"))
     state, _ = engine.init_state(PROMPTS, max_new_tokens=4, max_length=CAPACITY)
     assert state.cache[0].k.sharding.spec == P("data", None, None, None)
+    attn = engine._params["layers"][0]["self_attn"]
+    assert attn["qkv_proj"]["kernel"].sharding.spec == P(None, None)  # 2 KV groups: no whole-group split
+    assert attn["o_proj"]["kernel"].sharding.spec == P("tensor", None)  # 4 query heads: one each
+    one = generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY)
+    assert generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY,
+                    mesh=make_mesh("data=2,tensor=4")).tokens == one.tokens
 
 
 def test_a_batch_the_data_axis_does_not_divide_is_refused(gqa):
