@@ -196,18 +196,20 @@ def named_shardings(tree, logical_tree, mesh: Mesh):
 def place(tree, shardings):
     """Every array of `tree` on its sharding (a matching tree of `Sharding`s).
 
-    One process: `jax.device_put`. Several (`jax.distributed`): each process holds the whole value
-    (the same on all) and transfers only the shards of its own devices (`jax.make_array_from_callback`);
-    an array that already spans several processes (placed on a mesh before, e.g. a model trained
-    sharded) is moved device to device by `jax.device_put` instead (no host copy; a no-op when
-    already on `sharding`).
+    An array already on (an equivalent of) its sharding is kept as it is. One process: `jax.device_put`.
+    Several (`jax.distributed`): each process holds the whole value (the same on all) and transfers
+    only the shards of its own devices (`jax.make_array_from_callback`); an array that already spans
+    several processes (placed on a mesh before, e.g. a model trained sharded) is moved device to
+    device by `jax.device_put` instead (no host copy).
     """
     if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
+        return jax.device_put(tree, shardings)  # a no-op for arrays already there
 
     def put(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:  # np.asarray would raise
-            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+            return jax.device_put(x, sharding)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
