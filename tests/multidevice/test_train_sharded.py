@@ -25,6 +25,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_data import tiny_documents  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 from mtp_jax import data, sharding, train
 from mtp_jax import run_dir as run_dir_lib
@@ -36,18 +37,9 @@ CONFIG = train.TrainConfig(batch_size=8, seq_len=16, num_steps=3, learning_rate=
 NUM_STEPS = 2  # steps compared per mesh
 
 
-def _documents(num: int = 24) -> dict[str, str]:
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "value", "count", "name", "items"]
-    return {f"pkg/mod_{i}.py": "\n".join(f"def {a}_{j}(self, {b}):\n    return self.{a} + {b} * {j}\n"
-                                         for j in range(int(rng.integers(3, 9)))
-                                         for a, b in [rng.choice(words, 2)])
-            for i in range(num)}
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return data.prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=_documents(), vocab_size=300,
+    return data.prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=tiny_documents(24), vocab_size=300,
                                heldout_fraction=0.2)
 
 
@@ -224,7 +216,7 @@ def test_two_processes_train_as_one_device(tmp_path, corpus, model_config, strai
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
-    spec = {"coordinator": f"localhost:{port}", "corpus_dir": str(corpus.work_dir), "documents": _documents(),
+    spec = {"coordinator": f"localhost:{port}", "corpus_dir": str(corpus.work_dir), "documents": tiny_documents(24),
             "model_config": run_dir_lib.config_to_dict(model_config),
             "train_config": run_dir_lib.config_to_dict(CONFIG), "run_dir": str(run_dir)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
