@@ -69,7 +69,7 @@ class DecodeState:
     done: jax.Array  # bool [B]
     cache: tuple[KVCache, ...]  # the main model's cache (`Transformer.init_cache`), positions 0 .. lengths - 2
     sampling: SamplingState
-    stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 = unused slot
+    stop_tokens: jax.Array  # int32 [B, MAX_STOP_TOKENS]: each row's stop tokens, -1 = unused slot
     logprobs: jax.Array  # float32 [B, S]: log-softmax of the raw logits at each generated token
     thinking: jax.Array  # bool [B]: in a thinking phase after the last committed token (relaxed acceptance)
     draft: DraftState  # the drafter's state (empty arrays when not speculating)
@@ -78,9 +78,9 @@ class DecodeState:
     def logical_axes(self) -> DecodeState:
         """The same tree with each array's logical axes (`mtp_jax.sharding`): rows over "batch"
         everywhere, the caches as `mtp_jax.cache.logical_axes` names them, the draft distributions'
-        vocabulary over "vocab", the stop tokens whole."""
+        vocabulary over "vocab"."""
         axes = jax.tree.map(lambda x: P("batch", *([None] * (x.ndim - 1))), self)
-        return axes.replace(cache=cache_axes(self.cache), stop_tokens=P(None), draft=axes.draft.replace(
+        return axes.replace(cache=cache_axes(self.cache), draft=axes.draft.replace(
             probs=P("batch", None, "vocab"), caches=cache_axes(self.draft.caches)))
 
 
@@ -145,7 +145,7 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
         tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
         max_new_tokens=jnp.asarray(request.max_new_tokens, jnp.int32), done=jnp.zeros((batch,), bool),
         cache=model.init_cache(batch, capacity), sampling=SamplingState.from_params(request.sampling),
-        stop_tokens=jnp.asarray(stop, jnp.int32), logprobs=jnp.zeros((batch, capacity), jnp.float32),
+        stop_tokens=jnp.asarray([stop] * batch, jnp.int32), logprobs=jnp.zeros((batch, capacity), jnp.float32),
         thinking=jnp.asarray([initial_phase(p, speculative) for p in prompts], bool),
         draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
         metrics=SpecMetrics.zeros(batch, k_max))
@@ -186,7 +186,7 @@ def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
     capacity = state.tokens.shape[1]
     index = jnp.arange(candidates.shape[1])[None, :]  # [1, N]
     offered = index < num_candidates[:, None]  # [B, N]
-    is_stop = offered & jnp.any(candidates[:, :, None] == state.stop_tokens[None, None, :], axis=-1)  # [B, N]
+    is_stop = offered & jnp.any(candidates[:, :, None] == state.stop_tokens[:, None, :], axis=-1)  # [B, N]
     through_stop = jnp.where(jnp.any(is_stop, axis=-1), jnp.argmax(is_stop, axis=-1) + 1, num_candidates)
     room = jnp.minimum(state.max_new_tokens - (state.lengths - state.prompt_lengths), capacity - state.lengths)
     num = jnp.where(state.done, 0, jnp.clip(jnp.minimum(through_stop, room), 0, None))  # [B]
@@ -214,18 +214,33 @@ def _accept_and_commit(spec: SpeculativeConfig | None, state: DecodeState,
     return new.replace(thinking=update_phase(spec, state.thinking, candidates, num)), num, num_accepted
 
 
-def prefill(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState,
-            padded_prompts: jax.Array) -> DecodeState:
-    """Prompts int32 [B, P] (right-padded) through the main model, the first token committed (as a
-    step with no drafts commits it), the first drafts made. Not a step: the metrics count none."""
-    positions = sequence_positions(*padded_prompts.shape)  # padding past a prompt is stale from the start
-    logits, hidden, cache = model(padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1)
-    target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
-    no_drafts = state.draft.replace(tokens=state.draft.tokens[:, :0], probs=state.draft.probs[:, :0])
-    state = _accept_and_commit(spec, state.replace(cache=cache, draft=no_drafts), target)[0].replace(
-        draft=state.draft)
+def prefill(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState, padded_prompts: jax.Array,
+            start: jax.Array | None = None, *, final: bool = True) -> DecodeState:
+    """Prompts int32 [B, C] (right-padded) through the main model, the first token committed (as a
+    step with no drafts commits it), the first drafts made. Not a step: the metrics count none.
+
+    Chunked prefill (`mtp_jax.serving`): `start` (int32 [B]) puts the chunk at positions start ..
+    start + C - 1 of prompts already prefilled before `start`. A `final` chunk holds each prompt's
+    last token (start <= prompt_lengths - 1 < start + C) and commits as above; an earlier chunk
+    (`final=False`, static; start + C < prompt_lengths) only fills the caches, the MTP modules'
+    included (`speculative.draft_after_prefill`), and commits nothing.
+    """
+    offset = jnp.zeros_like(state.lengths) if start is None else start
+    positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
+    if final:
+        logits, hidden, cache = model(padded_prompts, positions, state.cache,
+                                      logits_at=state.prompt_lengths - 1 - offset)
+        target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
+        no_drafts = state.draft.replace(tokens=state.draft.tokens[:, :0], probs=state.draft.probs[:, :0])
+        state = _accept_and_commit(spec, state.replace(cache=cache, draft=no_drafts), target)[0].replace(
+            draft=state.draft)
+        lengths = state.lengths
+    else:
+        _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False)
+        state = state.replace(cache=cache)
+        lengths = offset + padded_prompts.shape[1] + 1  # as if the chunk's next token were committed too
     state = state.replace(draft=draft_after_prefill(model, spec, state.sampling, state.tokens, state.draft,
-                                                    initial_hidden(model, hidden), state.lengths))
+                                                    initial_hidden(model, hidden), lengths, start))
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
@@ -245,9 +260,67 @@ def run(model: Transformer, spec: SpeculativeConfig | None, state: DecodeState) 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, spec, s), state)
 
 
+@struct.dataclass
+class StepOutput:
+    """What one step committed, per row, for a host that streams it (`mtp_jax.serving`).
+
+    The first `num_committed[b]` entries of `tokens[b]` / `logprobs[b]` are row b's new tokens and
+    their raw logprobs (the rest is padding); `num_accepted[b]` of them were accepted drafts.
+    """
+
+    num_committed: jax.Array  # int32 [B], 0 for a finished row
+    tokens: jax.Array  # int32 [B, K+1]
+    logprobs: jax.Array  # float32 [B, K+1]
+    num_accepted: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B], after the step
+
+
+def step_with_output(model: Transformer, spec: SpeculativeConfig | None,
+                     state: DecodeState) -> tuple[DecodeState, StepOutput]:
+    """`step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
+    new = step(model, spec, state)
+    positions = jnp.minimum(state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :],
+                            state.tokens.shape[1] - 1)  # [B, K+1]
+    return new, StepOutput(num_committed=new.lengths - state.lengths,
+                           tokens=jnp.take_along_axis(new.tokens, positions, axis=1),
+                           logprobs=jnp.take_along_axis(new.logprobs, positions, axis=1),
+                           num_accepted=new.metrics.num_accepted - state.metrics.num_accepted, done=new.done)
+
+
+def _batch_axis(spec: P) -> int:
+    return list(spec).index("batch")
+
+
+def insert_row(state: DecodeState, rows: DecodeState, slot: jax.Array) -> DecodeState:
+    """`state` with row `slot` (an int32 scalar, traced) replaced by row 0 of `rows` (a state of the
+    same capacity and drafter, any batch size): how a prefilled request enters a running batch."""
+
+    def put(x, new, spec):
+        axis = _batch_axis(spec)
+        row = jax.lax.slice_in_dim(new, 0, 1, axis=axis).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(x, row, slot, axis)
+
+    state = jax.tree.map(put, state, rows, state.logical_axes())
+    return constrain_tree(state, state.logical_axes())
+
+
+def release_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """`state` with the `rows` (bool [B]) marked done: steps no longer commit for them (their slots are free)."""
+    return constrain_tree(state.replace(done=state.done | rows), state.logical_axes())
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
-def _prefill_jit(graph, params, spec, state, padded_prompts):
-    return prefill(graph.merge(params), spec, state, padded_prompts)
+def _step_with_output_jit(graph, params, spec, state):
+    return step_with_output(graph.merge(params), spec, state)
+
+
+_insert_jit = jax.jit(insert_row, donate_argnames=("state",))
+_release_jit = jax.jit(release_rows, donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "spec", "final"), donate_argnames=("state",))
+def _prefill_jit(graph, params, spec, state, padded_prompts, start=None, final=True):
+    return prefill(graph.merge(params), spec, state, padded_prompts, start, final=final)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "spec"), donate_argnames=("state",))
@@ -307,10 +380,12 @@ class DecodeEngine:
             padded = place(padded, named_shardings(padded, P("batch", None), self.mesh))
         return state, padded
 
-    def prefill(self, state: DecodeState, padded_prompts: jax.Array) -> DecodeState:
-        """The prompts through the model, the first token committed, the first drafts made."""
+    def prefill(self, state: DecodeState, padded_prompts: jax.Array, start: jax.Array | None = None, *,
+                final: bool = True) -> DecodeState:
+        """The prompts through the model, the first token committed, the first drafts made; or one
+        chunk of them at positions `start` .. (int32 [B]; see `prefill`)."""
         with self._on_mesh():
-            return _prefill_jit(self._graph, self._params, self.speculative, state, padded_prompts)
+            return _prefill_jit(self._graph, self._params, self.speculative, state, padded_prompts, start, final=final)
 
     def step(self, state: DecodeState) -> DecodeState:
         """One decode step for every row (`step`)."""
@@ -321,6 +396,21 @@ class DecodeEngine:
         """Steps until every row is done, as one `lax.while_loop` on device."""
         with self._on_mesh():
             return _run_jit(self._graph, self._params, self.speculative, state)
+
+    def step_with_output(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """One decode step and what each row committed (`step_with_output`)."""
+        with self._on_mesh():
+            return _step_with_output_jit(self._graph, self._params, self.speculative, state)
+
+    def insert(self, state: DecodeState, rows: DecodeState, slot: int) -> DecodeState:
+        """Row 0 of `rows` into row `slot` of `state` (`insert_row`; `rows` is not donated)."""
+        with self._on_mesh():
+            return _insert_jit(state, rows, jnp.int32(slot))
+
+    def release(self, state: DecodeState, rows: np.ndarray) -> DecodeState:
+        """`state` with `rows` (bool [B]) done (`release_rows`)."""
+        with self._on_mesh():
+            return _release_jit(state, jnp.asarray(rows, bool))
 
     def lower_run(self, state: DecodeState) -> jax.stages.Lowered:
         """`run` lowered for this state's shapes (`.compile().as_text()` is the HLO a profile reads)."""
@@ -346,13 +436,12 @@ def results_from_state(state: DecodeState, seconds: float, *, speculating: bool)
     tokens, lengths, prompt_lengths, logprobs, max_new, stop, steps = to_host(
         (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens,
          state.metrics.num_steps))
-    stop_set = {int(t) for t in stop if t >= 0}
     capacity = tokens.shape[1]
     rows = range(tokens.shape[0])
     return GenerationResult(
         tokens=[tokens[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
         logprobs=[logprobs[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
         finish_reasons=[_finish_reason(tokens[b], int(lengths[b]), int(prompt_lengths[b]), int(max_new[b]),
-                                       capacity, stop_set) for b in rows],
+                                       capacity, {int(t) for t in stop[b] if t >= 0}) for b in rows],
         num_steps=int(steps.max()), seconds=seconds,
         metrics=SpeculativeMetrics.from_counters(to_host(state.metrics)) if speculating else None)

@@ -245,14 +245,27 @@ def draft(model: Transformer, spec: SpeculativeConfig | None, sampling: Sampling
 
 
 def draft_after_prefill(model: Transformer, spec: SpeculativeConfig | None, sampling: SamplingState,
-                        tokens: jax.Array, state: DraftState, h0: jax.Array, lengths: jax.Array) -> DraftState:
+                        tokens: jax.Array, state: DraftState, h0: jax.Array, lengths: jax.Array,
+                        start: jax.Array | None = None) -> DraftState:
     """The first drafts, from the prefill's h^0 [B, P, E] at positions 0 .. P - 1 (L committed tokens,
-    int32 [B]); vanilla keeps h^0 at positions L-1-W .. L-2 for its next window."""
-    state = draft(model, spec, sampling, tokens, state, h0, jnp.zeros_like(lengths), lengths)
+    int32 [B]); vanilla keeps h^0 at positions L-1-W .. L-2 for its next window.
+
+    A chunk of a prompt prefilled in pieces: h^0 [B, C, E] at positions `start` .. start + C - 1
+    (int32 [B]); the modules run over the chunk (vanilla: over its window of earlier h^0 and the
+    chunk, re-running the positions whose entries the previous chunk computed from drafts). For a
+    chunk before the last, `lengths` = start + C + 1, as if its next token were committed: its
+    drafts are discarded, and what they wrote past the chunk is stale.
+    """
     window = state.hidden_window.shape[1]
+    if start is None:
+        start = jnp.zeros_like(lengths)
+    elif window:  # chunked vanilla: run over the kept window too (needs C >= K - 1: see `serving`)
+        h0 = jnp.concatenate([state.hidden_window, h0.astype(state.hidden_window.dtype)], axis=1)
+        start = start - window
+    state = draft(model, spec, sampling, tokens, state, h0, start, lengths)
     if window:
-        positions = lengths[:, None] - 1 - window + jnp.arange(window)[None, :]
-        gathered = jnp.take_along_axis(h0, jnp.clip(positions, 0, h0.shape[1] - 1)[..., None], axis=1)
+        index = lengths[:, None] - 1 - window + jnp.arange(window)[None, :] - start[:, None]
+        gathered = jnp.take_along_axis(h0, jnp.clip(index, 0, h0.shape[1] - 1)[..., None], axis=1)
         state = state.replace(hidden_window=gathered.astype(state.hidden_window.dtype))
     return state
 

@@ -134,7 +134,7 @@ def test_parameters_and_state_are_placed_as_the_rules_say(gqa, deepseek):
     assert state.tokens.sharding.spec == P("data", None)
     assert state.cache[0].k.sharding.spec == P("data", None, "tensor", None)
     assert state.draft.caches[0].v.sharding.spec == P("data", None, "tensor", None)
-    assert state.stop_tokens.sharding.spec == P(None)
+    assert state.stop_tokens.sharding.spec == P("data", None)  # per row
     placed = jax.tree.map(lambda x: x.sharding, state)
     state = engine.step(engine.prefill(state, padded))  # the step keeps every array's placement
     jax.tree.map(lambda x, before: assert_equivalent(x.sharding, before, x.ndim), state, placed)

@@ -1,0 +1,520 @@
+"""Continuous batching with MTP speculation: requests come and go, the jitted step stays the same.
+
+The serving guide in `docs/` (sections 7, 8, 11) in one class, `ServingEngine`:
+
+- **Slots.** The decode state has `max_batch` rows of capacity `max_length`; a row is a slot. A
+  free slot is a finished row (`done`), which a step leaves alone. Every engine step runs the one
+  jitted speculative step over all slots (`DecodeEngine.step_with_output`), whoever holds them.
+- **Admission.** A waiting request is prefilled in a staging state of its own (one row, or one per
+  `data` x `fsdp` device on a mesh) in chunks of `prefill_chunk` tokens, one chunk per engine step
+  while other requests decode (so they keep decoding), all chunks at once when none does; the
+  prefilled row is then copied into a free slot (`DecodeEngine.insert`). Shapes never change:
+  nothing compiles after `warm_up`.
+- **Advance by what was committed.** A step commits 1 .. K+1 tokens per row (`StepOutput`); the
+  scheduler reads that count and hands each request exactly those tokens. KV use counts committed
+  tokens only (rejected drafts' entries are stale, `mtp_jax.cache`).
+- **Stops.** Stop tokens (EOS unless `ignore_eos`, plus the request's) and `max_tokens` are cut on
+  device, inside the accepted block (`engine.commit`). Stop strings are matched on the host in the
+  detokenized text, token by token, so one that completes inside an accepted block ends the output
+  exactly there; the tokens after it are dropped and the slot is released at once. A stop token's
+  text and a stop string are not part of the output text (OpenAI's and vLLM's default).
+- **Cancellation** (`abort`) frees the slot before the next step; the other rows are untouched
+  (rows never read each other).
+
+Thread use: `add_request` and `abort` may be called from any thread; `step` from one thread at a
+time (`mtp_jax.serving.AsyncEngine` runs it in a background thread for the HTTP server).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from tokenizers import Tokenizer
+
+from mtp_jax.engine import DecodeEngine, DecodeState
+from mtp_jax.model import Transformer
+from mtp_jax.pretrained import TextStream
+from mtp_jax.request import check_request, is_integer
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import axis_size, named_shardings, place, to_host
+from mtp_jax.speculative import SpeculativeConfig
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class QueueFull(RuntimeError):
+    """`add_request` when `max_queue` requests are already waiting (the server answers 429)."""
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """One request's timeline (seconds of `ServingEngine.clock`) and its speculation counts.
+
+    token_times[i] is when the i-th batch of tokens reached the request (the prefill's first token,
+    then one entry per decode step that committed some); committed_per_step[i] how many tokens it
+    brought (1 .. K+1). num_drafts counts proposed draft tokens (K per decode step), num_accepted
+    the accepted ones that were emitted, accepted_per_position[j] the steps whose draft j+1 was.
+    """
+
+    arrival_time: float
+    num_speculative_tokens: int
+    scheduled_time: float | None = None  # its prefill began
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    committed_per_step: list[int] = dataclasses.field(default_factory=list)
+    finished_time: float | None = None
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first token's arrival."""
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.committed_per_step)
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (last token time - first) / (tokens - 1)."""
+        n = self.num_tokens
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive arrivals of tokens (one per decode step that brought some)."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per decode step (1 + accepted drafts / steps), vLLM's definition."""
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one request received in one engine step (`ServingEngine.step`).
+
+    token_ids / logprobs: the new tokens (and their raw logprobs) handed to the request: exactly
+    `num_committed` of them unless a stop string cut the block (then fewer, and `finished`). text:
+    the new text ("" without a tokenizer; held back while it may be the start of a stop string).
+    finish_reason: None while running, else "stop" (a stop token or string), "length"
+    (max_tokens) or "abort". stop_reason: the stop string or stop token id that matched (None for
+    EOS, as vLLM). metrics: the request's `RequestMetrics` (complete once finished).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    num_committed: int
+    num_accepted: int
+    prompt_tokens: int
+    completion_tokens: int  # emitted so far, these included
+    finish_reason: str | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: list[int]  # device stops: EOS (unless ignored) and the request's
+    eos_ids: frozenset[int]
+    stop: tuple[str, ...]
+    metrics: RequestMetrics
+    text: TextStream | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text_sent: int = 0  # characters of `text.text` already handed out
+    slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclasses.dataclass
+class _Staging:
+    """The request being prefilled, chunk by chunk, in its own state."""
+
+    request: _Request
+    state: DecodeState
+    slot: int
+    start: int = 0
+
+
+class ServingEngine:
+    """Continuous batching over `max_batch` slots with plain or MTP speculative decoding.
+
+        engine = ServingEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3),
+                               tokenizer=tokenizer, max_batch=8, max_length=1024)
+        rid = engine.add_request(tokenizer.encode("def f(").ids, max_tokens=64, stop=["\\n\\n"])
+        while engine.has_unfinished():
+            for out in engine.step():
+                print(out.request_id, out.text, out.finish_reason)
+
+    Args:
+      model, speculative, mesh: as `DecodeEngine` (`max_batch` must then be a multiple of the
+        mesh's `data` x `fsdp` size).
+      tokenizer: an HF `tokenizers.Tokenizer` for text outputs and stop strings (None: ids only).
+      max_batch: B, slots decoding at once. max_length: S, tokens per slot (prompt + output),
+        default `config.max_position_embeddings`. prefill_chunk: C, prompt tokens per prefill call
+        (>= K + 1 when speculating). max_queue: waiting requests before `add_request` raises
+        `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
+      stats: an optional listener with `on_step(engine, outputs)` and `on_finished(output)`
+        (`mtp_jax.serving.metrics.PrometheusMetrics`), called from `step`.
+
+    Raises ValueError for a bad argument (naming it) or a model that cannot serve `speculative`;
+    `oracle` speculation needs given tokens and cannot serve.
+    """
+
+    def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None, *,
+                 tokenizer: Tokenizer | None = None, max_batch: int = 8, max_length: int | None = None,
+                 prefill_chunk: int = 64, max_queue: int = 256, mesh: Mesh | None = None,
+                 clock: Callable[[], float] = time.perf_counter, stats=None):
+        config = model.config
+        max_length = config.max_position_embeddings if max_length is None else max_length
+        k = 0 if speculative is None else speculative.num_speculative_tokens
+        for name, value, low in (("max_batch", max_batch, 1), ("max_length", max_length, 2),
+                                 ("prefill_chunk", prefill_chunk, max(1, k + 1)), ("max_queue", max_queue, 0)):
+            if not is_integer(value) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if max_length > config.max_position_embeddings:
+            raise ValueError(f"max_length={max_length} exceeds config.max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        if speculative is not None and speculative.method == "oracle":
+            raise ValueError("speculative method 'oracle' replays given tokens and cannot serve requests")
+        rows = 1 if mesh is None else axis_size(mesh, ("data", "fsdp"))
+        if max_batch % rows:
+            raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
+        self.model, self.speculative, self.tokenizer, self.mesh = model, speculative, tokenizer, mesh
+        self.max_batch, self.max_length, self.prefill_chunk = int(max_batch), int(max_length), int(prefill_chunk)
+        self.max_queue, self.clock, self.stats = int(max_queue), clock, stats
+        self.num_speculative_tokens = k
+        self.decode = DecodeEngine(model, speculative, mesh=mesh)
+        self._staging_rows = rows
+        state, _ = self.decode.init_state([[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length,
+                                          stop_tokens=[])
+        self._state = self.decode.release(state, np.ones(self.max_batch, bool))  # every slot free
+        self._slots: list[_Request | None] = [None] * self.max_batch
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._staging: _Staging | None = None
+        self._aborts: set[str] = set()
+        self._ids: set[str] = set()  # every request not yet finished
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+
+    # ------------------------------------------------------------------------------------------
+    # Requests in
+
+    def add_request(self, prompt: Sequence[int], *, max_tokens: int | None = None,
+                    sampling: SamplingParams | None = None, stop_token_ids: Iterable[int] = (),
+                    ignore_eos: bool = False, stop: Iterable[str] = (), request_id: str | None = None) -> str:
+        """Queues a request; returns its id. Any thread.
+
+        prompt: token ids. max_tokens: tokens to generate, default all the slot holds (max_length -
+        prompt length). sampling: default greedy (its seed is used as given). stop_token_ids: ids
+        that end the output (kept as its last token), besides the model's EOS ids unless
+        `ignore_eos`; at most `MAX_STOP_TOKENS` (16) in all. stop: strings that end the output
+        (excluded from the text; needs a tokenizer).
+
+        Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
+        over max_length, too many stop tokens, stop strings without a tokenizer, a request_id in
+        use, ...) and `QueueFull` when `max_queue` requests wait already.
+        """
+        config = self.model.config
+        eos = [] if ignore_eos else list(config.eos_token_ids)
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+        checked = check_request(config, [prompt], max_new_tokens=1 if max_tokens is None else max_tokens,
+                                sampling=sampling, max_length=self.max_length,
+                                stop_tokens=eos + list(stop_token_ids))
+        prompt = checked.prompts[0]
+        room = self.max_length - len(prompt)
+        max_tokens = room if max_tokens is None else checked.max_new_tokens[0]
+        if max_tokens > room:
+            raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens and a slot "
+                             f"holds max_length={self.max_length} (prompt + max_tokens <= {self.max_length})")
+        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a list of strings, got {stop!r}")
+        stop = tuple(s for s in stop)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (ServingEngine(tokenizer=...))")
+        now = self.clock()
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._counter)}"
+            if request_id in self._ids:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} requests waiting, max_queue="
+                                f"{self.max_queue}); retry later")
+            request = _Request(
+                id=request_id, prompt=prompt, max_tokens=max_tokens, sampling=checked.sampling[0],
+                stop_token_ids=checked.stop_tokens, eos_ids=frozenset(eos), stop=stop,
+                metrics=RequestMetrics(arrival_time=now, num_speculative_tokens=self.num_speculative_tokens),
+                text=None if self.tokenizer is None else TextStream(self.tokenizer))
+            self._ids.add(request_id)
+            self._waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request (any thread): the next `step` frees its slot and reports it finished with
+        reason "abort". Returns False when no unfinished request has this id."""
+        with self._lock:
+            if request_id not in self._ids:
+                return False
+            self._aborts.add(request_id)
+            return True
+
+    # ------------------------------------------------------------------------------------------
+    # State, for schedulers and metrics
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not yet prefilling."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests prefilling or holding a slot."""
+        return sum(r is not None for r in self._slots) + (self._staging is not None)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._ids)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Committed tokens in the slots / (max_batch x max_length), in [0, 1]: positions holding
+        entries a later step reads (rejected drafts' stale entries do not count)."""
+        used = sum(len(r.prompt) + len(r.token_ids) for r in self._slots if r is not None)
+        return used / (self.max_batch * self.max_length)
+
+    def compiled_counts(self) -> dict[str, int]:
+        """How many times each jitted call has compiled (tests check nothing compiles after warm-up)."""
+        from mtp_jax import engine as decode
+
+        return {name: getattr(decode, name)._cache_size()
+                for name in ("_prefill_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")}
+
+    # ------------------------------------------------------------------------------------------
+    # The engine step
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: aborts; one decode step of every slot; prefill work (one chunk, or a
+        whole prompt when no slot decodes) and the insertion of a prefilled request. Returns what
+        each request received, in this order (a request appears at most once)."""
+        outputs: list[RequestOutput] = []
+        self._apply_aborts(outputs)
+        if any(r is not None for r in self._slots):
+            outputs.extend(self._decode_step())
+        self._prefill(outputs)
+        if self.stats is not None:
+            for out in outputs:
+                if out.finished:
+                    self.stats.on_finished(out)
+            self.stats.on_step(self, outputs)
+        return outputs
+
+    def warm_up(self) -> None:
+        """Compiles every jitted call by serving throwaway requests (a long prompt, so both prefill
+        kinds run) to the end; afterwards `step` never compiles. Call before taking requests."""
+        prompt = [0] * min(self.prefill_chunk + 1, self.max_length - 2)
+        ids = [self.add_request(prompt, max_tokens=2, ignore_eos=True) for _ in range(2)]
+        while any(i in self._ids for i in ids):
+            self.step()
+
+    def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            waiting = [r for r in self._waiting if r.id in aborts]
+            for r in waiting:
+                self._waiting.remove(r)
+        released = np.zeros(self.max_batch, bool)
+        for r in waiting:
+            outputs.append(self._finish(r, "abort", [], []))
+        if self._staging is not None and self._staging.request.id in aborts:
+            outputs.append(self._finish(self._staging.request, "abort", [], []))
+            self._staging = None
+        for slot, r in enumerate(self._slots):
+            if r is not None and r.id in aborts:
+                released[slot] = True
+                outputs.append(self._finish(r, "abort", [], []))
+        if released.any():
+            self._state = self.decode.release(self._state, released)
+
+    def _decode_step(self) -> list[RequestOutput]:
+        self._state, out = self.decode.step_with_output(self._state)
+        num, tokens, logprobs, accepted, done = to_host(
+            (out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done))
+        now = self.clock()
+        outputs, released = [], np.zeros(self.max_batch, bool)
+        for slot, r in enumerate(self._slots):
+            if r is None:
+                continue
+            n = int(num[slot])
+            out = self._absorb(r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now)
+            m = r.metrics
+            m.num_steps += 1
+            m.num_drafts += self.num_speculative_tokens
+            m.num_accepted += out.num_accepted
+            for j in range(out.num_accepted):
+                m.accepted_per_position[j] += 1
+            outputs.append(out)
+            released[slot] = out.finished and not done[slot]  # a stop string: the device row still runs
+        if released.any():
+            self._state = self.decode.release(self._state, released)
+        return outputs
+
+    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        """Prefill work for this step: one chunk while slots decode, else a whole prompt."""
+        decoding = any(r is not None for r in self._slots)
+        while True:
+            if self._staging is None and not self._admit():
+                return
+            staging = self._staging
+            final = staging.start + self.prefill_chunk >= len(staging.request.prompt)
+            self._prefill_chunk(staging, final)
+            if final:
+                self._staging = None
+                outputs.append(self._first_token(staging))
+            if decoding or final:
+                return
+
+    def _admit(self) -> bool:
+        """Starts prefilling the oldest waiting request into a free slot; False when there is none."""
+        free = [slot for slot, r in enumerate(self._slots) if r is None]
+        with self._lock:
+            if not free or not self._waiting:
+                return False
+            request = self._waiting.popleft()
+        request.metrics.scheduled_time = self.clock()
+        dummies = self._staging_rows - 1  # rows for the other data-parallel devices, never read
+        state, _ = self.decode.init_state(
+            [request.prompt] + [[0]] * dummies, max_new_tokens=[request.max_tokens] + [1] * dummies,
+            sampling=[request.sampling] + [SamplingParams()] * dummies, max_length=self.max_length,
+            stop_tokens=request.stop_token_ids)
+        self._staging = _Staging(request=request, state=state, slot=free[0])  # the slot stays free until then
+        return True
+
+    def _prefill_chunk(self, staging: _Staging, final: bool) -> None:
+        prompt, size, start = staging.request.prompt, self.prefill_chunk, staging.start
+        chunk = np.zeros((self._staging_rows, size), np.int32)
+        part = prompt[start: start + size]
+        chunk[0, : len(part)] = part
+        starts = np.zeros(self._staging_rows, np.int32)
+        starts[0] = start
+        chunk, starts = jnp.asarray(chunk), jnp.asarray(starts)
+        if self.mesh is not None:
+            chunk = place(chunk, named_shardings(chunk, P("batch", None), self.mesh))
+            starts = place(starts, named_shardings(starts, P("batch"), self.mesh))
+        staging.state = self.decode.prefill(staging.state, chunk, starts, final=final)
+        staging.start = start + size
+
+    def _first_token(self, staging: _Staging) -> RequestOutput:
+        """The prefill's committed token handed out; the row enters its slot unless it finished."""
+        r, state = staging.request, staging.state
+        position = len(r.prompt)
+        token, logprob = to_host((state.tokens[0, position], state.logprobs[0, position]))
+        out = self._absorb(r, [int(token)], [float(logprob)], 1, 0, self.clock())
+        if not out.finished:  # (finished: by the device's rules, or a stop string; either way it stays out)
+            self._state = self.decode.insert(self._state, state, staging.slot)
+            r.slot = staging.slot
+            self._slots[staging.slot] = r
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # Host-side bookkeeping
+
+    def _absorb(self, r: _Request, tokens: list[int], logprobs: list[float], num_committed: int,
+                num_accepted: int, now: float) -> RequestOutput:
+        """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
+        taken = 0
+        stop_ids = set(r.stop_token_ids)
+        longest = max((len(s) for s in r.stop), default=0)
+        for token in tokens:
+            taken += 1
+            r.token_ids.append(token)
+            if token in stop_ids:
+                r.finish_reason, r.stop_reason = "stop", (None if token in r.eos_ids else token)
+                break
+            if r.text is not None:
+                searched = max(0, len(r.text.text) - longest + 1)
+                r.text.push([token])
+                if r.stop:
+                    hits = [(i, s) for s in r.stop if (i := r.text.text.find(s, searched)) >= 0]
+                    if hits:
+                        r.text_end, r.stop_reason = min(hits)
+                        r.finish_reason = "stop"
+                        break
+            if len(r.token_ids) >= r.max_tokens:
+                r.finish_reason = "length"
+                break
+        if taken:
+            r.metrics.token_times.append(now)
+            r.metrics.committed_per_step.append(taken)
+        text = self._text_delta(r, longest)
+        return self._output(r, tokens[:taken], logprobs[:taken], text, num_committed, min(num_accepted, taken), now)
+
+    def _text_delta(self, r: _Request, longest: int) -> str:
+        if r.text is None:
+            return ""
+        if r.finish_reason is None:
+            end = len(r.text.text) - max(longest - 1, 0)  # may still be the start of a stop string
+        elif r.text_end is not None:
+            end = r.text_end
+        else:
+            r.text.finish()  # what DecodeStream held back at the end
+            end = len(r.text.text)
+        piece = r.text.text[r.text_sent: max(end, r.text_sent)]
+        r.text_sent = max(end, r.text_sent)
+        return piece
+
+    def _output(self, r: _Request, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
+        if r.finish_reason is not None:
+            r.metrics.finished_time = now
+            if r.slot is not None:
+                self._slots[r.slot] = None
+            with self._lock:
+                self._ids.discard(r.id)
+        return RequestOutput(request_id=r.id, token_ids=tokens, logprobs=logprobs, text=text,
+                             num_committed=num_committed, num_accepted=num_accepted, prompt_tokens=len(r.prompt),
+                             completion_tokens=len(r.token_ids), finish_reason=r.finish_reason,
+                             stop_reason=r.stop_reason, metrics=r.metrics)
+
+    def _finish(self, r: _Request, reason: str, tokens, logprobs) -> RequestOutput:
+        r.finish_reason = reason
+        return self._output(r, tokens, logprobs, self._text_delta(r, 0) if reason != "abort" else "", 0, 0,
+                            self.clock())
