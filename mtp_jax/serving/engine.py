@@ -154,6 +154,7 @@ class _Request:
     stop: tuple[str, ...]
     metrics: RequestMetrics
     text: TextStream | None
+    oracle_tokens: np.ndarray | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text_sent: int = 0  # characters of `text.text` already handed out
     slot: int | None = None
@@ -193,8 +194,8 @@ class ServingEngine:
       stats: an optional listener with `on_step(engine, outputs)` and `on_finished(output)`
         (`mtp_jax.serving.metrics.PrometheusMetrics`), called from `step`.
 
-    Raises ValueError for a bad argument (naming it) or a model that cannot serve `speculative`;
-    `oracle` speculation needs given tokens and cannot serve.
+    Raises ValueError for a bad argument (naming it) or a model that cannot serve `speculative`.
+    Method "oracle" (tests, benchmarks) drafts each request's `oracle_tokens` (`add_request`).
     """
 
     def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None, *,
@@ -211,8 +212,6 @@ class ServingEngine:
         if max_length > config.max_position_embeddings:
             raise ValueError(f"max_length={max_length} exceeds config.max_position_embeddings="
                              f"{config.max_position_embeddings}")
-        if speculative is not None and speculative.method == "oracle":
-            raise ValueError("speculative method 'oracle' replays given tokens and cannot serve requests")
         rows = 1 if mesh is None else axis_size(mesh, ("data", "fsdp"))
         if max_batch % rows:
             raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
@@ -222,8 +221,10 @@ class ServingEngine:
         self.num_speculative_tokens = k
         self.decode = DecodeEngine(model, speculative, mesh=mesh)
         self._staging_rows = rows
-        state, _ = self.decode.init_state([[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length,
-                                          stop_tokens=[])
+        self._oracle = speculative is not None and speculative.method == "oracle"
+        state, _ = self.decode.init_state(
+            [[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length, stop_tokens=[],
+            oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None)
         self._state = self.decode.release(state, np.ones(self.max_batch, bool))  # every slot free
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -238,14 +239,16 @@ class ServingEngine:
 
     def add_request(self, prompt: Sequence[int], *, max_tokens: int | None = None,
                     sampling: SamplingParams | None = None, stop_token_ids: Iterable[int] = (),
-                    ignore_eos: bool = False, stop: Iterable[str] = (), request_id: str | None = None) -> str:
+                    ignore_eos: bool = False, stop: Iterable[str] = (), request_id: str | None = None,
+                    oracle_tokens: Sequence[int] | None = None) -> str:
         """Queues a request; returns its id. Any thread.
 
         prompt: token ids. max_tokens: tokens to generate, default all the slot holds (max_length -
         prompt length). sampling: default greedy (its seed is used as given). stop_token_ids: ids
         that end the output (kept as its last token), besides the model's EOS ids unless
         `ignore_eos`; at most `MAX_STOP_TOKENS` (16) in all. stop: strings that end the output
-        (excluded from the text; needs a tokenizer).
+        (excluded from the text; needs a tokenizer). oracle_tokens: with method "oracle" only (and
+        required there), the sequence its drafts replay, prompt first (at most max_length ids).
 
         Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
         over max_length, too many stop tokens, stop strings without a tokenizer, a request_id in
@@ -271,6 +274,13 @@ class ServingEngine:
             raise ValueError("stop strings must be non-empty")
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (ServingEngine(tokenizer=...))")
+        if self._oracle != (oracle_tokens is not None):
+            raise ValueError("oracle_tokens is required with speculative method 'oracle' and only there")
+        if self._oracle:
+            oracle_tokens = np.asarray(oracle_tokens)
+            if oracle_tokens.ndim != 1 or not np.issubdtype(oracle_tokens.dtype, np.integer) or len(
+                    oracle_tokens) > self.max_length:
+                raise ValueError(f"oracle_tokens must be at most max_length={self.max_length} int token ids")
         now = self.clock()
         with self._lock:
             if request_id is None:
@@ -283,6 +293,7 @@ class ServingEngine:
             request = _Request(
                 id=request_id, prompt=prompt, max_tokens=max_tokens, sampling=checked.sampling[0],
                 stop_token_ids=checked.stop_tokens, eos_ids=frozenset(eos), stop=stop,
+                oracle_tokens=oracle_tokens,
                 metrics=RequestMetrics(arrival_time=now, num_speculative_tokens=self.num_speculative_tokens),
                 text=None if self.tokenizer is None else TextStream(self.tokenizer))
             self._ids.add(request_id)
@@ -352,7 +363,8 @@ class ServingEngine:
         """Compiles every jitted call by serving throwaway requests (a long prompt, so both prefill
         kinds run) to the end; afterwards `step` never compiles. Call before taking requests."""
         prompt = [0] * min(self.prefill_chunk + 1, self.max_length - 2)
-        ids = [self.add_request(prompt, max_tokens=2, ignore_eos=True) for _ in range(2)]
+        oracle = prompt if self._oracle else None
+        ids = [self.add_request(prompt, max_tokens=2, ignore_eos=True, oracle_tokens=oracle) for _ in range(2)]
         while any(i in self._ids for i in ids):
             self.step()
 
@@ -422,10 +434,14 @@ class ServingEngine:
             request = self._waiting.popleft()
         request.metrics.scheduled_time = self.clock()
         dummies = self._staging_rows - 1  # rows for the other data-parallel devices, never read
+        oracle = None
+        if request.oracle_tokens is not None:  # fixed shape [rows, S]: no recompiles
+            oracle = np.zeros((self._staging_rows, self.max_length), np.int32)
+            oracle[0, : len(request.oracle_tokens)] = request.oracle_tokens
         state, _ = self.decode.init_state(
             [request.prompt] + [[0]] * dummies, max_new_tokens=[request.max_tokens] + [1] * dummies,
             sampling=[request.sampling] + [SamplingParams()] * dummies, max_length=self.max_length,
-            stop_tokens=request.stop_token_ids)
+            stop_tokens=request.stop_token_ids, oracle_tokens=oracle)
         self._staging = _Staging(request=request, state=state, slot=free[0])  # the slot stays free until then
         return True
 
