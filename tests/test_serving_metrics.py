@@ -122,6 +122,46 @@ def test_speculative_counters_match_the_workload(demo):
     assert value(found, "vllm:kv_cache_usage_perc") == 0
 
 
+def test_oracle_acceptance_patterns_give_hand_computed_counts(demo):
+    """The oracle drafter replays the greedy sequence with chosen tokens corrupted, so decode step i of
+    a request accepts exactly pattern[i] of its K = 3 drafts: every counter is known in advance."""
+    model, tokenizer = demo
+    prompts = [tokenizer.encode(PROMPTS[0]).ids, tokenizer.encode(PROMPTS[2]).ids]
+    patterns = [[0, 1, 2, 3, 3], [3, 0, 2]]
+    max_tokens = [1 + sum(a + 1 for a in p) for p in patterns]
+    assert max_tokens == [15, 9]
+    plain, _ = make_engine(demo, 0)  # the greedy references
+    for prompt, n in zip(prompts, max_tokens, strict=True):
+        plain.add_request(prompt, max_tokens=n, ignore_eos=True)
+    references = {}
+    for out in run(plain):
+        references.setdefault(out.request_id, []).extend(out.token_ids)
+
+    metrics = PrometheusMetrics(MODEL, K, max_model_len=128)
+    engine = ServingEngine(model, SpeculativeConfig(method="oracle", num_speculative_tokens=K), tokenizer=tokenizer,
+                           max_batch=2, max_length=128, prefill_chunk=32, stats=metrics)
+    for i, (prompt, pattern) in enumerate(zip(prompts, patterns, strict=True)):
+        sequence = prompt + references[f"req-{i}"]
+        length = len(prompt) + 1  # the prefill commits the first token
+        for accepted in pattern:
+            if accepted < K:  # draft accepted + 1 is wrong
+                sequence[length + accepted] = (sequence[length + accepted] + 1) % model.config.vocab_size
+            length += accepted + 1
+        engine.add_request(prompt, max_tokens=max_tokens[i], ignore_eos=True, oracle_tokens=sequence)
+    outputs = run(engine)
+    for i, pattern in enumerate(patterns):  # the engine did what the oracle was set up for
+        assert [o.num_accepted for o in outputs if o.request_id == f"req-{i}"][1:] == pattern
+    found = samples(metrics)
+    assert value(found, "vllm:generation_tokens_total") == 15 + 9
+    assert value(found, "vllm:spec_decode_num_drafts_total") == 5 + 3
+    assert value(found, "vllm:spec_decode_num_draft_tokens_total") == 3 * 8
+    assert value(found, "vllm:spec_decode_num_accepted_tokens_total") == 9 + 5
+    per_pos = [value(found, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(K)]
+    assert per_pos == [4 + 2, 3 + 2, 2 + 1]  # steps accepting > 0, > 1, > 2 drafts
+    assert value(found, "vllm:inter_token_latency_seconds_count") == 8
+    assert value(found, "vllm:request_success_total", finished_reason="length") == 2
+
+
 def test_gauges_follow_the_engine(demo):
     engine, metrics = make_engine(demo, K)
     prompt = demo[1].encode(PROMPTS[0]).ids
