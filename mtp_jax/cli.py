@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from mtp_jax import checkpoint, data
 from mtp_jax.cli_mesh import add_mesh_arguments, check_num_prompts, mesh_from_args
+from mtp_jax.cli_serve import add_serve_parser
 from mtp_jax.config import PRESETS
 from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
 from mtp_jax.train import (
@@ -542,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_train_parser(subparsers)
     add_eval_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,116 @@
+"""`mtp-jax serve`: the OpenAI-compatible HTTP server (`mtp_jax.serving.server`) over one model directory.
+
+Needs the `serve` extra (`pip install "mtp-jax[serve]"`: fastapi, uvicorn, prometheus-client, jinja2),
+imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mtp_jax.cli_mesh import add_mesh_arguments, mesh_from_args
+from mtp_jax.pretrained import DEFAULT_MODEL_DIR
+
+SERVE_DESCRIPTION = """\
+Serve a model directory over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
+(JSON or streamed server-sent events), GET /v1/models, /health and /metrics (Prometheus). Requests
+are batched continuously over --max-batch slots of --max-length tokens each, with plain decoding or
+MTP speculative decoding. The engine is compiled (warmed up) before the server listens; the URL is
+printed once it does. Chat requests use the model's chat_template from tokenizer_config.json, else a
+plain "<|role|>" template (mtp_jax.serving.chat_template)."""
+
+# ServingEngine parameters named in its errors, and their flags.
+_FLAGS = {"max_batch": "--max-batch", "max_length": "--max-length", "prefill_chunk": "--prefill-chunk",
+          "max_queue": "--max-queue", "num_speculative_tokens": "--num-speculative-tokens"}
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `serve` on an argparse subparsers."""
+    p = subparsers.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
+                              description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=str(DEFAULT_MODEL_DIR),
+                   help="model directory (default: the bundled demo model)")
+    p.add_argument("--speculative", default="eagle", choices=["none", "eagle", "vanilla", "parallel"],
+                   help="MTP speculative decoding method (default eagle; none: plain decoding)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per slot, prompt + output (default: the model's max positions)")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens per prefill call, >= K + 1 (default 64)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests before new ones get 429 (default 256)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
+    p.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model name requests must give (default: the model directory's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    add_mesh_arguments(p, mesh_help="--max-batch must be a multiple of data x fsdp.")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _name_flags(error: ValueError) -> ValueError:
+    message = str(error)
+    flags = [flag for name, flag in _FLAGS.items() if name in message]
+    return ValueError(f"{', '.join(flags)}: {message}") if flags else error
+
+
+def _build_engine(args: argparse.Namespace, mesh):
+    """(engine, tokenizer, served name, metrics, chat template) of the flags; ValueError naming them."""
+    from mtp_jax.pretrained import load_pretrained
+    from mtp_jax.serving import ServingEngine
+    from mtp_jax.serving.chat_template import ChatTemplate
+    from mtp_jax.serving.metrics import PrometheusMetrics
+    from mtp_jax.speculative import SpeculativeConfig
+
+    model_dir = Path(args.model_dir)
+    try:
+        model, tokenizer = load_pretrained(model_dir)
+        chat_template = ChatTemplate.from_model_dir(model_dir)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"MODEL_DIR: {error}") from error
+    name = args.served_model_name or model_dir.resolve().name
+    try:
+        speculative = None
+        if args.speculative != "none":
+            k = args.num_speculative_tokens
+            if k is None:
+                k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
+            speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
+        metrics = PrometheusMetrics(name, 0 if speculative is None else speculative.num_speculative_tokens,
+                                    max_model_len=args.max_length or model.config.max_position_embeddings)
+        engine = ServingEngine(model, speculative, tokenizer=tokenizer, max_batch=args.max_batch,
+                               max_length=args.max_length, prefill_chunk=args.prefill_chunk,
+                               max_queue=args.max_queue, mesh=mesh, stats=metrics)
+    except ValueError as error:
+        raise _name_flags(error) from error
+    return engine, tokenizer, name, metrics, chat_template
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Binds the port, loads the model, builds and warms up the engine, then serves until interrupted."""
+    mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
+    from mtp_jax.serving.async_engine import AsyncEngine
+    from mtp_jax.serving.server import bind, serve
+
+    try:
+        sock = bind(args.host, args.port)  # before the slow part: a port in use fails at once
+    except OSError as error:
+        raise ValueError(f"--host {args.host} --port {args.port}: {error.strerror or error}") from None
+    try:
+        engine, tokenizer, name, metrics, chat_template = _build_engine(args, mesh)
+        print(f"mtp-jax serve: warming up {name} ({args.speculative}, max batch {engine.max_batch}, "
+              f"max length {engine.max_length}) ...", file=sys.stderr, flush=True)
+        engine.warm_up()
+    except BaseException:
+        sock.close()
+        raise
+    serve(AsyncEngine(engine), tokenizer, name, metrics=metrics, chat_template=chat_template, sock=sock,
+          log_level=args.log_level,
+          on_listening=lambda url: print(f"mtp-jax serve: {name} at {url}/v1", file=sys.stderr, flush=True))
+    return 0

@@ -1,0 +1,344 @@
+"""An OpenAI-compatible HTTP server around `ServingEngine` (FastAPI + uvicorn; `mtp-jax serve`).
+
+Endpoints:
+
+- `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI's request fields (see
+  `mtp_jax.serving.protocol` for what is supported), a JSON response, or with `"stream": true`
+  server-sent events `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n` (`text_completion` /
+  `chat.completion.chunk` objects; with `stream_options.include_usage` a last chunk carries
+  `usage` and no choices). `finish_reason` is "stop" (EOS, a stop token or a stop string) or
+  "length" (max_tokens); `stop_reason` (vLLM's) names the stop string or token id. `usage`
+  counts the engine's tokens: a stop token counts as a completion token though its text is not
+  in the output, tokens after a stop string do not count.
+- `GET /v1/models` (and `/v1/models/{id}`): the one served model. `GET /health`: 200 while the
+  engine thread runs, else 503. `GET /metrics`: Prometheus text (`PrometheusMetrics`), when given.
+
+Errors carry OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for a body that
+is not JSON or fails validation (FastAPI's 422 is replaced), a parameter the engine refuses
+(sampling values, a prompt that does not fit `max_length`, too many stop tokens: `param` names
+it) or an unsupported option (n > 1, logprobs > 0, ...); 404 `model_not_found` for another model
+name; 429 `queue_full` when `max_queue` requests wait already; 503 when the engine thread is not
+running. A client that disconnects (or closes a stream) aborts its request, which frees its slot
+before the next engine step. Handlers only await their request's queue: nothing blocks the
+event loop while the engine thread computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
+
+from mtp_jax.serving import protocol
+from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
+from mtp_jax.serving.chat_template import ChatTemplate
+from mtp_jax.serving.engine import QueueFull
+from mtp_jax.serving.metrics import CONTENT_TYPE, PrometheusMetrics
+from mtp_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+
+# The parameter an engine / SamplingParams message is about, first match wins.
+_PARAM_PATTERNS = ((r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"), (r"\bprompt\b", "prompt"),
+                   (r"^temperature\b", "temperature"), (r"^top_k\b", "top_k"), (r"^top_p\b", "top_p"),
+                   (r"^seed\b", "seed"), (r"\bstop tokens?\b|\bstop_token", "stop_token_ids"), (r"^stop\b", "stop"))
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members in `loc`
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def refusal(error: Exception, prompt_param: str = "prompt") -> JSONResponse:
+    """The error response for a request the server or the engine refused."""
+    if isinstance(error, RequestError):
+        return _error(error.status, error.message, error.type, error.param, error.code)
+    if isinstance(error, QueueFull):
+        return _error(429, str(error), "rate_limit_error", None, "queue_full")
+    if isinstance(error, EngineError):
+        return _error(503, str(error), "server_error", None, "engine_unavailable")
+    message = re.sub(r"\bprompt 0\b", "the prompt", str(error)).replace("max_new_tokens", "max_tokens")
+    param = next((p for pattern, p in _PARAM_PATTERNS if re.search(pattern, message)), None)
+    if param == "prompt" and prompt_param != "prompt":
+        param, message = prompt_param, message.replace("the prompt", f"the prompt (the rendered {prompt_param})")
+    if param is not None and param not in message:
+        message = f"{param}: {message}"
+    return _error(400, message, param=param)
+
+
+def _validation_error(error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 as OpenAI's 400, naming the first offending field."""
+    first = error.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p).lower() not in _TYPE_TAGS
+           and "[" not in str(p)]
+    if first.get("type") == "json_invalid":
+        return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc:
+        return _error(400, f"the request body must be a JSON object ({first['msg']})")
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return _error(400, f"{'.'.join(loc)}: {message}", param=loc[0])
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends (client gone included)."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._request_stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request_stream.abort()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read already: the next ASGI message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Collected:
+    """A whole request's outputs."""
+
+    def __init__(self):
+        self.text, self.token_ids, self.logprobs, self.last = [], [], [], None
+
+    def add(self, out) -> None:
+        self.text.append(out.text)
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.last = out
+
+
+class _OpenAIServer:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, chat_template: ChatTemplate):
+        self.engine, self.tokenizer, self.model_name, self.chat_template = engine, tokenizer, model_name, chat_template
+
+    def model_card(self, created: int) -> dict:
+        return {"id": self.model_name, "object": "model", "created": created, "owned_by": "mtp-jax",
+                "max_model_len": self.engine.engine.max_length}
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                               "model", status=404, code="model_not_found")
+
+    def _submit(self, body, prompt_ids: list[int], request_id: str) -> RequestStream:
+        return self.engine.add_request(prompt_ids, request_id=request_id, **body.engine_kwargs())
+
+    async def _collect(self, stream: RequestStream, request: Request) -> _Collected | None:
+        """All the request's outputs; None when the client disconnected first (the request is aborted)."""
+        async def drain():
+            collected = _Collected()
+            async for out in stream:
+                collected.add(out)
+            return collected
+
+        task, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            task.cancel()
+            watch.cancel()
+            stream.abort()
+
+    # ------------------------------------------------------------------------------------------
+    # /v1/completions
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        try:
+            self._check_model(body.model)
+            prompt = self.tokenizer.encode(body.prompt).ids if isinstance(body.prompt, str) else body.prompt
+            stream = self._submit(body, prompt, request_id)
+        except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
+            return refusal(error)
+        if body.stream:
+            return _EventStream(self._completion_events(body, stream, created), stream)
+        try:
+            done = await self._collect(stream, request)
+        except EngineError as error:
+            return refusal(error)
+        if done is None:
+            return Response(status_code=499)  # nobody reads it
+        last = done.last
+        logprobs = None if body.logprobs is None else protocol.completion_logprobs(
+            self.tokenizer, done.token_ids, done.logprobs, 0)
+        return JSONResponse(protocol.completion_response(
+            request_id, self.model_name, "".join(done.text), last.finish_reason, last.stop_reason,
+            protocol.usage(last.prompt_tokens, last.completion_tokens), logprobs, created=created))
+
+    async def _completion_events(self, body: CompletionRequest, stream: RequestStream,
+                                 created: int) -> AsyncIterator[str]:
+        offset, last = 0, None
+        try:
+            async for out in stream:
+                last, logprobs = out, None
+                if body.logprobs is not None and out.token_ids:
+                    logprobs = protocol.completion_logprobs(self.tokenizer, out.token_ids, out.logprobs, offset)
+                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                if out.text or out.finished or logprobs:
+                    yield _sse(protocol.completion_response(stream.request_id, self.model_name, out.text,
+                                                            out.finish_reason, out.stop_reason, None, logprobs,
+                                                            created=created))
+            if body.include_usage:
+                yield _sse(protocol.usage_chunk("text_completion", stream.request_id, self.model_name,
+                                                protocol.usage(last.prompt_tokens, last.completion_tokens),
+                                                created=created))
+        except EngineError as error:
+            yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------------------------------
+    # /v1/chat/completions
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The token ids of the messages rendered by the chat template."""
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        try:
+            text = self.chat_template.render(messages)
+        except ValueError as error:
+            raise RequestError(str(error), "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=self.chat_template.add_special_tokens).ids
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        try:
+            self._check_model(body.model)
+            stream = self._submit(body, self.chat_prompt(body), request_id)
+        except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
+            return refusal(error, prompt_param="messages")
+        if body.stream:
+            return _EventStream(self._chat_events(body, stream, created), stream)
+        try:
+            done = await self._collect(stream, request)
+        except EngineError as error:
+            return refusal(error)
+        if done is None:
+            return Response(status_code=499)
+        last = done.last
+        logprobs = protocol.chat_logprobs(self.tokenizer, done.token_ids, done.logprobs) if body.logprobs else None
+        return JSONResponse(protocol.chat_response(
+            request_id, self.model_name, "".join(done.text), last.finish_reason, last.stop_reason,
+            protocol.usage(last.prompt_tokens, last.completion_tokens), logprobs, created=created))
+
+    async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
+                           created: int) -> AsyncIterator[str]:
+        rid, last = stream.request_id, None
+        try:
+            yield _sse(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""},
+                                           created=created))
+            async for out in stream:
+                last = out
+                logprobs = protocol.chat_logprobs(self.tokenizer, out.token_ids, out.logprobs) if (
+                    body.logprobs and out.token_ids) else None
+                if out.text or out.finished or logprobs:
+                    delta = {"content": out.text} if out.text else {}
+                    yield _sse(protocol.chat_chunk(rid, self.model_name, delta, out.finish_reason, out.stop_reason,
+                                                   logprobs, created=created))
+            if body.include_usage:
+                yield _sse(protocol.usage_chunk("chat.completion.chunk", rid, self.model_name,
+                                                protocol.usage(last.prompt_tokens, last.completion_tokens),
+                                                created=created))
+        except EngineError as error:
+            yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
+        yield "data: [DONE]\n\n"
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metrics: PrometheusMetrics | None = None,
+              *, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI app of the endpoints above over `engine` (started and stopped by the caller, see
+    `serve`); `chat_template` defaults to the plain one (`ChatTemplate.from_model_dir` reads a
+    model's)."""
+    server = _OpenAIServer(engine, tokenizer, model_name, chat_template or ChatTemplate())
+    created = int(time.time())
+    app = FastAPI(title="mtp-jax", summary="OpenAI-compatible completions with MTP speculative decoding")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError):
+        return _validation_error(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        return _error(error.status_code, str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception):  # a bug: still OpenAI's shape
+        return _error(500, f"internal error: {type(error).__name__}: {error}", "server_error", code="internal_error")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat_completions(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.model_card(created)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return _error(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return server.model_card(created)
+
+    @app.get("/health")
+    async def health():
+        if engine.is_running:
+            return {"status": "ok"}
+        return _error(503, f"the engine is not running: {engine.error or 'stopped'}", "server_error",
+                      code="engine_unavailable")
+
+    if metrics is not None:
+        @app.get("/metrics")
+        async def prometheus():
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one). Raises OSError (address in use, ...)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def serve(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *, metrics: PrometheusMetrics | None = None,
+          chat_template: ChatTemplate | None = None, host: str = "127.0.0.1", port: int = 8000,
+          sock: socket.socket | None = None, log_level: str = "info",
+          on_listening: Callable[[str], None] | None = None) -> None:
+    """Serves `build_app(...)` with uvicorn until interrupted (Ctrl-C, SIGTERM): on `sock` (default
+    `bind(host, port)`), calls `on_listening(url)`, starts the engine thread, and shuts it down at the
+    end (in-flight requests get 5 seconds, then are cancelled and aborted). Closes the socket."""
+    app = build_app(engine, tokenizer, model_name, metrics, chat_template=chat_template)
+    sock = bind(host, port) if sock is None else sock
+    host = sock.getsockname()[0]
+    name = f"[{host}]" if ":" in host else host
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    engine.start()
+    try:
+        if on_listening is not None:
+            on_listening(f"http://{name}:{sock.getsockname()[1]}")
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()

@@ -1,0 +1,576 @@
+"""The OpenAI-compatible server (`mtp_jax.serving.server`, `async_engine`, `protocol`, `chat_template`,
+`mtp-jax serve`): the official `openai` client against a real uvicorn server over the demo model.
+
+One module fixture loads the demo model, builds one eagle K=3 engine (4 slots of 256 tokens,
+prefill chunks of 32), warms it up and serves it on a free port. Expected values come from
+`mtp_jax.generate` (the same speculative config) or from the same request sent alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import http.client
+import json
+import shutil
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from mtp_jax import generate  # noqa: E402
+from mtp_jax.cli import build_parser, main  # noqa: E402
+from mtp_jax.cli_serve import run_serve  # noqa: E402
+from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained  # noqa: E402
+from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine  # noqa: E402
+from mtp_jax.serving.async_engine import AsyncEngine, EngineError  # noqa: E402
+from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt  # noqa: E402
+from mtp_jax.serving.metrics import PrometheusMetrics  # noqa: E402
+from mtp_jax.serving.server import bind, build_app  # noqa: E402
+from mtp_jax.speculative import SpeculativeConfig  # noqa: E402
+
+SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+MAX_LENGTH = 256
+MODEL = "demo"
+PROMPT = "import os\n\n\ndef "
+EOS_AT_ONCE = "if __name__ == '__main__':\n    main()\n"  # the demo model's greedy output is EOS alone
+
+
+class RecordingEngine(ServingEngine):
+    """A ServingEngine that keeps every output it hands out (tests read what it did, aborts included)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.outputs: list[RequestOutput] = []
+        self.busy_slots: list[int] = []  # per step, the slots held by requests after it
+
+    def step(self):
+        outputs = super().step()
+        self.outputs.extend(outputs)
+        self.busy_slots.append(sum(r is not None for r in self._slots))
+        return outputs
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serves `app` with uvicorn in a background thread on a free 127.0.0.1 port; yields the base URL."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive()
+
+
+@dataclasses.dataclass
+class Served:
+    model: object
+    tokenizer: object
+    engine: RecordingEngine
+    async_engine: AsyncEngine
+    url: str
+    client: openai.OpenAI
+    warm_counts: dict
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, tokenizer = load_pretrained()
+    metrics = PrometheusMetrics(MODEL, SPEC.num_speculative_tokens, max_model_len=MAX_LENGTH)
+    engine = RecordingEngine(model, SPEC, tokenizer=tokenizer, max_batch=4, max_length=MAX_LENGTH, prefill_chunk=32,
+                             stats=metrics)
+    engine.warm_up()
+    warm_counts = engine.compiled_counts()
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    with running(build_app(async_engine, tokenizer, MODEL, metrics)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        yield Served(model, tokenizer, engine, async_engine, url, client, warm_counts)
+    async_engine.shutdown()
+    assert not async_engine.is_running
+
+
+def ids_of(served, text: str) -> list[int]:
+    return served.tokenizer.encode(text).ids
+
+
+_GREEDY: dict = {}
+
+
+def greedy_reference(served, prompt: str, max_tokens: int):
+    """`generate`'s greedy tokens and logprobs for `prompt` (cached): the server's expected output."""
+    key = (prompt, max_tokens)
+    if key not in _GREEDY:
+        result = generate(served.model, [ids_of(served, prompt)], max_new_tokens=max_tokens, max_length=MAX_LENGTH,
+                          speculative=SPEC)
+        _GREEDY[key] = result.tokens[0], result.logprobs[0], result.finish_reasons[0]
+    return _GREEDY[key]
+
+
+def request(url: str, method: str, path: str, body=None) -> tuple[int, dict | str, str]:
+    """A raw HTTP request (stdlib only): (status, the JSON body or the text, content type)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json"} if data is not None else {})
+    response = conn.getresponse()
+    payload, kind = response.read().decode(), response.getheader("content-type", "")
+    conn.close()
+    return response.status, (json.loads(payload) if "json" in kind else payload), kind
+
+
+def complete(served, prompt, **kwargs):
+    return served.client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def completion_result(response) -> tuple[str, str, int, int]:
+    choice = response.choices[0]
+    return choice.text, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
+
+
+def wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Completions against `generate`
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, EOS_AT_ONCE], ids=["length", "eos"])
+def test_greedy_completion_matches_generate_plain_and_streamed(served, prompt):
+    tokens, logprobs, reason = greedy_reference(served, prompt, 40)
+    eos = served.model.config.eos_token_ids
+    text = served.tokenizer.decode(tokens[:-1] if tokens[-1] in eos else tokens)
+    expected_reason = "stop" if reason == "stop" else "length"
+    assert (prompt == EOS_AT_ONCE) == (expected_reason == "stop")  # both finish reasons are exercised
+
+    response = complete(served, prompt, max_tokens=40, temperature=0, logprobs=0)
+    assert completion_result(response) == (text, expected_reason, len(ids_of(served, prompt)), len(tokens))
+    assert response.object == "text_completion" and response.model == MODEL
+    assert response.usage.total_tokens == len(ids_of(served, prompt)) + len(tokens)
+    lp = response.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert len(lp.tokens) == len(tokens)
+
+    chunks = list(complete(served, prompt, max_tokens=40, temperature=0, stream=True,
+                           stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == expected_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
+    tokens, _, _ = greedy_reference(served, PROMPT, 40)
+    text = served.tokenizer.decode(tokens)
+    start = next(i for i in range(len(text) // 2, len(text)) if text[i].isalpha())
+    stop = text[start: start + 4]
+    cut = text.find(stop)
+    assert 0 < cut <= start
+    # The tokens up to and including the one that completed the stop string.
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in served.tokenizer.decode(tokens[:n]))
+
+    response = complete(served, PROMPT, max_tokens=40, temperature=0, stop=[stop, "never appears"])
+    assert (response.choices[0].text, response.usage.completion_tokens) == (text[:cut], needed)
+    assert response.choices[0].finish_reason == "stop" and response.choices[0].stop_reason == stop
+    streamed = list(complete(served, PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+    # A stop token id ends the output there: counted, its text left out.
+    token = tokens[7]
+    at = tokens.index(token)
+    response = complete(served, PROMPT, max_tokens=40, temperature=0, extra_body={"stop_token_ids": [token]})
+    assert (response.choices[0].text, response.usage.completion_tokens) == (served.tokenizer.decode(tokens[:at]),
+                                                                            at + 1)
+    assert response.choices[0].stop_reason == token
+
+
+def test_stream_is_server_sent_events_ending_with_done(served):
+    status, text, kind = request(served.url, "POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True})
+    assert status == 200 and kind.startswith("text/event-stream")
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    tokens, _, _ = greedy_reference(served, PROMPT, 40)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == served.tokenizer.decode(tokens[:6])
+
+
+# ----------------------------------------------------------------------------------------------
+# Continuous batching through HTTP
+
+
+def test_concurrent_staggered_requests_match_each_alone_without_recompiling(served):
+    code = ["import os\n", "def add(a, b):\n", "class Point:\n    def __init__(self, x, y):\n", "for i in range(",
+            "    return self.", "# Copyright\n", "try:\n    import json\nexcept ImportError:\n", "with open(",
+            "def __repr__(self):\n        return ", "x = [", "if not isinstance(value, int):\n    raise ",
+            "from collections import ", "    @property\n    def name(self):\n", "while True:\n",
+            "def main(argv=None):\n    parser = argparse.ArgumentParser(description='Process some files and "
+            "print a summary of what they hold, line by line, with counts.')\n", "async def fetch("]
+    assert any(len(ids_of(served, c)) > 32 for c in code)  # a prompt of several prefill chunks
+    requests = []
+    for i, prompt in enumerate(code):
+        kwargs = {"max_tokens": 8 + 3 * i, "temperature": 0}
+        if i in (3, 10):  # sampled, seeded: the same draws in any batch
+            kwargs.update(temperature=0.9, top_p=0.95, seed=1000 + i, extra_body={"top_k": 50})
+        requests.append((prompt, kwargs))
+
+    alone = [completion_result(complete(served, p, **kw)) for p, kw in requests]
+    counts = served.engine.compiled_counts()
+
+    def send(i):
+        time.sleep(0.03 * i)  # staggered: requests arrive while others prefill and decode
+        return completion_result(complete(served, requests[i][0], **requests[i][1]))
+
+    steps = len(served.engine.busy_slots)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(send, range(len(requests))))
+    assert together == alone
+    assert max(served.engine.busy_slots[steps:]) == served.engine.max_batch  # they did share the batch
+    assert {r[1] for r in alone} >= {"length"}
+    assert served.engine.compiled_counts() == counts
+    for name in ("_step_with_output_jit", "_insert_jit"):
+        assert counts[name] == served.warm_counts[name]  # nothing compiled since warm-up
+    assert not served.engine.has_unfinished()
+
+
+def test_async_client_requests_are_served_concurrently(served):
+    client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=120)
+    tokens, _, _ = greedy_reference(served, PROMPT, 40)
+
+    async def run():
+        async with client:
+            return await asyncio.gather(*[client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                                                    temperature=0) for _ in range(6)])
+
+    texts = {r.choices[0].text for r in asyncio.run(run())}
+    assert texts == {served.tokenizer.decode(tokens)}
+
+
+def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
+    others = [("def add(a, b):\n", 30), ("class Point:\n", 35)]
+    alone = [completion_result(complete(served, p, max_tokens=n, temperature=0)) for p, n in others]
+    before = len(served.engine.outputs)
+    parts = urllib.parse.urlsplit(served.url)
+    body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 220, "ignore_eos": True, "temperature": 0}
+
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    chunks = []
+    while len(chunks) < 3:
+        line = response.readline().decode()
+        if line.startswith("data: "):
+            chunks.append(json.loads(line[len("data: "):]))
+    streamed_id = chunks[0]["id"]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(lambda p=p, n=n: completion_result(complete(served, p, max_tokens=n, temperature=0)))
+                   for p, n in others]
+        time.sleep(0.05)
+        response.close()
+        conn.close()  # the client goes away mid-stream
+        # and a non-streaming request whose client goes away before the answer
+        plain = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        plain.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        longest_other = max(n for _, n in others)
+        wait_for(lambda: any(o.request_id != streamed_id and o.completion_tokens > longest_other
+                             for o in served.engine.outputs[before:]))  # it is decoding
+        plain.close()
+        assert [f.result() for f in futures] == alone  # the others are unchanged
+
+    def aborted():
+        return [o for o in served.engine.outputs[before:] if o.finish_reason == "abort"]
+
+    wait_for(lambda: len(aborted()) == 2 and not served.engine.has_unfinished())
+    assert streamed_id in {o.request_id for o in aborted()}
+    assert all(o.completion_tokens < body["max_tokens"] for o in aborted())
+    assert served.engine.num_running == 0 and served.engine.num_waiting == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b'{"model": "demo", "prompt": ', 400, None),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [7] * 300}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x = 1\n" * 100}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**40}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 100}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}],
+                              "stream": True}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(served, path, body, status, param):
+    got, payload, kind = request(served.url, "POST", path, body)
+    assert (got, kind) == (status, "application/json")
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert (param or "JSON") in error["message"]
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    assert not served.engine.has_unfinished()
+
+
+def test_openai_client_raises_its_errors(served):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        complete(served, "x", temperature=-0.5)
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        served.client.completions.create(model="nope", prompt="x")
+
+
+def test_full_queue_is_429_queue_full(served):
+    engine = ServingEngine(served.model, None, tokenizer=served.tokenizer, max_batch=1, max_length=64, max_queue=0)
+    async_engine = AsyncEngine(engine)  # never started: nothing would run, every request is refused
+    with running(build_app(async_engine, served.tokenizer, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        assert raised.value.status_code == 429
+        for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}):
+            status, payload, _ = request(url, "POST", "/v1/completions", {"model": MODEL, **body})
+            assert status == 429
+            assert payload["error"]["code"] == "queue_full" and payload["error"]["type"] == "rate_limit_error"
+            assert "max_queue=0" in payload["error"]["message"]
+        status, payload, _ = request(url, "GET", "/health")
+        assert status == 503 and payload["error"]["code"] == "engine_unavailable"
+        assert request(url, "GET", "/metrics")[0] == 404  # no metrics given
+    assert not engine.has_unfinished()
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat
+
+
+def test_chat_with_the_plain_template_is_a_completion_of_the_rendered_prompt(served):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    rendered = "<|system|>\nYou write Python.\n<|user|>\ndef add(a, b):\n<|assistant|>\n"
+    assert plain_prompt(messages) == rendered
+    expected = completion_result(complete(served, rendered, max_tokens=30, temperature=0))
+
+    chat = served.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
+                                                 temperature=0, logprobs=True)
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert (choice.message.content, choice.finish_reason, chat.usage.prompt_tokens,
+            chat.usage.completion_tokens) == expected
+    assert len(choice.logprobs.content) == expected[3]
+
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected[0]
+    assert chunks[-2].choices[0].finish_reason == expected[1] and chunks[-1].usage.completion_tokens == expected[3]
+    # content parts are joined
+    parts = [{"type": "text", "text": "def add("}, {"type": "text", "text": "a, b):"}]
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=[messages[0], {"role": "user", "content": parts}], max_tokens=30, temperature=0)
+    assert chat.choices[0].message.content == expected[0]
+
+
+def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model_dir)
+    template = ("{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": "### "}, "eos_token": "<eos>"}))
+    assert ChatTemplate.from_model_dir(DEFAULT_MODEL_DIR).source is None  # the demo model: plain template
+    chat_template = ChatTemplate.from_model_dir(model_dir)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    rendered = "### # user: def add(a, b):\n# assistant:\n"
+    assert chat_template.render(messages) == rendered
+    expected = completion_result(complete(served, rendered, max_tokens=25, temperature=0))
+
+    with running(build_app(served.async_engine, served.tokenizer, "chatty", chat_template=chat_template)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="chatty", messages=messages, max_tokens=25, temperature=0)
+        assert (chat.choices[0].message.content, chat.choices[0].finish_reason, chat.usage.prompt_tokens,
+                chat.usage.completion_tokens) == expected
+    refusing = ChatTemplate("{{ raise_exception('only user messages') }}")
+    with pytest.raises(ValueError, match="only user messages"):
+        refusing.render(messages)
+
+
+# ----------------------------------------------------------------------------------------------
+# The other endpoints
+
+
+def test_models_health_and_metrics(served):
+    assert [m.id for m in served.client.models.list().data] == [MODEL]
+    status, payload, _ = request(served.url, "GET", "/v1/models")
+    assert status == 200 and payload["data"][0]["max_model_len"] == MAX_LENGTH
+    assert request(served.url, "GET", "/v1/models/nope")[1]["error"]["code"] == "model_not_found"
+    assert request(served.url, "GET", "/health")[:2] == (200, {"status": "ok"})
+    assert request(served.url, "GET", "/nowhere")[0] == 404
+
+    complete(served, PROMPT, max_tokens=5, temperature=0)
+    status, text, kind = request(served.url, "GET", "/metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    labels = (("engine", "0"), ("model_name", MODEL))
+    assert values["vllm:request_success_total", tuple(sorted(labels + (("finished_reason", "length"),)))] >= 1
+    assert values["vllm:spec_decode_num_drafts_total", labels] >= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# AsyncEngine alone (a fake engine: no model)
+
+
+class FakeEngine:
+    """The ServingEngine calls AsyncEngine makes; each step hands every request one token, forever (an
+    aborted one gets its "abort" output at the next step, as ServingEngine's)."""
+
+    def __init__(self, fail_at_step: int | None = None):
+        self.running, self.aborting, self.aborted = set(), set(), []
+        self.steps, self.fail_at_step = 0, fail_at_step
+        self.lock = threading.Lock()
+
+    def add_request(self, prompt, *, request_id, max_tokens=None):
+        with self.lock:
+            self.running.add(request_id)
+
+    def abort(self, request_id):
+        with self.lock:
+            self.aborted.append(request_id)
+            if request_id not in self.running:
+                return False
+            self.aborting.add(request_id)
+            return True
+
+    def has_unfinished(self):
+        with self.lock:
+            return bool(self.running)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError("device lost")
+        time.sleep(0.001)
+        with self.lock:
+            ids, self.running = [(i, i in self.aborting) for i in self.running], self.running - self.aborting
+            self.aborting = set()
+        return [RequestOutput(request_id=i, token_ids=[] if gone else [1], logprobs=[] if gone else [0.0],
+                              text="" if gone else "a", num_committed=1, num_accepted=0, prompt_tokens=1,
+                              completion_tokens=self.steps, finish_reason="abort" if gone else None,
+                              stop_reason=None, metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=0))
+                for i, gone in ids]
+
+
+def test_async_engine_idles_without_work_and_aborts_cancelled_consumers():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    time.sleep(0.2)
+    assert fake.steps == 0 and engine.is_running  # waits on its condition, no busy loop
+
+    async def consume(n):
+        got = []
+        async for out in engine.generate([1], request_id="r", max_tokens=None):
+            got.append(out.text)
+            if len(got) == n:
+                break  # leaving the loop aborts
+        return got
+
+    async def cancelled():
+        task = asyncio.ensure_future(consume(10**9))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    assert asyncio.run(consume(3)) == ["a"] * 3
+    wait_for(lambda: not fake.has_unfinished())
+    assert fake.aborted == ["r"]
+    asyncio.run(cancelled())
+    wait_for(lambda: not fake.has_unfinished())
+    assert fake.aborted == ["r", "r"]
+    steps = fake.steps
+    time.sleep(0.1)
+    assert fake.steps == steps  # idle again
+    engine.shutdown()
+    assert not engine.is_running
+    with pytest.raises(EngineError, match="shut down"):
+        asyncio.run(consume(1))
+
+
+def test_async_engine_surfaces_engine_thread_errors():
+    engine = AsyncEngine(FakeEngine(fail_at_step=3))
+    engine.start()
+
+    async def consume():
+        async for _ in engine.generate([1], request_id="r"):
+            pass
+
+    with pytest.raises(EngineError, match="device lost"):
+        asyncio.run(consume())
+    assert not engine.is_running and isinstance(engine.error, RuntimeError)
+    with pytest.raises(EngineError, match="device lost"):
+        asyncio.run(consume())  # refused at once: the thread is gone
+    engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# mtp-jax serve
+
+
+def test_serve_command_line(tmp_path, capsys):
+    args = build_parser().parse_args(["serve"])
+    assert (args.model_dir, args.speculative, args.max_batch, args.host, args.port, args.func) == (
+        str(DEFAULT_MODEL_DIR), "eagle", 8, "127.0.0.1", 8000, run_serve)
+    args = build_parser().parse_args(["serve", "some/dir", "--speculative", "none", "--num-speculative-tokens", "2",
+                                      "--max-length", "512", "--prefill-chunk", "16", "--max-queue", "3", "--port",
+                                      "0", "--served-model-name", "m", "--mesh", "data=1"])
+    assert (args.model_dir, args.speculative, args.num_speculative_tokens, args.max_length, args.prefill_chunk,
+            args.max_queue, args.served_model_name, args.mesh) == ("some/dir", "none", 2, 512, 16, 3, "m", "data=1")
+    assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert "MODEL_DIR" in capsys.readouterr().err
