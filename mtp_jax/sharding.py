@@ -193,6 +193,20 @@ def named_shardings(tree, logical_tree, mesh: Mesh):
     return jax.tree.map(lambda x, spec: NamedSharding(mesh, resolve(spec, x.shape, mesh)), tree, logical_tree)
 
 
+def trim_specs(shardings):
+    """A tree of `NamedSharding`s with each spec's trailing Nones dropped, as jitted calls return them:
+    `NamedSharding` equality does not normalise them, so an input placed untrimmed and the same array
+    coming back from a jitted call would compile that call twice."""
+
+    def trimmed(sharding: NamedSharding) -> NamedSharding:
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return NamedSharding(sharding.mesh, P(*spec))
+
+    return jax.tree.map(trimmed, shardings)
+
+
 def place(tree, shardings):
     """Every array of `tree` on its sharding (a matching tree of `Sharding`s).
 

@@ -139,7 +139,7 @@ class DraftState:
     probs: jax.Array  # float32 [B, K, V] (draft_sampling="sample") or [B, K, 0]: q
     caches: tuple[KVCache, ...]  # the MTP modules' caches (`SpeculativeConfig.num_caches`)
     hidden_window: jax.Array  # [B, W, E]: h^0 at positions L-1-W .. L-2 (vanilla), W = 0 otherwise
-    oracle_tokens: jax.Array  # int32 [B, R]: the sequences the oracle replays (R = 0 otherwise)
+    oracle_tokens: jax.Array  # int32 [B, R]: the sequences the oracle replays (otherwise [B, 1], unused)
 
 
 def init_draft_state(model: Transformer, spec: SpeculativeConfig | None, batch_size: int, max_length: int,
@@ -168,7 +168,8 @@ def init_draft_state(model: Transformer, spec: SpeculativeConfig | None, batch_s
         caches=() if spec is None else tuple(model.mtp[j].init_cache(batch_size, max_length)
                                              for j in range(spec.num_caches)),
         hidden_window=jnp.zeros((batch_size, window, config.hidden_size), config.compute_dtype),
-        oracle_tokens=jnp.asarray(oracle_tokens if oracle else np.zeros((batch_size, 0)), jnp.int32))
+        oracle_tokens=jnp.asarray(oracle_tokens if oracle else np.zeros((batch_size, 1)), jnp.int32))
+    # (not [B, 0]: on a mesh jitted calls return that empty array with varying specs, and recompile)
 
 
 def _pick_draft(spec: SpeculativeConfig, logits: jax.Array, sampling: SamplingState,

@@ -30,7 +30,15 @@ from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.loss import compute_loss, label_mask
 from mtp_jax.model import Transformer
 from mtp_jax.mtp import MTP_PARAMS, shift_left
-from mtp_jax.sharding import constrain_tree, named_shardings, param_logical_axes, place, resolve, to_host
+from mtp_jax.sharding import (
+    constrain_tree,
+    named_shardings,
+    param_logical_axes,
+    place,
+    resolve,
+    to_host,
+    trim_specs,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,13 +194,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     """The `NamedSharding` on `mesh` of every array of `state` (`train_state_logical_axes` resolved), its
     spec without trailing Nones: as the jitted step returns them, so the step's input and output
     shardings compare equal and it compiles once."""
-    def trimmed(sharding: NamedSharding) -> NamedSharding:
-        spec = list(sharding.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        return NamedSharding(sharding.mesh, P(*spec))
-
-    return jax.tree.map(trimmed, named_shardings(state, train_state_logical_axes(state), mesh))
+    return trim_specs(named_shardings(state, train_state_logical_axes(state), mesh))
 
 
 def place_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:

@@ -45,7 +45,7 @@ from mtp_jax.model import Transformer
 from mtp_jax.pretrained import TextStream
 from mtp_jax.request import check_request, is_integer
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.sharding import axis_size, named_shardings, place, to_host
+from mtp_jax.sharding import named_shardings, place, to_host, trim_specs
 from mtp_jax.speculative import SpeculativeConfig
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -212,7 +212,7 @@ class ServingEngine:
         if max_length > config.max_position_embeddings:
             raise ValueError(f"max_length={max_length} exceeds config.max_position_embeddings="
                              f"{config.max_position_embeddings}")
-        rows = 1 if mesh is None else axis_size(mesh, ("data", "fsdp"))
+        rows = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
         if max_batch % rows:
             raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
         self.model, self.speculative, self.tokenizer, self.mesh = model, speculative, tokenizer, mesh
@@ -225,7 +225,7 @@ class ServingEngine:
         state, _ = self.decode.init_state(
             [[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length, stop_tokens=[],
             oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None)
-        self._state = self.decode.release(state, np.ones(self.max_batch, bool))  # every slot free
+        self._state = self.decode.release(self._placed(state), np.ones(self.max_batch, bool))  # every slot free
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._waiting: collections.deque[_Request] = collections.deque()
         self._staging: _Staging | None = None
@@ -360,13 +360,20 @@ class ServingEngine:
         return outputs
 
     def warm_up(self) -> None:
-        """Compiles every jitted call by serving throwaway requests (a long prompt, so both prefill
-        kinds run) to the end; afterwards `step` never compiles. Call before taking requests."""
-        prompt = [0] * min(self.prefill_chunk + 1, self.max_length - 2)
-        oracle = prompt if self._oracle else None
-        ids = [self.add_request(prompt, max_tokens=2, ignore_eos=True, oracle_tokens=oracle) for _ in range(2)]
-        while any(i in self._ids for i in ids):
-            self.step()
+        """Compiles every jitted call by serving throwaway requests to the end (a prompt of three
+        chunks and one of a single token, so every prefill kind runs), again until a pass compiles
+        nothing (a safety net: on a mesh, should a call return some array with another spec than it
+        was given, the next call compiles once more); afterwards `step` never compiles. Call before
+        taking requests."""
+        prompts = [[0] * min(2 * self.prefill_chunk + 1, self.max_length - 3), [0]]
+        for _ in range(3):
+            before = self.compiled_counts()
+            ids = [self.add_request(p, max_tokens=2, ignore_eos=True, oracle_tokens=p if self._oracle else None)
+                   for p in prompts]
+            while any(i in self._ids for i in ids):
+                self.step()
+            if self.compiled_counts() == before:
+                return
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -442,8 +449,16 @@ class ServingEngine:
             [request.prompt] + [[0]] * dummies, max_new_tokens=[request.max_tokens] + [1] * dummies,
             sampling=[request.sampling] + [SamplingParams()] * dummies, max_length=self.max_length,
             stop_tokens=request.stop_token_ids, oracle_tokens=oracle)
+        state = self._placed(state)
         self._staging = _Staging(request=request, state=state, slot=free[0])  # the slot stays free until then
         return True
+
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """On a mesh: `state` placed with the specs jitted calls return (`trim_specs`), so a staged or
+        slot state compiles each call once, whichever call it comes from."""
+        if self.mesh is None:
+            return state
+        return place(state, trim_specs(named_shardings(state, state.logical_axes(), self.mesh)))
 
     def _prefill_chunk(self, staging: _Staging, final: bool) -> None:
         prompt, size, start = staging.request.prompt, self.prefill_chunk, staging.start
@@ -454,7 +469,7 @@ class ServingEngine:
         starts[0] = start
         chunk, starts = jnp.asarray(chunk), jnp.asarray(starts)
         if self.mesh is not None:
-            chunk = place(chunk, named_shardings(chunk, P("batch", None), self.mesh))
+            chunk = place(chunk, named_shardings(chunk, P("batch"), self.mesh))
             starts = place(starts, named_shardings(starts, P("batch"), self.mesh))
         staging.state = self.decode.prefill(staging.state, chunk, starts, final=final)
         staging.start = start + size

@@ -271,3 +271,27 @@ def test_expert_parallel_moe_layers_all_reduce_once_each(deepseek):
     # layer) in its two calls of the draft (the K+1 verified rows, then the second draft)
     assert [kind for kind, name in found if "psum" in name] == ["all-reduce"] * 3, found
     assert all(kind == "all-reduce" for kind, _ in found), found
+
+
+@pytest.mark.parametrize("model_name,mesh_spec", [("gqa", "data=2,tensor=4"), ("deepseek", "data=2,expert=4")])
+def test_serving_engine_on_a_mesh_equals_one_device(request, model_name, mesh_spec):
+    """Continuous batching on a mesh (staging rows over `data`, a prompt longer than one prefill chunk,
+    requests arriving at different steps) gives each request the one-device `generate` tokens."""
+    from mtp_jax.serving import ServingEngine
+
+    model = request.getfixturevalue(model_name)
+    one = one_device(model, EAGLE)
+    engine = ServingEngine(model, EAGLE, max_batch=2, max_length=CAPACITY, prefill_chunk=4,
+                           mesh=make_mesh(mesh_spec))
+    engine.warm_up()
+    compiled = engine.compiled_counts()
+    ids, got = [], {}
+    for prompt in PROMPTS:  # one arrival per step, more requests than slots
+        ids.append(engine.add_request(prompt, max_tokens=MAX_NEW))
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [got[i] for i in ids] == one.tokens
+    assert engine.compiled_counts() == compiled
