@@ -199,7 +199,7 @@ def test_zero_d_integer_arrays_and_any_collection_of_stop_tokens_are_accepted(mo
                  [4, 9, 9]):
         other, _ = init_state(model, [[1, 2]], max_new_tokens=3, max_length=48, stop_tokens=stop)
         np.testing.assert_array_equal(other.stop_tokens, state.stop_tokens)
-    np.testing.assert_array_equal(state.stop_tokens[:3], [4, 9, -1])
+    np.testing.assert_array_equal(state.stop_tokens[0, :3], [4, 9, -1])  # per row
     assert generate(model, [[1, 2]], max_new_tokens=jnp.int32(3), max_length=jnp.int32(48),
                     stop_tokens={4, 9}).tokens == expected
 
