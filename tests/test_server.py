@@ -19,25 +19,21 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
+import openai  # the official client, a test dependency (pyproject's `test` extra)
 import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-
-import uvicorn  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from mtp_jax import generate  # noqa: E402
-from mtp_jax.cli import build_parser, main  # noqa: E402
-from mtp_jax.cli_serve import run_serve  # noqa: E402
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained  # noqa: E402
-from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine  # noqa: E402
-from mtp_jax.serving.async_engine import AsyncEngine, EngineError  # noqa: E402
-from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt  # noqa: E402
-from mtp_jax.serving.metrics import PrometheusMetrics  # noqa: E402
-from mtp_jax.serving.server import bind, build_app  # noqa: E402
-from mtp_jax.speculative import SpeculativeConfig  # noqa: E402
+from mtp_jax import generate
+from mtp_jax.cli import build_parser, main
+from mtp_jax.cli_serve import run_serve
+from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained
+from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine
+from mtp_jax.serving.async_engine import AsyncEngine, EngineError
+from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt
+from mtp_jax.serving.metrics import PrometheusMetrics
+from mtp_jax.serving.server import bind, build_app
+from mtp_jax.speculative import SpeculativeConfig
 
 SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 MAX_LENGTH = 256
