@@ -95,6 +95,11 @@ def _build_engine(args: argparse.Namespace, mesh):
 def run_serve(args: argparse.Namespace) -> int:
     """Binds the port, loads the model, builds and warms up the engine, then serves until interrupted."""
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
+    import jax
+
+    if jax.process_count() > 1:
+        raise ValueError(f"--num-processes {jax.process_count()}: serving spans one process (the devices of one "
+                         "host); the engine steps of several processes are not driven in lockstep yet")
     from mtp_jax.serving.async_engine import AsyncEngine
     from mtp_jax.serving.server import bind, serve
 

@@ -270,3 +270,16 @@ def test_queue_and_argument_errors(demo):
         ServingEngine(model, EAGLE, max_batch=1, max_length=64, prefill_chunk=3)
     with pytest.raises(ValueError, match="max_length=4096 exceeds"):
         ServingEngine(model, None, max_length=4096)
+
+
+def test_serving_example_runs(capsys):
+    """examples/serving.py: staggered requests over fewer slots, each checked against `generate` alone."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--max-tokens", "8"])
+    assert "every request got exactly what generate gives it alone" in capsys.readouterr().out
