@@ -185,12 +185,7 @@ def _generate_kwargs(args, model, num_prompts: int, mesh=None) -> dict:
                          f"{args.seed + num_prompts - 1}, past the largest seed 2**32 - 1")
     sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
                 for b in range(num_prompts)]
-    speculative = None
-    if args.speculative != "none":
-        k = args.num_speculative_tokens
-        if k is None:
-            k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
-        speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
+    speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
     return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
                 speculative=speculative, mesh=mesh)
 

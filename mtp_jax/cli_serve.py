@@ -76,12 +76,7 @@ def _build_engine(args: argparse.Namespace, mesh):
         raise ValueError(f"MODEL_DIR: {error}") from error
     name = args.served_model_name or model_dir.resolve().name
     try:
-        speculative = None
-        if args.speculative != "none":
-            k = args.num_speculative_tokens
-            if k is None:
-                k = 3 if args.speculative == "eagle" else max(model.config.num_nextn_predict_layers, 1)
-            speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=k)
+        speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
         metrics = PrometheusMetrics(name, 0 if speculative is None else speculative.num_speculative_tokens,
                                     max_model_len=args.max_length or model.config.max_position_embeddings)
         engine = ServingEngine(model, speculative, tokenizer=tokenizer, max_batch=args.max_batch,

@@ -95,6 +95,18 @@ class SpeculativeConfig:
         if self.relaxed and (self.think_start_token_id is None or self.think_end_token_id is None):
             raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
 
+    @classmethod
+    def from_flags(cls, method: str, num_speculative_tokens: int | None,
+                   model: Transformer) -> SpeculativeConfig | None:
+        """The CLI's `--speculative METHOD --num-speculative-tokens K`: None for method "none"; K
+        defaults to 3 for eagle, else to the model's MTP modules (at least 1)."""
+        if method == "none":
+            return None
+        k = num_speculative_tokens
+        if k is None:
+            k = 3 if method == "eagle" else max(model.config.num_nextn_predict_layers, 1)
+        return cls(method=method, num_speculative_tokens=k)
+
     @property
     def relaxed(self) -> bool:
         return self.relaxed_top_n > 0
