@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mtp_jax.serving.engine import FINISH_REASONS, RequestOutput
+from mtp_jax.serving.outputs import FINISH_REASONS, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
