@@ -219,10 +219,9 @@ def test_stop_strings_and_aborts(demo):
     engine, metrics = make_engine(demo, K)
     engine.add_request(prompt, max_tokens=24, ignore_eos=True, stop=[stop])
     waiting = [engine.add_request(prompt, max_tokens=24, ignore_eos=True) for _ in range(2)]
-    outputs = engine.step()  # prefills the first request only (one whole prompt per idle step)
-    for rid in waiting:
+    for rid in waiting:  # before any step: still queued
         assert engine.abort(rid)
-    outputs += run(engine)
+    outputs = run(engine)
     found = samples(metrics)
     final = {o.request_id: o for o in outputs if o.finished}
     assert final["req-0"].finish_reason == "stop" and final["req-0"].completion_tokens == expected

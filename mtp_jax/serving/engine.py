@@ -1,13 +1,14 @@
 """Continuous batching with MTP speculation: requests come and go, the jitted step stays the same.
 
-The serving guide in `docs/` (sections 7, 8, 11) in one class, `ServingEngine`:
+The seed serving guide (sections 7, 8, 11; `docs/MTP_SPEC.md`, "Serving") in one class, `ServingEngine`:
 
 - **Slots.** The decode state has `max_batch` rows of capacity `max_length`; a row is a slot. A
   free slot is a finished row (`done`), which a step leaves alone. Every engine step runs the one
   jitted speculative step over all slots (`DecodeEngine.step_with_output`), whoever holds them.
 - **Admission.** A waiting request is prefilled in a staging state of its own (one row, or one per
-  `data` x `fsdp` device on a mesh) in chunks of `prefill_chunk` tokens, one chunk per engine step
-  while other requests decode (so they keep decoding), all chunks at once when none does; the
+  `data` x `fsdp` device on a mesh) in chunks of `prefill_chunk` tokens, at most `prefill_chunk`
+  prompt tokens per engine step while other requests decode (so they keep decoding: several short
+  prompts or one chunk of a long one), a whole prompt first when none does; the
   prefilled row is then copied into a free slot (`DecodeEngine.insert`). Shapes never change:
   nothing compiles after `warm_up`.
 - **Advance by what was committed.** A step commits 1 .. K+1 tokens per row (`StepOutput`); the
@@ -330,19 +331,22 @@ class ServingEngine:
         return outputs
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:
-        """Prefill work for this step: one chunk while slots decode, else a whole prompt."""
-        decoding = any(r is not None for r in self._slots)
-        while True:
+        """Prefill work for this step: chunks of up to `prefill_chunk` prompt tokens in all while
+        slots decode (several short prompts, or one chunk of a long one), else a whole prompt first."""
+        budget = self.prefill_chunk if any(r is not None for r in self._slots) else None  # None: unbounded
+        while budget is None or budget > 0:
             if self._staging is None and not self._admit():
                 return
             staging = self._staging
+            tokens = min(self.prefill_chunk, len(staging.request.prompt) - staging.start)
+            if budget is not None and tokens > budget and staging.start == 0 and budget < self.prefill_chunk:
+                return  # a new prompt that would overrun this step's budget waits for the next step
             final = staging.start + self.prefill_chunk >= len(staging.request.prompt)
             self._prefill_chunk(staging, final)
+            budget = self.prefill_chunk - tokens if budget is None else budget - tokens
             if final:
                 self._staging = None
                 outputs.append(self._first_token(staging))
-            if decoding or final:
-                return
 
     def _admit(self) -> bool:
         """Starts prefilling the oldest waiting request into a free slot; False when there is none."""
