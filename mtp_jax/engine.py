@@ -149,7 +149,7 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
         thinking=jnp.asarray([initial_phase(p, speculative) for p in prompts], bool),
         draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
         metrics=SpecMetrics.zeros(batch, k_max))
-    return state, jnp.asarray(padded)
+    return state, jax.device_put(padded)  # (jnp.asarray would compile a small program per prompt bucket)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -363,8 +363,9 @@ def test_openai_client_raises_its_errors(served):
 
 
 def test_full_queue_is_429_queue_full(served):
-    engine = ServingEngine(served.model, None, tokenizer=served.tokenizer, max_batch=1, max_length=64, max_queue=0)
-    async_engine = AsyncEngine(engine)  # never started: nothing would run, every request is refused
+    engine = ServingEngine(served.model, None, tokenizer=served.tokenizer, max_batch=1, max_length=64, max_queue=1)
+    engine.add_request([1, 2, 3], max_tokens=4)  # fills the queue: the engine is never started, it stays waiting
+    async_engine = AsyncEngine(engine)
     with running(build_app(async_engine, served.tokenizer, MODEL)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.RateLimitError) as raised:
@@ -374,11 +375,11 @@ def test_full_queue_is_429_queue_full(served):
             status, payload, _ = request(url, "POST", "/v1/completions", {"model": MODEL, **body})
             assert status == 429
             assert payload["error"]["code"] == "queue_full" and payload["error"]["type"] == "rate_limit_error"
-            assert "max_queue=0" in payload["error"]["message"]
+            assert "max_queue=1" in payload["error"]["message"]
         status, payload, _ = request(url, "GET", "/health")
         assert status == 503 and payload["error"]["code"] == "engine_unavailable"
         assert request(url, "GET", "/metrics")[0] == 404  # no metrics given
-    assert not engine.has_unfinished()
+    assert engine.num_waiting == 1  # the refused requests left nothing behind
 
 
 # ----------------------------------------------------------------------------------------------

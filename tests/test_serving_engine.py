@@ -270,6 +270,38 @@ def test_queue_and_argument_errors(demo):
         ServingEngine(model, EAGLE, max_batch=1, max_length=64, prefill_chunk=3)
     with pytest.raises(ValueError, match="max_length=4096 exceeds"):
         ServingEngine(model, None, max_length=4096)
+    with pytest.raises(ValueError, match="max_queue must be an int >= 1"):
+        ServingEngine(model, None, max_length=64, max_queue=0)
+
+
+def test_warm_up_edges_bypass_the_queue_and_stats(demo):
+    """warm_up works for the smallest slots and queue, and reports nothing to the stats listener."""
+
+    class Recorder:
+        calls = 0
+
+        def on_step(self, engine, outputs):
+            self.calls += 1
+
+        def on_finished(self, output):
+            self.calls += 1
+
+    model, _, prompts = demo
+    recorder = Recorder()
+    engine = ServingEngine(model, EAGLE, max_batch=1, max_length=4, prefill_chunk=4, max_queue=1, stats=recorder)
+    engine.warm_up()
+    assert recorder.calls == 0 and not engine.has_unfinished() and engine.max_queue == 1
+    rid = engine.add_request([5], max_tokens=3, ignore_eos=True)
+    assert rid == "req-0"  # warm-up requests take no ids from the counter
+    outputs = drain(engine)
+    assert tokens_of(outputs[rid]) == generate(model, [[5]], max_new_tokens=3, max_length=4, speculative=EAGLE,
+                                               stop_tokens=[]).tokens[0]
+    assert recorder.calls > 0
+    tiny = ServingEngine(model, None, max_batch=1, max_length=2, prefill_chunk=1)
+    tiny.warm_up()  # one prompt token and one generated: nothing to decode, still no error
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        engine.add_request([5], max_tokens=1)
+        engine.warm_up()
 
 
 def test_serving_example_runs(capsys):

@@ -102,8 +102,8 @@ class ServingEngine:
       tokenizer: an HF `tokenizers.Tokenizer` for text outputs and stop strings (None: ids only).
       max_batch: B, slots decoding at once. max_length: S, tokens per slot (prompt + output),
         default `config.max_position_embeddings`. prefill_chunk: C, prompt tokens per prefill call
-        (>= K + 1 when speculating). max_queue: waiting requests before `add_request` raises
-        `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
+        (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
+        which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
       stats: an optional listener with `on_step(engine, outputs)` and `on_finished(output)`
         (`mtp_jax.serving.metrics.PrometheusMetrics`), called from `step`.
 
@@ -119,7 +119,7 @@ class ServingEngine:
         max_length = config.max_position_embeddings if max_length is None else max_length
         k = 0 if speculative is None else speculative.num_speculative_tokens
         for name, value, low in (("max_batch", max_batch, 1), ("max_length", max_length, 2),
-                                 ("prefill_chunk", prefill_chunk, max(1, k + 1)), ("max_queue", max_queue, 0)):
+                                 ("prefill_chunk", prefill_chunk, max(1, k + 1)), ("max_queue", max_queue, 1)):
             if not is_integer(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if max_length > config.max_position_embeddings:
@@ -276,17 +276,27 @@ class ServingEngine:
         """Compiles every jitted call by serving throwaway requests to the end (a prompt of three
         chunks and one of a single token, so every prefill kind runs), again until a pass compiles
         nothing (a safety net: on a mesh, should a call return some array with another spec than it
-        was given, the next call compiles once more); afterwards `step` never compiles. Call before
-        taking requests."""
-        prompts = [[0] * min(2 * self.prefill_chunk + 1, self.max_length - 3), [0]]
-        for _ in range(3):
-            before = self.compiled_counts()
-            ids = [self.add_request(p, max_tokens=2, ignore_eos=True, oracle_tokens=p if self._oracle else None)
-                   for p in prompts]
-            while any(i in self._ids for i in ids):
-                self.step()
-            if self.compiled_counts() == before:
-                return
+        was given, the next call compiles once more); afterwards `step` never compiles. The
+        throwaway requests bypass `max_queue` and are not reported to `stats`. Call before taking
+        requests (raises RuntimeError if some are unfinished)."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up runs before any request: this engine has unfinished requests")
+        long = max(1, min(2 * self.prefill_chunk + 1, self.max_length - 1))  # the longest prompt, if shorter
+        prompts = [[0] * long, [0]]
+        stats, max_queue = self.stats, self.max_queue
+        self.stats, self.max_queue = None, max(max_queue, len(prompts))
+        try:
+            for n in range(3):
+                before = self.compiled_counts()
+                ids = [self.add_request(p, max_tokens=min(2, self.max_length - len(p)), ignore_eos=True,
+                                        request_id=f"warm-up-{n}-{i}", oracle_tokens=p if self._oracle else None)
+                       for i, p in enumerate(prompts)]
+                while any(i in self._ids for i in ids):
+                    self.step()
+                if self.compiled_counts() == before:
+                    return
+        finally:
+            self.stats, self.max_queue = stats, max_queue
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
