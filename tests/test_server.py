@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import http.client
 import json
 import shutil
@@ -71,6 +72,8 @@ def running(app):
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
+        gc.collect()  # async generators of streams that clients left, finalized while their loop still runs
+        time.sleep(0.1)
         server.should_exit = True
         thread.join(30)
         sock.close()
@@ -512,10 +515,13 @@ def test_async_engine_idles_without_work_and_aborts_cancelled_consumers():
 
     async def consume(n):
         got = []
-        async for out in engine.generate([1], request_id="r", max_tokens=None):
-            got.append(out.text)
-            if len(got) == n:
-                break  # leaving the loop aborts
+        # aclosing: the generator is closed while this loop runs (left to the garbage collector, its
+        # finalizer would later schedule aclose() on a closed loop: "Event loop is closed")
+        async with contextlib.aclosing(engine.generate([1], request_id="r", max_tokens=None)) as stream:
+            async for out in stream:
+                got.append(out.text)
+                if len(got) == n:
+                    break  # leaving the loop aborts
         return got
 
     async def cancelled():
@@ -545,8 +551,9 @@ def test_async_engine_surfaces_engine_thread_errors():
     engine.start()
 
     async def consume():
-        async for _ in engine.generate([1], request_id="r"):
-            pass
+        async with contextlib.aclosing(engine.generate([1], request_id="r")) as stream:
+            async for _ in stream:
+                pass
 
     with pytest.raises(EngineError, match="device lost"):
         asyncio.run(consume())

@@ -132,7 +132,10 @@ class AsyncEngine:
 
     async def generate(self, prompt: Sequence[int], **kwargs) -> AsyncIterator[RequestOutput]:
         """The request's outputs, step by step (arguments as `add_request`; its errors are raised at the
-        first iteration). Leaving the loop early, or cancellation, aborts the request."""
+        first iteration). Cancellation aborts the request; so does leaving the loop early, once the
+        generator is closed: iterate it under `contextlib.aclosing(...)` so that happens at once, on
+        the running loop (an async generator left to the garbage collector is closed later, perhaps
+        after its loop has closed)."""
         stream = self.add_request(prompt, **kwargs)
         try:
             async for out in stream:
