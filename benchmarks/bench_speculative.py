@@ -58,17 +58,6 @@ def _median_time(fn, repeats):
     return float(np.median(times)), out
 
 
-def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of the first `count` held-out stdlib files long enough for it."""
-    _, heldout = data.split_documents(data.stdlib_documents())
-    prompts = []
-    for name in sorted(heldout):
-        ids = tokenizer.encode(heldout[name]).ids
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"only {len(prompts)} held-out files have {length} tokens")
 
 
 def methods_for(model, eagle_max: int) -> list[tuple[str, int]]:
@@ -83,7 +72,7 @@ def bench_demo(model, tokenizer, args) -> list[dict]:
     rows = []
     max_length = args.prompt_tokens + args.new_tokens + 16
     for batch in args.batch_sizes:
-        prompts = heldout_prompts(tokenizer, batch, args.prompt_tokens)
+        prompts = data.heldout_prompts(tokenizer, batch, args.prompt_tokens)
         run = functools.partial(generate, model, prompts, max_new_tokens=args.new_tokens, max_length=max_length)
         plain_s, plain = _median_time(lambda run=run: run().tokens, args.repeats)
         plain = run()
@@ -229,7 +218,7 @@ def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int,
 def bench_cost(model, tokenizer, args, demo_rows) -> list[dict]:
     """r_K, c, and the speculative step against the sum of its parts, at batch 1."""
     batch = 1
-    prompts = heldout_prompts(tokenizer, batch, args.prompt_tokens)
+    prompts = data.heldout_prompts(tokenizer, batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     prefix = args.prompt_tokens + args.new_tokens // 2
     time_tokens = _forward_timer(model, batch, prefix, capacity)

@@ -105,7 +105,7 @@ def main() -> None:
         prompts = rng.integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     else:
         model, tokenizer = mtp_jax.load_pretrained(args.model)
-        prompts = bench.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
+        prompts = mtp_jax.data.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     plain_engine = DecodeEngine(model)
     rows = [profile(plain_engine, bench.prefill_of(plain_engine, prompts, args.new_tokens, capacity), "plain")]

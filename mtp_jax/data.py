@@ -114,6 +114,20 @@ def split_documents(documents: Mapping[str, str],
 # Tokenizer.
 
 
+def heldout_prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
+    """Benchmark prompts: the first `length` token ids of the first `count` held-out stdlib files
+    (sorted by path) that have that many. Raises ValueError when fewer files are long enough."""
+    _, heldout = split_documents(stdlib_documents())
+    prompts = []
+    for name in sorted(heldout):
+        ids = tokenizer.encode(heldout[name]).ids
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"only {len(prompts)} held-out files have {length} tokens")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, min_frequency: int = 2) -> Tokenizer:
     """A byte-level BPE tokenizer with `vocab_size` entries, `<|endoftext|>` first (id 0).
 

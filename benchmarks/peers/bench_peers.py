@@ -157,25 +157,11 @@ def vllm_setup(log: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- models
 
-def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of the first `count` held-out stdlib files long enough for it
-    (as benchmarks/bench_speculative.py)."""
-    _, heldout = data.split_documents(data.stdlib_documents())
-    prompts = []
-    for name in sorted(heldout):
-        ids = tokenizer.encode(heldout[name]).ids
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"only {len(prompts)} held-out files have {length} tokens")
-
-
 def export_model(name: str, work: Path, max_batch: int, prompt_tokens: int) -> tuple[Path, list[list[int]]]:
     """The exported HF directory of model `name` and `max_batch` prompts of `prompt_tokens` tokens."""
     if name == "demo":
         _, tokenizer = load_pretrained(DEFAULT_MODEL_DIR)
-        return DEFAULT_MODEL_DIR, heldout_prompts(tokenizer, max_batch, prompt_tokens)
+        return DEFAULT_MODEL_DIR, data.heldout_prompts(tokenizer, max_batch, prompt_tokens)
     config = dataclasses.replace(ModelConfig.from_name(name), num_nextn_predict_layers=1)
     path = work / name / "hf"
     save_pretrained(init_model(config, seed=0), path, overwrite=True)
