@@ -30,7 +30,7 @@ from mtp_jax.cache import KVCache, StackedCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.decoder import DecoderLayer, DecoderStack
 from mtp_jax.layers.indexing import sequence_positions, take_rows
-from mtp_jax.layers.linear import linear
+from mtp_jax.layers.linear import dot_general, linear
 from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.mtp import make_mtp_modules
@@ -77,8 +77,9 @@ class Transformer(nnx.Module):
 
     def head(self, x: Float[Array, "B T E"]) -> Float[Array, "B T V"]:
         """Output head (shared with the MTP modules): logits in float32. Apply after the final norm."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(x).astype(jnp.float32)
+        if self.lm_head is None:  # tied: x @ embedding.T, as `nnx.Embed.attend` but through `dot_general`
+            embedding = self.embed_tokens.embedding[...].astype(x.dtype)  # [V, E]
+            return dot_general(x, embedding, (((x.ndim - 1,), (1,)), ((), ()))).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
 
     def init_cache(self, batch_size: int, max_length: int) -> tuple[Cache, ...]:
