@@ -141,15 +141,17 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
         tokens[b, : len(p)] = p
     stop = request.stop_tokens + [-1] * (MAX_STOP_TOKENS - len(request.stop_tokens))
     k_max = 0 if speculative is None else speculative.num_speculative_tokens
-    state = DecodeState(
-        tokens=jnp.asarray(tokens), lengths=jnp.asarray(prompt_lengths), prompt_lengths=jnp.asarray(prompt_lengths),
-        max_new_tokens=jnp.asarray(request.max_new_tokens, jnp.int32), done=jnp.zeros((batch,), bool),
-        cache=model.init_cache(batch, capacity), sampling=SamplingState.from_params(request.sampling),
-        stop_tokens=jnp.asarray([stop] * batch, jnp.int32), logprobs=jnp.zeros((batch, capacity), jnp.float32),
-        thinking=jnp.asarray([initial_phase(p, speculative) for p in prompts], bool),
-        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
-        metrics=SpecMetrics.zeros(batch, k_max))
-    return state, jax.device_put(padded)  # (jnp.asarray would compile a small program per prompt bucket)
+    # Host arrays go to the device with `device_put`: `jnp.asarray` / `jnp.zeros` would compile a small
+    # program for each (the first call of a process paid ~0.3 s for them).
+    host = dict(tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths.copy(),
+                max_new_tokens=np.asarray(request.max_new_tokens, np.int32), done=np.zeros((batch,), bool),
+                stop_tokens=np.asarray([stop] * batch, np.int32), logprobs=np.zeros((batch, capacity), np.float32),
+                thinking=np.asarray([initial_phase(p, speculative) for p in prompts], bool))
+    state = DecodeState(**jax.device_put(host), cache=model.init_cache(batch, capacity),
+                        sampling=SamplingState.from_params(request.sampling),
+                        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
+                        metrics=SpecMetrics.zeros(batch, k_max))
+    return state, jax.device_put(padded)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -25,12 +26,11 @@ class SpecMetrics:
 
     @classmethod
     def zeros(cls, batch_size: int, num_speculative_tokens: int) -> SpecMetrics:
-        def zeros():  # distinct buffers: the decode state is donated
-            return jnp.zeros((batch_size,), jnp.int32)
-
-        return cls(num_steps=zeros(), num_drafts=zeros(), num_accepted=zeros(),
-                   accepted_per_position=jnp.zeros((batch_size, num_speculative_tokens), jnp.int32),
-                   accepted_length_histogram=jnp.zeros((batch_size, num_speculative_tokens + 1), jnp.int32))
+        shapes = dict(num_steps=(batch_size,), num_drafts=(batch_size,), num_accepted=(batch_size,),
+                      accepted_per_position=(batch_size, num_speculative_tokens),
+                      accepted_length_histogram=(batch_size, num_speculative_tokens + 1))
+        # distinct buffers (the decode state is donated), placed without compiling anything
+        return cls(**jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()}))
 
     def count_step(self, active: jax.Array, accepted: jax.Array) -> SpecMetrics:
         """The counters after one step in which the `active` rows (bool [B]) each proposed K drafts and

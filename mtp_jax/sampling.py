@@ -89,10 +89,10 @@ class SamplingState:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingState:
-        return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-                   seed=jnp.asarray([p.seed for p in params], jnp.uint32))
+        return cls(**jax.device_put(dict(temperature=np.asarray([p.temperature for p in params], np.float32),
+                                         top_k=np.asarray([p.top_k for p in params], np.int32),
+                                         top_p=np.asarray([p.top_p for p in params], np.float32),
+                                         seed=np.asarray([p.seed for p in params], np.uint32))))
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:

@@ -174,13 +174,12 @@ def init_draft_state(model: Transformer, spec: SpeculativeConfig | None, batch_s
                              f"{oracle_tokens.shape} and dtype {oracle_tokens.dtype}")
     vocab = config.vocab_size if spec is not None and spec.draft_sampling == "sample" else 0
     window = 0 if spec is None else spec.hidden_window
-    return DraftState(
-        tokens=jnp.zeros((batch_size, k_max), jnp.int32),
-        probs=jnp.zeros((batch_size, k_max, vocab), jnp.float32),
-        caches=() if spec is None else tuple(model.mtp[j].init_cache(batch_size, max_length)
-                                             for j in range(spec.num_caches)),
-        hidden_window=jnp.zeros((batch_size, window, config.hidden_size), config.compute_dtype),
-        oracle_tokens=jnp.asarray(oracle_tokens if oracle else np.zeros((batch_size, 1)), jnp.int32))
+    host = dict(tokens=np.zeros((batch_size, k_max), np.int32), probs=np.zeros((batch_size, k_max, vocab), np.float32),
+                hidden_window=np.zeros((batch_size, window, config.hidden_size), config.compute_dtype),
+                oracle_tokens=np.asarray(oracle_tokens if oracle else np.zeros((batch_size, 1)), np.int32))
+    return DraftState(**jax.device_put(host),  # (jnp.zeros would compile a small program per array)
+                      caches=() if spec is None else tuple(model.mtp[j].init_cache(batch_size, max_length)
+                                                           for j in range(spec.num_caches)))
     # (not [B, 0]: on a mesh jitted calls return that empty array with varying specs, and recompile)
 
 
