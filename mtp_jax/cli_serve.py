@@ -36,6 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="MTP speculative decoding method (default eagle; none: plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and compute dtype (default: the checkpoint's; on the CPU backend half-precision "
+                        "checkpoints load in float32, see README: bfloat16 on the CPU)")
     p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per slot, prompt + output (default: the model's max positions)")
@@ -70,7 +73,7 @@ def _build_engine(args: argparse.Namespace, mesh):
 
     model_dir = Path(args.model_dir)
     try:
-        model, tokenizer = load_pretrained(model_dir)
+        model, tokenizer = load_pretrained(model_dir, dtype=args.dtype)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
         raise ValueError(f"MODEL_DIR: {error}") from error

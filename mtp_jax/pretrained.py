@@ -43,7 +43,9 @@ def load_pretrained(
 
     The weights, config.json and tokenizer.json come from one save even while another process
     overwrites `path` (`atomic_dir.read_dir`), and a save that a kill interrupted is finished
-    first (see `checkpoint.load_hf_checkpoint`).
+    first (see `checkpoint.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
+    model's weights and compute, default the checkpoint's, except on the CPU backend, where a
+    half-precision checkpoint loads in float32 with a warning (`checkpoint.load_hf_checkpoint`).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
