@@ -43,16 +43,19 @@ def _phase_of(op_name: str) -> str:
     return next((p for p in PHASES if p in parts), "other")
 
 
-def _op_phases(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> phase, from the op_name metadata of the compiled module."""
-    out = {}
+def _op_phases(hlo_text: str) -> tuple[dict[str, str], set[str]]:
+    """HLO instruction name -> phase, from the op_name metadata of the compiled module; and the names
+    of the matmuls (XLA's own `dot`s and the library calls XLA:CPU makes for dots, `ynn_fusion`)."""
+    out, matmuls = {}, set()
     for line in hlo_text.splitlines():
         match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(", line)
         if match and match.group(2) not in CONTAINERS:
             op_name = re.search(r"op_name=\"([^\"]*)\"", line)
             # XLA drops the metadata of some ops it rewrites (e.g. the main model's matrix-vector dots)
             out[match.group(1)] = _phase_of(op_name.group(1)) if op_name else f"unscoped {match.group(2)}"
-    return out
+            if match.group(2) == "dot" or match.group(1).startswith(("ynn_fusion", "xnn_fusion", "onednn")):
+                matmuls.add(match.group(1))
+    return out, matmuls
 
 
 def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
@@ -63,24 +66,27 @@ def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
     begin = time.perf_counter()
     steps = int(jax.block_until_ready(loop(state)).metrics.num_steps.max())
     untraced = (time.perf_counter() - begin) / steps
-    phases = _op_phases(engine.lower_run(state_fn()).compile().as_text())
+    phases, matmuls = _op_phases(engine.lower_run(state_fn()).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(loop(state_fn()))
         trace_file = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
         events = json.load(gzip.open(trace_file))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    time_us, count = collections.Counter(), collections.Counter()
+    time_us, count, matmul_us = collections.Counter(), collections.Counter(), 0
     for event in events:
         if event.get("ph") == "X" and event.get("name") in phases:
             phase = phases[event["name"]]
             time_us[phase] += event.get("dur", 0)
             count[phase] += 1
+            matmul_us += event.get("dur", 0) if event["name"] in matmuls else 0
     total = sum(time_us.values())
     row = dict(label=label, steps=steps, step_ms_untraced=untraced * 1e3, ops_ms_per_step=total / steps / 1e3,
+               matmul_ms_per_step=matmul_us / steps / 1e3,
                phases={p: dict(ms_per_step=time_us[p] / steps / 1e3, ops_per_step=count[p] / steps,
                                share=time_us[p] / total if total else float("nan")) for p in time_us})
-    print(f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} ms/step")
+    print(f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} "
+          f"ms/step, of which matmuls {matmul_us / steps / 1e3:.2f} ms ({matmul_us / max(total, 1):.0%})")
     for p, v in sorted(row["phases"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
         print(f"  {p:15s} {v['ms_per_step']:8.3f} ms/step  {v['share']:6.1%}  {v['ops_per_step']:7.1f} ops/step")
     return row

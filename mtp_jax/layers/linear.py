@@ -12,33 +12,33 @@ from mtp_jax.config import ModelConfig
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None,
                 **kwargs) -> jax.Array:
-    """`jax.lax.dot_general` accumulating half-precision operands in float32: the result is
-    `preferred_element_type` when given, else float32 cast back to the operands' dtype.
+    """`jax.lax.dot_general`, with half-precision operands on the CPU backend accumulated in float32:
+    the result is `preferred_element_type` when given, else float32 cast back to the operands' dtype.
 
     The same numbers XLA computes for a bfloat16 x bfloat16 -> bfloat16 dot (each product of two
     bfloat16 values is exact in float32, the sum is taken in float32, the result rounded once), but
     XLA:CPU then runs its native bfloat16 matmul (YNNPACK) instead of converting both operands to
-    float32 in memory first: 1.5-2x faster than float32 at 2-32 rows on an AVX512-BF16 CPU, where
-    the plain bfloat16 dot was 7-15x slower (`benchmarks/bench_gemm.py`). On the CPU backend a
+    float32 in memory before every call: on this project's AVX512-BF16 CPU mostly faster than float32
+    at 4-64 rows (up to 2x on the medium preset's projections), where the plain bfloat16 dot was
+    3-15x slower than float32 (`benchmarks/bench_gemm.py`). A
     one-row left operand is padded to two rows (XLA:CPU computes a one-row dot as a float32
-    matrix-vector product after converting the whole right operand to float32, ~10x slower). Float32
-    operands go to `jax.lax.dot_general` unchanged.
+    matrix-vector product after converting the whole right operand to float32, ~10x slower). Other
+    backends (GPU, TPU: their bfloat16 matmuls accumulate in float32 already) and float32 operands
+    go to `jax.lax.dot_general` unchanged.
     """
     half = lhs.dtype in (jnp.bfloat16, jnp.float16) and rhs.dtype == lhs.dtype
-    if not half:
+    if not half or jax.default_backend() != "cpu":
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)
     out_dtype = lhs.dtype if preferred_element_type is None else preferred_element_type
     (lhs_contract, _), (lhs_batch, _) = dimension_numbers
     free = [axis for axis in range(lhs.ndim) if axis not in (*lhs_contract, *lhs_batch)]
-    pad = (jax.default_backend() == "cpu" and not lhs_batch and len(free) >= 1
-           and all(lhs.shape[axis] == 1 for axis in free))
+    pad = not lhs_batch and bool(free) and all(lhs.shape[axis] == 1 for axis in free)
     if pad:  # one row: [.., 1, ..] -> [.., 2, ..] on its first free axis, the second row zeros
-        widths = [(0, 1 if axis == free[0] else 0) for axis in range(lhs.ndim)]
-        lhs = jnp.pad(lhs, widths)
+        lhs = jnp.pad(lhs, [(0, 1 if axis == free[0] else 0) for axis in range(lhs.ndim)])
     out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                               preferred_element_type=jnp.float32, **kwargs)
-    if pad:  # the result's leading axes are lhs's free axes, in order
+    if pad:  # the result's leading axes are lhs's free axes, in order: row 0 of the first is the real one
         out = jax.lax.slice_in_dim(out, 0, 1, axis=0)
     return out.astype(out_dtype)
 
@@ -46,8 +46,8 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
 def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False, *,
            axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None]) -> nnx.Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
-    `config.compute_dtype` (half precision accumulated in float32: `dot_general`); an optional bias
-    (zeros).
+    `config.compute_dtype` (through `dot_general`: on a CPU, half precision accumulated in float32);
+    an optional bias (zeros).
 
     `axes`: the kernel's logical axes (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`): a name,
     None, or `(name, block)` for an axis that may split only at multiples of `block` (between heads);
