@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import logging
 import os
 import re
 import warnings
@@ -70,8 +69,6 @@ from mtp_jax.hf_config import (
 )
 from mtp_jax.model import Transformer, per_layer_path
 from mtp_jax.request import MAX_STOP_TOKENS
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -376,6 +373,18 @@ def _shared_copies(config: ModelConfig) -> dict[str, str]:
     return copies
 
 
+def stored_dtype(path: str | os.PathLike) -> str:
+    """The dtype a checkpoint directory's config.json says its weights are in ("float32", "bfloat16"
+    or "float16"; `dtype` / `torch_dtype`, else float32): what `load_hf_checkpoint` loads by default.
+
+    Raises FileNotFoundError without config.json, CheckpointError for one `load_hf_checkpoint` refuses.
+    """
+    root = Path(path)
+    if not (root / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {root}")
+    return _read_config(root, root).dtype
+
+
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
                        scan_layers: bool | None = None) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
@@ -385,11 +394,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
         `model.safetensors.index.json` (the format `save_pretrained` writes). With both, the
         single file is loaded and a warning names both (transformers' precedence).
       dtype: "float32", "bfloat16" or "float16" for the model's weights and compute; default the
-        checkpoint's stored dtype (`config.json` `dtype` / `torch_dtype`, else float32), except on
-        the CPU backend, where a half-precision checkpoint loads in float32 (logged as a warning of
-        the `mtp_jax` logger: XLA:CPU has no half-precision matrix-vector kernel, so batch-1
-        decoding is 10-20% slower in bfloat16 on small models, `benchmarks/bench_dtype.py`); pass
-        the dtype to keep it. Tensors are cast on load.
+        checkpoint's stored dtype (`config.json` `dtype` / `torch_dtype`, else float32; see
+        `stored_dtype`, and `pretrained.inference_dtype` for decoding on a CPU). Tensors are cast on
+        load.
       scan_layers: the returned model's layer layout (`ModelConfig.scan_layers`; config.json does
         not hold it); default `ModelConfig`'s. Either layout reads the same files.
 
@@ -446,12 +453,6 @@ def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None, sca
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
         config = config.replace(dtype=dtype, param_dtype=dtype)
-    elif config.dtype != "float32" and jax.default_backend() == "cpu":
-        logger.warning("%s stores %s weights: computing in float32 on the CPU backend, where XLA:CPU's "
-                       "half-precision matmuls are slower than float32 at batch 1 (benchmarks/bench_dtype.py); "
-                       "pass dtype=%r (CLI: --dtype) to keep them (half the memory, faster at batch 8)",
-                       shown, config.dtype, config.dtype)
-        config = config.replace(dtype="float32", param_dtype="float32")
     if scan_layers is not None:
         config = config.replace(scan_layers=scan_layers)
     with contextlib.ExitStack() as stack:

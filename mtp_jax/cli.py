@@ -82,9 +82,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K, drafts per step, 1..16 (default: the model's MTP modules, for eagle 3)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weights and compute dtype (default: the checkpoint's; on the CPU backend half-precision "
-                        "checkpoints load in float32, see README: bfloat16 on the CPU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
+                        "half-precision checkpoints: mtp_jax.pretrained.inference_dtype)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--compilation-cache", metavar="DIR", default=None,
                        help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
@@ -239,7 +239,7 @@ def run_generate(args) -> int:
     import time
 
     from mtp_jax.generate import generate
-    from mtp_jax.pretrained import load_pretrained
+    from mtp_jax.pretrained import inference_dtype, load_pretrained
 
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     cache_dir = _configure_compilation_cache(args)
@@ -250,7 +250,10 @@ def run_generate(args) -> int:
                          "safetensors weights and tokenizer.json)")
     begin = time.perf_counter()
     try:
-        model, tokenizer = load_pretrained(args.model, dtype=args.dtype)
+        dtype, why = (args.dtype, None) if args.dtype else inference_dtype(args.model)
+        if why:
+            print(f"mtp-jax generate: {why}", file=sys.stderr)
+        model, tokenizer = load_pretrained(args.model, dtype=dtype)
     except (OSError, ValueError) as error:  # missing files, corrupt or mismatched checkpoints
         raise ValueError(f"--model: {error}") from error
     load_seconds = time.perf_counter() - begin

@@ -36,9 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="MTP speculative decoding method (default eagle; none: plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weights and compute dtype (default: the checkpoint's; on the CPU backend half-precision "
-                        "checkpoints load in float32, see README: bfloat16 on the CPU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
+                        "half-precision checkpoints: mtp_jax.pretrained.inference_dtype)")
     p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per slot, prompt + output (default: the model's max positions)")
@@ -65,7 +65,7 @@ def _name_flags(error: ValueError) -> ValueError:
 
 def _build_engine(args: argparse.Namespace, mesh):
     """(engine, tokenizer, served name, metrics, chat template) of the flags; ValueError naming them."""
-    from mtp_jax.pretrained import load_pretrained
+    from mtp_jax.pretrained import inference_dtype, load_pretrained
     from mtp_jax.serving import ServingEngine
     from mtp_jax.serving.chat_template import ChatTemplate
     from mtp_jax.serving.metrics import PrometheusMetrics
@@ -73,7 +73,10 @@ def _build_engine(args: argparse.Namespace, mesh):
 
     model_dir = Path(args.model_dir)
     try:
-        model, tokenizer = load_pretrained(model_dir, dtype=args.dtype)
+        dtype, why = (args.dtype, None) if args.dtype else inference_dtype(model_dir)
+        if why:
+            print(f"mtp-jax serve: {why}", file=sys.stderr)
+        model, tokenizer = load_pretrained(model_dir, dtype=dtype)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
         raise ValueError(f"MODEL_DIR: {error}") from error

@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import jax
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -44,8 +45,8 @@ def load_pretrained(
     The weights, config.json and tokenizer.json come from one save even while another process
     overwrites `path` (`atomic_dir.read_dir`), and a save that a kill interrupted is finished
     first (see `checkpoint.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
-    model's weights and compute, default the checkpoint's, except on the CPU backend, where a
-    half-precision checkpoint loads in float32 with a warning (`checkpoint.load_hf_checkpoint`).
+    model's weights and compute, default the checkpoint's (`inference_dtype` picks float32 for
+    decoding on a CPU).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
@@ -56,6 +57,29 @@ def load_pretrained(
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
     return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
+
+
+def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str, str | None]:
+    """The dtype to decode a model directory's checkpoint in (default: the bundled demo model), and why
+    it is not the stored one (None when it is).
+
+    On the CPU backend a checkpoint stored in bfloat16 or float16 decodes in float32: XLA:CPU has no
+    half-precision matrix-vector kernel, so at batch 1 a bfloat16 matmul runs as a two-row GEMM
+    (`layers.linear.dot_general`), at 0.88-1.0x float32's decoding speed on this project's CPU; at
+    batch 8 bfloat16 is 1.03-1.29x faster and takes half the memory (`benchmarks/bench_dtype.py`:
+    pass the dtype explicitly to keep it). Elsewhere the stored dtype. `mtp-jax generate` and
+    `mtp-jax serve` use this when --dtype is not given; `load_pretrained` itself always defaults to
+    the stored dtype (a save after a load keeps it).
+
+    Raises FileNotFoundError / CheckpointError as `checkpoint.stored_dtype`.
+    """
+    path = Path(DEFAULT_MODEL_DIR if path is None else path)
+    stored = checkpoint.stored_dtype(path)
+    if stored == "float32" or jax.default_backend() != "cpu":
+        return stored, None
+    return "float32", (f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "
+                       f"{stored} matmuls are slower than float32 at batch 1 (README: bfloat16 on the CPU); "
+                       f"pass --dtype {stored} to keep them (half the memory, faster at batch 8)")
 
 
 def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transformer, Tokenizer]:

@@ -1,7 +1,6 @@
 """Hugging Face checkpoint files: exact round trips, sharding, strict key accounting, config mapping."""
 
 import json
-import logging
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from mtp_jax.checkpoint import (
     hf_tensors,
     load_hf_checkpoint,
     save_hf_checkpoint,
+    stored_dtype,
 )
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.model import Transformer
@@ -96,27 +96,21 @@ def test_sharded_round_trip(tmp_path):
     _assert_same_params(load_hf_checkpoint(tmp_path), model)
 
 
-def test_bfloat16_weights_and_dtype_override(tmp_path, caplog):
+def test_bfloat16_weights_and_dtype_override(tmp_path):
     model = _random_model(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=4)
     save_hf_checkpoint(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(tmp_path / "model.safetensors", framework="np") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
-    loaded = load_hf_checkpoint(tmp_path, dtype="bfloat16")
-    assert (loaded.config.dtype, loaded.config.param_dtype) == ("bfloat16", "bfloat16")
+    assert stored_dtype(tmp_path) == "bfloat16"
+    loaded = load_hf_checkpoint(tmp_path)  # the stored dtype, on every backend: a save after a load keeps it
+    assert loaded.config.param_dtype == "bfloat16"
     _assert_same_params(loaded, model)
     upcast = load_hf_checkpoint(tmp_path, dtype="float32")
     assert (upcast.config.dtype, upcast.config.param_dtype) == ("float32", "float32")
     for path, value in _params(upcast).items():
         assert value.dtype == np.float32
         np.testing.assert_array_equal(value, _params(model)[path].astype(np.float32))
-    with caplog.at_level(logging.WARNING, logger="mtp_jax"):
-        default = load_hf_checkpoint(tmp_path)  # the CPU backend's policy: float32 compute, said once
-    assert (default.config.dtype, default.config.param_dtype) == ("float32", "float32")
-    _assert_same_params(default, upcast)
-    [record] = [r for r in caplog.records if r.name.startswith("mtp_jax")]
-    assert "stores bfloat16 weights: computing in float32 on the CPU backend" in record.getMessage()
-    assert "dtype='bfloat16'" in record.getMessage()
     with pytest.raises(ValueError, match="dtype"):
         load_hf_checkpoint(tmp_path, dtype="int8")
 

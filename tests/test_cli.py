@@ -76,32 +76,30 @@ def test_speculative_and_plain_cli_print_the_same_text(model_dir, capsys):
     assert capsys.readouterr().out == plain
 
 
-def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, caplog, monkeypatch):
-    """A bfloat16 checkpoint: by default the CPU backend loads it in float32 and warns; `--dtype
-    float32` prints the same text without the warning; `--dtype bfloat16` keeps bfloat16."""
-    import logging
-
+def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, monkeypatch):
+    """A bfloat16 checkpoint: without --dtype the CPU backend decodes it in float32 and says so on stderr;
+    `--dtype float32` prints the same text silently; `--dtype bfloat16` keeps bfloat16."""
     import mtp_jax.pretrained
 
     model, tokenizer = load_pretrained(model_dir)
     bf16_dir = tmp_path / "bf16"
     save_pretrained(init_model(model.config.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=0), bf16_dir,
                     tokenizer=tokenizer)
-    loaded = []
+    asked = []
     real = mtp_jax.pretrained.load_pretrained
     monkeypatch.setattr(mtp_jax.pretrained, "load_pretrained",
-                        lambda *a, **k: loaded.append(real(*a, **k)[0].config.dtype) or real(*a, **k))
+                        lambda path, dtype=None: asked.append(dtype) or real(path, dtype=dtype))
     argv = ["generate", "--model", str(bf16_dir), "--prompt", "class A", "--max-new-tokens", "4", "--max-length", "32"]
-    texts = {}
-    for flags in ([], ["--dtype", "float32"], ["--dtype", "bfloat16"]):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mtp_jax"):
-            assert main(argv + flags) == 0
-        texts[tuple(flags)] = capsys.readouterr().out
-        warned = any("computing in float32 on the CPU backend" in r.getMessage() for r in caplog.records)
-        assert warned == (flags == [])
-    assert loaded == ["float32", "float32", "bfloat16"]
-    assert texts[()] == texts[("--dtype", "float32")]
+    outputs = {}
+    for flags in ((), ("--dtype", "float32"), ("--dtype", "bfloat16")):
+        assert main(argv + list(flags)) == 0
+        outputs[flags] = capsys.readouterr()
+    assert asked == ["float32", "float32", "bfloat16"]
+    assert "stores bfloat16 weights: decoding in float32 on the CPU backend" in outputs[()].err
+    assert "--dtype bfloat16" in outputs[()].err
+    assert all("decoding in float32" not in outputs[f].err for f in list(outputs)[1:])
+    assert outputs[()].out == outputs[("--dtype", "float32")].out
+    assert mtp_jax.pretrained.inference_dtype(model_dir) == ("float32", None)  # float32 stored: as it is
 
 
 @pytest.mark.parametrize("argv, message", [
