@@ -232,13 +232,19 @@ def draft(model: Transformer, spec: SpeculativeConfig | None, sampling: Sampling
         module = model.mtp[0]
         logits, chained, cache = module(hidden, token_at(window + 1), window, caches[0], logits_at=last, **call)
         chained = take_rows(chained, last)  # [B, 1, E]
-        for j in range(k_max):
+        token, q = _pick_draft(spec, logits[:, 0], sampling, lengths)
+        drafts = jnp.zeros((token.shape[0], k_max), token.dtype).at[:, 0].set(token)
+        probs = jnp.zeros((q.shape[0], k_max, q.shape[1]), q.dtype).at[:, 0].set(q)
+
+        def chain(j, carry):  # draft j: one more pass at position L - 2 + j, chaining the module's own hidden
+            drafts, probs, token, chained, cache = carry
+            logits, chained, cache = module(chained, token[:, None], (lengths - 2 + j)[:, None], cache, **call)
             token, q = _pick_draft(spec, logits[:, 0], sampling, lengths + j)
-            drafts.append(token)
-            probs.append(q)
-            if j + 1 < k_max:  # one more pass at position L - 1 + j, chaining the module's own hidden
-                logits, chained, cache = module(chained, token[:, None], (lengths - 1 + j)[:, None], cache, **call)
-        new_caches.append(cache)
+            return drafts.at[:, j].set(token), probs.at[:, j].set(q), token, chained, cache
+
+        # a loop, not K-1 unrolled copies of the module: compile time stays flat in K
+        drafts, probs, _, _, cache = jax.lax.fori_loop(1, k_max, chain, (drafts, probs, token, chained, cache))
+        return state.replace(tokens=drafts, probs=probs, caches=(cache,))
     else:
         depth_hidden = hidden
         for j in range(k_max):
