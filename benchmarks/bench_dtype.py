@@ -16,16 +16,15 @@ The target (issue: performance against vLLM): bfloat16 never slower than float32
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import date
-from pathlib import Path
 
 import bench_speculative as bench  # this directory is on sys.path when run as a script
 import jax
 import numpy as np
 from flax import nnx
+from report import write_report
 
 import mtp_jax
 from mtp_jax.generate import generate
@@ -110,13 +109,7 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     meta = dict(date=str(date.today()), device=device, cores=os.cpu_count(), jax=jax.__version__,
                 prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats, k=args.k)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"dtype_{device.replace(' ', '_')}_{date.today()}"
-    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-    table = markdown(meta, rows)
-    (out / f"{name}.md").write_text(table)
-    print("\n" + table)
+    write_report(args.out, f"dtype_{device.replace(' ', '_')}_{date.today()}", meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

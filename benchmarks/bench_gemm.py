@@ -26,15 +26,14 @@ e.g. `--xla_cpu_experimental_ynn_fusion_type=` for XLA's own Eigen path) apply a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import date
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from report import write_report  # this directory is on sys.path when run as a script
 
 from mtp_jax.layers.linear import dot_general
 
@@ -113,13 +112,7 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     meta = dict(date=str(date.today()), device=device, cores=os.cpu_count(), jax=jax.__version__,
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"gemm_{device.replace(' ', '_')}_{date.today()}"
-    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-    table = markdown(meta, rows)
-    (out / f"{name}.md").write_text(table)
-    print("\n" + table)
+    write_report(args.out, f"gemm_{device.replace(' ', '_')}_{date.today()}", meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

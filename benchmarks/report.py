@@ -1,0 +1,15 @@
+"""Writing a benchmark's results: `<out>/<name>.json` (meta and rows) and `<out>/<name>.md` (its table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(out: str | Path, name: str, meta: dict, rows: list[dict], table: str) -> None:
+    """Writes `name`.json and `name`.md under `out` (created if missing) and prints the table."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print("\n" + table)
