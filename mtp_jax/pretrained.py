@@ -59,9 +59,10 @@ def load_pretrained(
     return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
 
 
-def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str, str | None]:
+def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str | None, str | None]:
     """The dtype to decode a model directory's checkpoint in (default: the bundled demo model), and why
-    it is not the stored one (None when it is).
+    it is not the stored one (None when it is). (None, None) when the directory or its config.json
+    cannot be read: `load_pretrained` then names the problem.
 
     On the CPU backend a checkpoint stored in bfloat16 or float16 decodes in float32: XLA:CPU has no
     half-precision matrix-vector kernel, so at batch 1 a bfloat16 matmul runs as a two-row GEMM
@@ -70,11 +71,12 @@ def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str, str | N
     pass the dtype explicitly to keep it). Elsewhere the stored dtype. `mtp-jax generate` and
     `mtp-jax serve` use this when --dtype is not given; `load_pretrained` itself always defaults to
     the stored dtype (a save after a load keeps it).
-
-    Raises FileNotFoundError / CheckpointError as `checkpoint.stored_dtype`.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
-    stored = checkpoint.stored_dtype(path)
+    try:
+        stored = checkpoint.stored_dtype(path)
+    except (OSError, ValueError):  # missing or unreadable: the load that follows reports it, as it always has
+        return None, None
     if stored == "float32" or jax.default_backend() != "cpu":
         return stored, None
     return "float32", (f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "

@@ -100,6 +100,7 @@ def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, mon
     assert all("decoding in float32" not in outputs[f].err for f in list(outputs)[1:])
     assert outputs[()].out == outputs[("--dtype", "float32")].out
     assert mtp_jax.pretrained.inference_dtype(model_dir) == ("float32", None)  # float32 stored: as it is
+    assert mtp_jax.pretrained.inference_dtype(tmp_path / "missing") == (None, None)  # the load names the problem
 
 
 @pytest.mark.parametrize("argv, message", [
