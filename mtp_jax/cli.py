@@ -250,7 +250,7 @@ def run_generate(args) -> int:
                          "safetensors weights and tokenizer.json)")
     begin = time.perf_counter()
     try:
-        dtype, why = (args.dtype, None) if args.dtype else inference_dtype(args.model)
+        dtype, why = inference_dtype(args.model, args.dtype)
         if why:
             print(f"mtp-jax generate: {why}", file=sys.stderr)
         model, tokenizer = load_pretrained(args.model, dtype=dtype)

@@ -73,7 +73,7 @@ def _build_engine(args: argparse.Namespace, mesh):
 
     model_dir = Path(args.model_dir)
     try:
-        dtype, why = (args.dtype, None) if args.dtype else inference_dtype(model_dir)
+        dtype, why = inference_dtype(model_dir, args.dtype)
         if why:
             print(f"mtp-jax serve: {why}", file=sys.stderr)
         model, tokenizer = load_pretrained(model_dir, dtype=dtype)

@@ -59,10 +59,12 @@ def load_pretrained(
     return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
 
 
-def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str | None, str | None]:
+def inference_dtype(path: str | os.PathLike | None = None,
+                    asked: str | None = None) -> tuple[str | None, str | None]:
     """The dtype to decode a model directory's checkpoint in (default: the bundled demo model), and why
     it is not the stored one (None when it is). (None, None) when the directory or its config.json
-    cannot be read: `load_pretrained` then names the problem.
+    cannot be read: `load_pretrained` then names the problem. A dtype `asked` for (a --dtype flag) is
+    returned as it is.
 
     On the CPU backend a checkpoint stored in bfloat16 or float16 decodes in float32: XLA:CPU has no
     half-precision matrix-vector kernel, so at batch 1 a bfloat16 matmul runs as a two-row GEMM
@@ -72,6 +74,8 @@ def inference_dtype(path: str | os.PathLike | None = None) -> tuple[str | None, 
     `mtp-jax serve` use this when --dtype is not given; `load_pretrained` itself always defaults to
     the stored dtype (a save after a load keeps it).
     """
+    if asked is not None:
+        return asked, None
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
     try:
         stored = checkpoint.stored_dtype(path)
