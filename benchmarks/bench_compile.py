@@ -38,9 +38,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax.config import ModelConfig  # noqa: E402
-from mtp_jax.generate import generate  # noqa: E402
+from mtp_jax.decode.drafters import SpeculativeConfig  # noqa: E402
+from mtp_jax.decode.generation import generate  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402
-from mtp_jax.speculative import SpeculativeConfig  # noqa: E402
 
 _DEEPSEEK = dict(attention_type="mla", ffn_type="moe", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,

@@ -27,7 +27,7 @@ from flax import nnx
 from report import write_report
 
 import mtp_jax
-from mtp_jax.generate import generate
+from mtp_jax.decode.generation import generate
 
 DTYPES = ("float32", "bfloat16")
 

@@ -68,7 +68,7 @@ SMOKE = dict(inputs=["short"], outputs=["short"], concurrency=["1", "4"], sampli
 
 def heldout_tokens(tokenizer: Tokenizer) -> np.ndarray:
     """The held-out stdlib files' tokens, concatenated in path order (the demo model never trained on them)."""
-    from mtp_jax import data
+    from mtp_jax.training import data
 
     _, heldout = data.split_documents(data.stdlib_documents())
     return np.concatenate([np.asarray(tokenizer.encode(heldout[name]).ids, np.int64) for name in sorted(heldout)])
@@ -412,7 +412,7 @@ def device_name(args) -> str:
 def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
-    from mtp_jax.pretrained import DEFAULT_MODEL_DIR
+    from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR
 
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -47,9 +47,9 @@ import numpy as np
 from jax.profiler import ProfileData
 
 import mtp_jax
-from mtp_jax.engine import DecodeEngine
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.sharding import make_mesh
-from mtp_jax.speculative import SpeculativeConfig
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "ragged-all-to-all", "reduce-scatter",
                "collective-permute", "collective-broadcast")

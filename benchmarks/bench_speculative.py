@@ -39,12 +39,13 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax
-from mtp_jax import data, speculative
-from mtp_jax.engine import DecodeEngine
-from mtp_jax.generate import generate
-from mtp_jax.metrics import SpeculativeMetrics
+from mtp_jax.decode import drafters as speculative
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.generation import generate
+from mtp_jax.decode.metrics import SpeculativeMetrics
 from mtp_jax.model import sequence_positions
-from mtp_jax.speculative import SpeculativeConfig
+from mtp_jax.training import data
 
 
 def _median_time(fn, repeats):
@@ -139,7 +140,7 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     lengths = jnp.full((batch,), prefix, jnp.int32)
     start = lengths - 1 - width if spec.hidden_window else lengths - 2
     tokens = jnp.ones((batch, capacity), jnp.int32)
-    sampling = mtp_jax.sampling.SamplingState.from_params([mtp_jax.SamplingParams()] * batch)
+    sampling = mtp_jax.decode.sampling.SamplingState.from_params([mtp_jax.SamplingParams()] * batch)
 
     def body(params, carry):
         draft_state, acc = carry

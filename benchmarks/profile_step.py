@@ -30,9 +30,9 @@ import jax
 import numpy as np
 
 import mtp_jax
-from mtp_jax import speculative
-from mtp_jax.engine import DecodeEngine
-from mtp_jax.speculative import SpeculativeConfig
+from mtp_jax.decode import drafters as speculative
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
 
 PHASES = ("verify_forward", "accept", "commit", "draft")
 CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
@@ -111,7 +111,7 @@ def main() -> None:
         prompts = rng.integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     else:
         model, tokenizer = mtp_jax.load_pretrained(args.model)
-        prompts = mtp_jax.data.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
+        prompts = mtp_jax.training.data.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     plain_engine = DecodeEngine(model)
     rows = [profile(plain_engine, bench.prefill_of(plain_engine, prompts, args.new_tokens, capacity), "plain")]

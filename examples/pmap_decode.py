@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 
 import mtp_jax
-from mtp_jax.engine import GenerationResult, init_state, prefill, results_from_state, run
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import GenerationResult, init_state, prefill, results_from_state, run
 from mtp_jax.model import Transformer, static_split
-from mtp_jax.speculative import SpeculativeConfig
 
 
 def _decode(graph, params, speculative, state, padded_prompts):

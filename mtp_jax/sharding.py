@@ -14,7 +14,7 @@ Every mesh has the four axes of `MESH_AXES` (absent ones of size 1), so one rule
 Parameters carry logical axis names in their `logical_axes` metadata, set at the layers' choke points
 (`mtp_jax.layers.linear.linear`, the embedding, the experts, the router); a parameter without it is
 replicated. Caches and the decode state name theirs in `mtp_jax.cache.logical_axes` and
-`mtp_jax.engine.DecodeState.logical_axes`. `resolve` maps names to mesh axes by `LOGICAL_RULES`; a
+`mtp_jax.decode.engine.DecodeState.logical_axes`. `resolve` maps names to mesh axes by `LOGICAL_RULES`; a
 dimension the mesh axes do not divide is replicated instead (e.g. 2 KV heads on `tensor=4`: the KV
 cache is replicated over `tensor`, as vLLM does when TP exceeds the KV heads), except the batch,
 which raises. MLA's latent cache has no head axis: it is replicated over `tensor` and sharded over

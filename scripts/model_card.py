@@ -16,9 +16,9 @@ from pathlib import Path
 
 import jax
 
-from mtp_jax import data
-from mtp_jax.pretrained import load_pretrained
-from mtp_jax.train import evaluate
+from mtp_jax.checkpoints.pretrained import load_pretrained
+from mtp_jax.training import data
+from mtp_jax.training.trainer import evaluate
 
 COMMAND = "bash scripts/build_demo_model.sh"
 

@@ -34,7 +34,7 @@ def model():
 
 
 def speculative():
-    from mtp_jax.speculative import SpeculativeConfig
+    from mtp_jax.decode.drafters import SpeculativeConfig
 
     return SpeculativeConfig(method="eagle", num_speculative_tokens=2)
 
@@ -46,7 +46,7 @@ def main(coordinator_address: str, num_processes: int, process_id: int, out: str
     assert initialize_distributed(coordinator_address, num_processes, process_id)  # before any other jax call
     import jax
 
-    from mtp_jax.generate import generate
+    from mtp_jax.decode.generation import generate
     from mtp_jax.sharding import make_mesh, shard_model
 
     mesh = make_mesh(MESH)  # every process's devices

@@ -16,11 +16,11 @@ from flax import nnx
 
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
-from mtp_jax.generate import generate
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.generation import generate
 from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.moe import MoE
 from mtp_jax.model import init_model, sequence_positions
-from mtp_jax.speculative import SpeculativeConfig
 
 _COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                max_position_embeddings=128, num_nextn_predict_layers=2, ffn_type="moe", moe_intermediate_size=16,

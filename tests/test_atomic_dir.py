@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp_jax import atomic_dir
+from mtp_jax.checkpoints import atomic_dir
 
 TOKEN = "0123456789abcdef"  # the saver's format: secrets.token_hex(8)
 

@@ -23,11 +23,18 @@ from test_checkpoint import _random_model as random_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from mtp_jax import atomic_dir, checkpoint
-from mtp_jax.checkpoint import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from mtp_jax.checkpoints import atomic_dir
+from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.checkpoints.pretrained import load_pretrained, save_pretrained
+from mtp_jax.checkpoints.reading import (
+    CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from mtp_jax.config import ModelConfig, RopeScaling
-from mtp_jax.pretrained import load_pretrained, save_pretrained
-from mtp_jax.request import MAX_STOP_TOKENS
+from mtp_jax.decode.request import MAX_STOP_TOKENS
 
 TINY = ModelConfig.from_name("tiny")  # vocab_size 128
 TESTS = pathlib.Path(__file__).parent

@@ -11,11 +11,11 @@ import jax.monitoring
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from mtp_jax.checkpoints.pretrained import load_pretrained, save_pretrained
 from mtp_jax.cli import main
 from mtp_jax.config import ModelConfig
-from mtp_jax.data import train_tokenizer
 from mtp_jax.model import init_model
-from mtp_jax.pretrained import load_pretrained, save_pretrained
+from mtp_jax.training.data import train_tokenizer
 
 TEXT = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "class A:\n    pass\n"] * 20
 
@@ -79,14 +79,14 @@ def test_speculative_and_plain_cli_print_the_same_text(model_dir, capsys):
 def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, monkeypatch):
     """A bfloat16 checkpoint: without --dtype the CPU backend decodes it in float32 and says so on stderr;
     `--dtype float32` prints the same text silently; `--dtype bfloat16` keeps bfloat16."""
-    import mtp_jax.pretrained
+    import mtp_jax.checkpoints.pretrained
 
     model, tokenizer = load_pretrained(model_dir)
     bf16_dir = tmp_path / "bf16"
     save_pretrained(init_model(model.config.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=0), bf16_dir,
                     tokenizer=tokenizer)
     asked = []
-    real = mtp_jax.pretrained.load_pretrained
+    real = mtp_jax.checkpoints.pretrained.load_pretrained
     monkeypatch.setattr(mtp_jax.pretrained, "load_pretrained",
                         lambda path, dtype=None: asked.append(dtype) or real(path, dtype=dtype))
     argv = ["generate", "--model", str(bf16_dir), "--prompt", "class A", "--max-new-tokens", "4", "--max-length", "32"]
@@ -99,8 +99,9 @@ def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, mon
     assert "--dtype bfloat16" in outputs[()].err
     assert all("decoding in float32" not in outputs[f].err for f in list(outputs)[1:])
     assert outputs[()].out == outputs[("--dtype", "float32")].out
-    assert mtp_jax.pretrained.inference_dtype(model_dir) == ("float32", None)  # float32 stored: as it is
-    assert mtp_jax.pretrained.inference_dtype(tmp_path / "missing") == (None, None)  # the load names the problem
+    assert mtp_jax.checkpoints.pretrained.inference_dtype(model_dir) == ("float32", None)  # float32 stored: as it is
+    # a directory it cannot read: the load names the problem
+    assert mtp_jax.checkpoints.pretrained.inference_dtype(tmp_path / "missing") == (None, None)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -329,7 +330,9 @@ def test_prompts_the_mesh_cannot_split_are_refused_naming_mesh(model_dir, capsys
 
 
 def test_train_resumes_on_a_one_device_mesh_as_it_would_without(tmp_path, monkeypatch, capsys):
-    from mtp_jax import cli, data, train
+    from mtp_jax import cli
+    from mtp_jax.training import data
+    from mtp_jax.training import trainer as train
 
     documents = {f"pkg/mod_{i}.py": "".join(TEXT[i % 3: i % 3 + 6]) for i in range(16)}
     corpus = data.prepare_corpus(tmp_path / "corpus", documents=documents, vocab_size=300, heldout_fraction=0.25)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mtp_jax import data
+from mtp_jax.training import data
 
 WORDS = ["foo", "bar", "baz", "self", "value", "items", "x", "y", "naïve", "λ"]
 

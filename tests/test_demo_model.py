@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import main
-from mtp_jax.generate import generate
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained
-from mtp_jax.speculative import SpeculativeConfig
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.generation import generate
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import pytest
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.engine import init_state
-from mtp_jax.generate import generate, stream
+from mtp_jax.decode.drafters import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from mtp_jax.decode.engine import init_state
+from mtp_jax.decode.generation import generate, stream
+from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.model import init_model
-from mtp_jax.sampling import SamplingParams
-from mtp_jax.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13]]
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from mtp_jax.checkpoints.reading import load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.config import ModelConfig, RopeScaling
-from mtp_jax.generate import SamplingParams, generate
+from mtp_jax.decode.generation import SamplingParams, generate
 from mtp_jax.model import Transformer, sequence_positions
 
 torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")

@@ -22,8 +22,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from mtp_jax.checkpoint import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
-from mtp_jax.generate import SamplingParams, generate
+from mtp_jax.checkpoints.reading import (
+    CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from mtp_jax.decode.generation import SamplingParams, generate
 
 torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
 transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")

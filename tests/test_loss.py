@@ -10,9 +10,9 @@ import optax
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.loss import compute_loss, label_mask, loss_from_logits
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS, mtp_forward_full
+from mtp_jax.training.loss import compute_loss, label_mask, loss_from_logits
 
 TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_nextn_predict_layers=2,

@@ -15,7 +15,7 @@ import time
 
 import multiprocess_worker as worker  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-from mtp_jax.generate import generate
+from mtp_jax.decode.generation import generate
 
 HERE = pathlib.Path(__file__).parent
 NUM_PROCESSES = 2

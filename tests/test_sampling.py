@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.sampling import SamplingParams, SamplingState, row_keys, sample, target_probs
+from mtp_jax.decode.sampling import SamplingParams, SamplingState, row_keys, sample, target_probs
 
 LOGITS = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]]))
 

@@ -25,16 +25,16 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtp_jax import generate
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import build_parser, main
-from mtp_jax.cli_serve import run_serve
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR, load_pretrained
+from mtp_jax.cli.serve import run_serve
+from mtp_jax.decode import generation as generate
+from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError
 from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt
-from mtp_jax.serving.metrics import PrometheusMetrics
+from mtp_jax.serving.prometheus import PrometheusMetrics
 from mtp_jax.serving.server import bind, build_app
-from mtp_jax.speculative import SpeculativeConfig
 
 SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 MAX_LENGTH = 256

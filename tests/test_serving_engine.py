@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import SamplingParams, SpeculativeConfig, generate, load_pretrained
-from mtp_jax.engine import DecodeEngine
+from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.serving import QueueFull, ServingEngine
 
 K = 3

@@ -1,4 +1,4 @@
-"""`mtp_jax.serving.metrics.PrometheusMetrics` against known workloads on the bundled demo model.
+"""`mtp_jax.serving.prometheus.PrometheusMetrics` against known workloads on the bundled demo model.
 
 Requests with `ignore_eos` and a known `max_tokens` have exact lengths; a deterministic clock (one
 second per call) makes every time an integer, so histogram sums compare exactly with the sums over
@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import mtp_jax
+from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.serving import ServingEngine
-from mtp_jax.serving.metrics import CONTENT_TYPE, TTFT_BUCKETS, PrometheusMetrics, build_1_2_5_buckets
-from mtp_jax.speculative import SpeculativeConfig
+from mtp_jax.serving.prometheus import CONTENT_TYPE, TTFT_BUCKETS, PrometheusMetrics, build_1_2_5_buckets
 
 K = 3
 MODEL = "demo"

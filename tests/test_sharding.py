@@ -12,12 +12,12 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax import sharding
 from mtp_jax.cache import StackedCache, logical_axes
 from mtp_jax.config import ModelConfig
-from mtp_jax.engine import DecodeEngine
-from mtp_jax.generate import generate
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.generation import generate
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
 from mtp_jax.sharding import MESH_AXES, make_mesh, parse_mesh_spec, resolve
-from mtp_jax.speculative import SpeculativeConfig
 
 _COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                max_position_embeddings=64, num_nextn_predict_layers=1)

@@ -22,16 +22,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.acceptance import Target, accept
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
-from mtp_jax.engine import DecodeEngine
-from mtp_jax.generate import generate, stream
-from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
+from mtp_jax.decode.acceptance import Target, accept
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.generation import generate, stream
+from mtp_jax.decode.metrics import SpecMetrics, SpeculativeMetrics
+from mtp_jax.decode.sampling import SamplingParams, SamplingState, target_probs
 from mtp_jax.model import init_model, sequence_positions
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full, shift_left
-from mtp_jax.sampling import SamplingParams, SamplingState, target_probs
-from mtp_jax.speculative import SpeculativeConfig
 
 CFG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=64, num_nextn_predict_layers=3)
@@ -837,8 +837,8 @@ def test_oracle_tokens_are_checked(models):
 def test_a_step_normalises_the_verify_logits_once(models, monkeypatch, relaxed):
     """One log-softmax (raw logprobs, relaxed acceptance) and one `target_probs` (acceptance, sampling)
     over the verify logits per step, whatever is on: counted while tracing the step."""
-    import mtp_jax.acceptance as acceptance
-    from mtp_jax.engine import step
+    import mtp_jax.decode.acceptance as acceptance
+    from mtp_jax.decode.engine import step
 
     calls = {"log_softmax": 0, "target_probs": 0}
 

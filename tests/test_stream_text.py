@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, TextStream, save_pretrained, stream_text
 from mtp_jax.cli import main
 from mtp_jax.config import ModelConfig
-from mtp_jax.generate import generate
+from mtp_jax.decode.generation import generate
 from mtp_jax.model import init_model
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR, TextStream, save_pretrained, stream_text
 
 TEXT = "héllo 日本語 ✓ 🙂 naïve €5"
 FORCED = "é日✓🙂"  # what the forced model continues "h" with: 12 tokens, none of them a whole character

@@ -17,12 +17,15 @@ import pytest
 from flax import nnx
 from test_data import tiny_documents
 
-from mtp_jax import checkpoint, cli, data, train
+from mtp_jax import cli
+from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.checkpoints.pretrained import save_pretrained
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
-from mtp_jax.pretrained import save_pretrained
+from mtp_jax.training import data
+from mtp_jax.training import trainer as train
 
 TRAIN = train.TrainConfig(batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1,
                           checkpoint_every=100, log_every=1)

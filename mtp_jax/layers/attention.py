@@ -21,7 +21,7 @@ from mtp_jax.cache import KVCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
-from mtp_jax.rope import apply_rope
+from mtp_jax.layers.rope import apply_rope
 from mtp_jax.sharding import context_spec
 from pallas_kernels.attention_reference import masked_attention
 from pallas_kernels.attention_reference import verify_attention_reference as attention_reference

@@ -37,7 +37,7 @@ from mtp_jax.cache import check_shape, write_at
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
-from mtp_jax.rope import apply_rope
+from mtp_jax.layers.rope import apply_rope
 
 # DeepSeek-V3 (its reference code and `transformers`) builds q_a_layernorm and kv_a_layernorm with
 # RMSNorm's default epsilon, not config.rms_norm_eps.

@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from mtp_jax.serving.engine import RequestOutput, ServingEngine
+from mtp_jax.serving.scheduler import RequestOutput, ServingEngine
 
 
 class EngineError(RuntimeError):

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 from tokenizers import Tokenizer
 
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.decode.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 

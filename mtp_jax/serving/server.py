@@ -43,9 +43,9 @@ from tokenizers import Tokenizer
 from mtp_jax.serving import protocol
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
 from mtp_jax.serving.chat_template import ChatTemplate
-from mtp_jax.serving.engine import QueueFull
-from mtp_jax.serving.metrics import CONTENT_TYPE, PrometheusMetrics
+from mtp_jax.serving.prometheus import CONTENT_TYPE, PrometheusMetrics
 from mtp_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+from mtp_jax.serving.scheduler import QueueFull
 
 # The parameter an engine / SamplingParams message is about, first match wins.
 _PARAM_PATTERNS = ((r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"), (r"\bprompt\b", "prompt"),

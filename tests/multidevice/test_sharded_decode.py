@@ -19,13 +19,13 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax import engine as engine_lib
 from mtp_jax.cache import StackedCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.engine import DecodeEngine
-from mtp_jax.generate import generate, stream
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.generation import generate, stream
+from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.layers.attention import attend
 from mtp_jax.model import init_model
-from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import argmax_last, make_mesh
-from mtp_jax.speculative import SpeculativeConfig
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=4, max_position_embeddings=128, num_nextn_predict_layers=2, initializer_range=0.2)

@@ -27,10 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_data import tiny_documents  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-from mtp_jax import data, sharding, train
 from mtp_jax import run_dir as run_dir_lib
+from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
+from mtp_jax.training import data
+from mtp_jax.training import trainer as train
 
 CONFIG = train.TrainConfig(batch_size=8, seq_len=16, num_steps=3, learning_rate=0.5, warmup_steps=0, eps=1.0,
                            checkpoint_every=100, log_every=1, eval_batches=1)
@@ -200,8 +202,9 @@ import json, sys
 spec, process_id = json.loads(open(sys.argv[1]).read()), int(sys.argv[2])
 from mtp_jax import sharding
 sharding.initialize_distributed(spec["coordinator"], 2, process_id)  # before any other jax use
-from mtp_jax import data, train
-from mtp_jax.run_dir import model_config_from_dict
+from mtp_jax.training import data
+from mtp_jax.training import trainer as train
+from mtp_jax.training.run_dir import model_config_from_dict
 corpus = data.prepare_corpus(spec["corpus_dir"], documents=spec["documents"], vocab_size=300, heldout_fraction=0.2)
 result = train.train(spec["run_dir"], corpus, model_config=model_config_from_dict(spec["model_config"]),
                      train_config=train.TrainConfig(**spec["train_config"]), mesh=sharding.make_mesh("fsdp=8"),

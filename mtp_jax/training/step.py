@@ -25,9 +25,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax import data
 from mtp_jax.layers.moe import ScoreCorrectionBias
-from mtp_jax.loss import compute_loss, label_mask
 from mtp_jax.model import Transformer
 from mtp_jax.mtp import MTP_PARAMS, shift_left
 from mtp_jax.sharding import (
@@ -39,6 +37,8 @@ from mtp_jax.sharding import (
     to_host,
     trim_specs,
 )
+from mtp_jax.training import data
+from mtp_jax.training.loss import compute_loss, label_mask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

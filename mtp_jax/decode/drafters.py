@@ -27,9 +27,9 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache, write_at
+from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingState, is_int, is_real, sample_from, target_probs
 from mtp_jax.layers.indexing import take_rows
 from mtp_jax.model import Transformer
-from mtp_jax.sampling import STREAM_DRAFT, SamplingState, is_int, is_real, sample_from, target_probs
 from mtp_jax.sharding import argmax_last
 
 METHODS = ("vanilla", "eagle", "parallel", "oracle")
@@ -42,7 +42,7 @@ class SpeculativeConfig:
 
     method: "vanilla" (D distinct modules, K <= D), "eagle" (module 1 reused, any K),
       "parallel" (Gloeckle et al. heads, K <= D), or "oracle" (benchmarks: drafts replay the
-      `oracle_tokens` given to `mtp_jax.engine.init_state`, e.g. plain greedy output, so every
+      `oracle_tokens` given to `mtp_jax.decode.engine.init_state`, e.g. plain greedy output, so every
       draft is accepted; needs no MTP modules, greedy drafts only).
     num_speculative_tokens: K, drafts per step, an int in [1, MAX_SPECULATIVE_TOKENS = 16]. Every
       step verifies K + 1 tokens whatever is accepted, and draft j is kept only if drafts 1..j all

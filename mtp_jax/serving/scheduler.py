@@ -41,14 +41,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tokenizers import Tokenizer
 
-from mtp_jax.engine import DecodeEngine, DecodeState
+from mtp_jax.checkpoints.pretrained import TextStream
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine, DecodeState
+from mtp_jax.decode.request import check_request, is_integer
+from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.model import Transformer
-from mtp_jax.pretrained import TextStream
-from mtp_jax.request import check_request, is_integer
-from mtp_jax.sampling import SamplingParams
 from mtp_jax.serving.outputs import FINISH_REASONS, RequestMetrics, RequestOutput
 from mtp_jax.sharding import named_shardings, place, to_host, trim_specs
-from mtp_jax.speculative import SpeculativeConfig
 
 __all__ = ["FINISH_REASONS", "QueueFull", "RequestMetrics", "RequestOutput", "ServingEngine"]
 
@@ -105,7 +105,7 @@ class ServingEngine:
         (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
         which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
       stats: an optional listener with `on_step(engine, outputs)` and `on_finished(output)`
-        (`mtp_jax.serving.metrics.PrometheusMetrics`), called from `step`.
+        (`mtp_jax.serving.prometheus.PrometheusMetrics`), called from `step`.
 
     Raises ValueError for a bad argument (naming it) or a model that cannot serve `speculative`.
     Method "oracle" (tests, benchmarks) drafts each request's `oracle_tokens` (`add_request`).
@@ -248,7 +248,7 @@ class ServingEngine:
 
     def compiled_counts(self) -> dict[str, int]:
         """How many times each jitted call has compiled (tests check nothing compiles after warm-up)."""
-        from mtp_jax import engine as decode
+        from mtp_jax.decode import engine as decode
 
         return {name: getattr(decode, name)._cache_size()
                 for name in ("_prefill_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")}

@@ -23,7 +23,7 @@ raises a ValueError naming the field. `config_to_hf` inverts `config_from_hf`.
 
 How a model runs rather than what it computes is not in config.json: `attention_impl` and the layer
 layout `scan_layers` are left out on export and take `ModelConfig`'s defaults on import
-(`mtp_jax.checkpoint.load_hf_checkpoint(..., scan_layers=)` chooses the layout).
+(`mtp_jax.checkpoints.reading.load_hf_checkpoint(..., scan_layers=)` chooses the layout).
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from mtp_jax import checkpoint, data
-from mtp_jax.cli_mesh import add_mesh_arguments, check_num_prompts, mesh_from_args
-from mtp_jax.cli_serve import add_serve_parser
+from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+from mtp_jax.cli.distributed import add_mesh_arguments, check_num_prompts, mesh_from_args
+from mtp_jax.cli.serve import add_serve_parser
 from mtp_jax.config import PRESETS
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
-from mtp_jax.train import (
+from mtp_jax.training import data
+from mtp_jax.training.trainer import (
     RESUMABLE_FIELDS,
     NonFiniteError,
     RunDirInUseError,
@@ -84,7 +85,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-                        "half-precision checkpoints: mtp_jax.pretrained.inference_dtype)")
+                        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--compilation-cache", metavar="DIR", default=None,
                        help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
@@ -180,8 +181,8 @@ def _name_flags(error: ValueError, sources: list[str]) -> ValueError:
 
 def _generate_kwargs(args, model, num_prompts: int, mesh=None) -> dict:
     """The keyword arguments of `generate` / `stream` that the flags give; raises ValueError on bad flags."""
-    from mtp_jax.sampling import MAX_SEED, SamplingParams
-    from mtp_jax.speculative import SpeculativeConfig
+    from mtp_jax.decode.drafters import SpeculativeConfig
+    from mtp_jax.decode.sampling import MAX_SEED, SamplingParams
 
     if 0 <= args.seed <= MAX_SEED < args.seed + num_prompts - 1:
         raise ValueError(f"--seed {args.seed}: row b samples with seed + b, and row {num_prompts - 1} would get "
@@ -201,7 +202,7 @@ def _warm_up(model, prompts: list[list[int]], kwargs: dict, streaming: bool) -> 
     """
     import time
 
-    from mtp_jax.generate import generate, stream
+    from mtp_jax.decode.generation import generate, stream
 
     begin = time.perf_counter()
     if streaming:
@@ -216,8 +217,8 @@ def _print_stream(model, tokenizer, text: str, prompt: list[int], kwargs: dict):
     """Prints `text` and its continuation as committed; returns (the stream's result, tokens, seconds)."""
     import time
 
-    from mtp_jax.generate import stream
-    from mtp_jax.pretrained import TextStream
+    from mtp_jax.checkpoints.pretrained import TextStream
+    from mtp_jax.decode.generation import stream
 
     sys.stdout.write(text)
     decoded, steps = TextStream(tokenizer), stream(model, [prompt], **kwargs)
@@ -238,8 +239,8 @@ def run_generate(args) -> int:
     """`mtp-jax generate`: load, warm up (compile), generate; prints the texts, then timings and metrics."""
     import time
 
-    from mtp_jax.generate import generate
-    from mtp_jax.pretrained import inference_dtype, load_pretrained
+    from mtp_jax.checkpoints.pretrained import inference_dtype, load_pretrained
+    from mtp_jax.decode.generation import generate
 
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     cache_dir = _configure_compilation_cache(args)

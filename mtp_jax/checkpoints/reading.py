@@ -59,16 +59,16 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtp_jax import atomic_dir
-from mtp_jax.config import ModelConfig
-from mtp_jax.hf_config import (
+from mtp_jax.checkpoints import atomic_dir
+from mtp_jax.checkpoints.hf_config import (
     DTYPE_NAMES,
     MTP_CONVENTION_FIELDS,  # noqa: F401  (re-exported)
     config_from_hf,
     config_to_hf,
 )
+from mtp_jax.config import ModelConfig
+from mtp_jax.decode.request import MAX_STOP_TOKENS
 from mtp_jax.model import Transformer, per_layer_path
-from mtp_jax.request import MAX_STOP_TOKENS
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -283,7 +283,7 @@ def _read_config(root: Path, shown: Path) -> ModelConfig:
         raise CheckpointError(f"{file}: {error}") from error
     if len(set(config.eos_token_ids)) > MAX_STOP_TOKENS:
         raise CheckpointError(f"{file}: eos_token_id lists {len(set(config.eos_token_ids))} distinct token ids; "
-                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.request.MAX_STOP_TOKENS)")
+                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.decode.request.MAX_STOP_TOKENS)")
     return config
 
 
@@ -408,7 +408,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
       CheckpointError (a ValueError) naming the file: config.json or an index that is not JSON
         (nesting too deep included); config.json that is not a JSON object, that `config_from_hf`
         refuses (an unsupported or ill-typed field), or whose eos_token_id lists more distinct ids
-        than generation can stop at (`mtp_jax.request.MAX_STOP_TOKENS`); an index that has no
+        than generation can stop at (`mtp_jax.decode.request.MAX_STOP_TOKENS`); an index that has no
         `weight_map`, or names a shard that is not a plain file name in `path` (`..`, absolute
         paths and subdirectories are refused); a safetensors file that is empty, truncated or not
         safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
@@ -423,7 +423,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
     `model.layers.{L + j}.{enorm,hnorm,eh_proj,shared_head.norm,<block>}` for module j.
 
     Every file comes from one save even while another process overwrites `path`
-    (`mtp_jax.atomic_dir.read_dir`), and a save that a kill interrupted between its two renames
+    (`mtp_jax.checkpoints.atomic_dir.read_dir`), and a save that a kill interrupted between its two renames
     is finished first, so `path` holds the new checkpoint.
     """
     path = Path(path)
@@ -571,7 +571,7 @@ def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
     """Writes `model`'s checkpoint files into the existing `directory`, in place (not atomic).
 
     The files and arguments are `save_hf_checkpoint`'s, which wraps this in an atomic directory
-    swap; `mtp_jax.pretrained.save_pretrained` adds the tokenizer inside the same swap.
+    swap; `mtp_jax.checkpoints.pretrained.save_pretrained` adds the tokenizer inside the same swap.
 
     Raises:
       ValueError: the config cannot be expressed as `model_type`, or max_shard_size_bytes < 1.
@@ -607,7 +607,7 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *,
     shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Linear kernels
     [in, out] are written as torch's [out, in]; tied models write no `lm_head.weight`.
 
-    The save is atomic (`mtp_jax.atomic_dir.replace_dir`): the files go to a temporary sibling
+    The save is atomic (`mtp_jax.checkpoints.atomic_dir.replace_dir`): the files go to a temporary sibling
     directory `.{name}.tmp-*`, fsynced, which then replaces `path`; a kill at any point leaves
     the old or the new checkpoint at `path`, and an exception leaves `path` as it was and no
     temporary files.

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.sampling import (
+from mtp_jax.decode.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
     SamplingState,
@@ -29,7 +29,7 @@ from mtp_jax.sampling import (
 )
 
 if TYPE_CHECKING:
-    from mtp_jax.speculative import SpeculativeConfig
+    from mtp_jax.decode.drafters import SpeculativeConfig
 
 
 @struct.dataclass

@@ -1,6 +1,6 @@
 """Training: AdamW with warm-up and cosine decay, orbax checkpoints, exact resume, held-out evaluation.
 
-The objective is `mtp_jax.loss.compute_loss` (main next-token loss + `mtp_lambda` times the mean
+The objective is `mtp_jax.training.loss.compute_loss` (main next-token loss + `mtp_lambda` times the mean
 MTP loss). The step itself (settings, optimizer, `TrainState`, its placement on a mesh, the jitted
 train and eval steps) is `mtp_jax.train_step`, whose names this module re-exports; here is the run
 around it. On a device mesh (`train(..., mesh=)`, `mtp_jax.sharding`) the step runs sharded and
@@ -56,12 +56,14 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from mtp_jax import checkpoint, data
+from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.checkpoints.pretrained import save_pretrained
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.mtp import make_mtp_modules
-from mtp_jax.pretrained import save_pretrained
-from mtp_jax.run_dir import (
+from mtp_jax.sharding import named_shardings, param_logical_axes, place, resolve, to_host
+from mtp_jax.training import data
+from mtp_jax.training.run_dir import (
     EXPORT_DIR,
     RUN_ENTRIES,  # noqa: F401  (re-exported: part of this module's interface)
     RUN_FILE,
@@ -83,9 +85,8 @@ from mtp_jax.run_dir import (
     truncate_log,
     write_run,
 )
-from mtp_jax.run_dir import check_run_dir as check_run_dir_here
-from mtp_jax.sharding import named_shardings, param_logical_axes, place, resolve, to_host
-from mtp_jax.train_step import (  # re-exported: part of this module's interface
+from mtp_jax.training.run_dir import check_run_dir as check_run_dir_here
+from mtp_jax.training.step import (  # re-exported: part of this module's interface
     RESUMABLE_FIELDS,
     StaticOptimizer,
     TrainConfig,
@@ -330,7 +331,7 @@ def _check_mesh(config: TrainConfig, mesh: Mesh | None) -> None:
 
 
 def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False) -> None:
-    """`mtp_jax.run_dir.check_run_dir` (raises what `train` would raise for `run_dir`, changing nothing),
+    """`mtp_jax.training.run_dir.check_run_dir` (raises what `train` would raise for `run_dir`, changing nothing),
     in a `jax.distributed` run by process 0 alone, the one that locks and writes the run dir: the others
     wait for its verdict and raise RuntimeError when it refused."""
     if jax.process_count() == 1:

@@ -16,11 +16,12 @@ import jax
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from mtp_jax import atomic_dir, checkpoint
-from mtp_jax.generate import stream
+from mtp_jax.checkpoints import atomic_dir
+from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.decode.generation import stream
 from mtp_jax.model import Transformer
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "demo"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "demo"
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -146,7 +147,7 @@ def stream_text(model: Transformer, tokenizer: Tokenizer, prompt: str, **kwargs)
     Characters split over several tokens are held back until complete (`TextStream`), so the
     concatenation of everything yielded is exactly `tokenizer.decode(tokens)` of the generated
     tokens (`generate(...).tokens[0]` with the same arguments). Steps that complete no character
-    yield nothing. `kwargs` go to `mtp_jax.generate.stream` (max_new_tokens, sampling,
+    yield nothing. `kwargs` go to `mtp_jax.decode.generation.stream` (max_new_tokens, sampling,
     speculative, ...). Raises TypeError when `prompt` is not a str, and the errors of `stream`.
     """
     if not isinstance(prompt, str):

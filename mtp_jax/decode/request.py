@@ -2,7 +2,7 @@
 
 `check_request` turns what a caller of `generate` / `stream` passes (prompts, max_new_tokens,
 sampling, max_length, stop_tokens) into a `Request` of plain Python values, or raises TypeError /
-ValueError naming the argument. `mtp_jax.engine.init_state` builds the decode state from it.
+ValueError naming the argument. `mtp_jax.decode.engine.init_state` builds the decode state from it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.sampling import SamplingParams, is_int
+from mtp_jax.decode.sampling import SamplingParams, is_int
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the decode state (fixed shape); unused slots hold -1
 _TEXT = (str, bytes, bytearray, memoryview)  # sequences of characters or bytes, never of token ids

@@ -37,23 +37,23 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.acceptance import Target, accept, initial_phase, update_phase
 from mtp_jax.cache import KVCache, write_at
 from mtp_jax.cache import logical_axes as cache_axes
-from mtp_jax.layers.indexing import sequence_positions, take_rows
-from mtp_jax.metrics import SpecMetrics, SpeculativeMetrics
-from mtp_jax.model import Transformer, static_split
-from mtp_jax.mtp import initial_hidden
-from mtp_jax.request import MAX_STOP_TOKENS, check_request
-from mtp_jax.sampling import SamplingParams, SamplingState
-from mtp_jax.sharding import constrain_tree, named_shardings, place, shard_params, to_host
-from mtp_jax.speculative import (
+from mtp_jax.decode.acceptance import Target, accept, initial_phase, update_phase
+from mtp_jax.decode.drafters import (
     DraftState,
     SpeculativeConfig,
     draft_after_prefill,
     draft_after_verify,
     init_draft_state,
 )
+from mtp_jax.decode.metrics import SpecMetrics, SpeculativeMetrics
+from mtp_jax.decode.request import MAX_STOP_TOKENS, check_request
+from mtp_jax.decode.sampling import SamplingParams, SamplingState
+from mtp_jax.layers.indexing import sequence_positions, take_rows
+from mtp_jax.model import Transformer, static_split
+from mtp_jax.mtp import initial_hidden
+from mtp_jax.sharding import constrain_tree, named_shardings, place, shard_params, to_host
 
 _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
 
@@ -121,7 +121,7 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
                oracle_tokens: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
     """Checks the request and builds the initial state and the padded prompt array int32 [B, P].
 
-    The request's arguments are `generate`'s (checked by `mtp_jax.request.check_request`, which
+    The request's arguments are `generate`'s (checked by `mtp_jax.decode.request.check_request`, which
     lists the TypeError / ValueError raised); `speculative` is checked against the model
     (ValueError: no MTP modules, vanilla/parallel with K > D, ...); `oracle_tokens` (int [B, R]) is
     method "oracle"'s replayed sequences, prompt first.

@@ -1,6 +1,6 @@
 """Generation, the host API: `generate` and `stream`, plain or speculative (`speculative=`).
 
-Both drive `mtp_jax.engine.DecodeEngine`: `generate` runs the prefill and then the whole decode
+Both drive `mtp_jax.decode.engine.DecodeEngine`: `generate` runs the prefill and then the whole decode
 loop as one jitted `lax.while_loop` with the state donated; `stream` runs the same jitted step once
 per call and yields the tokens each row committed. Both compile once per (B, S, prompt bucket,
 model, speculative config).
@@ -14,11 +14,11 @@ from collections.abc import Generator, Iterable, Sequence
 import jax
 from jax.sharding import Mesh
 
-from mtp_jax.engine import DecodeEngine, GenerationResult
+from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.engine import DecodeEngine, GenerationResult
+from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.model import Transformer
-from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import to_host
-from mtp_jax.speculative import SpeculativeConfig
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
@@ -47,7 +47,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
 
     Returns:
       A `GenerationResult` (with `metrics` when speculating). Raises TypeError / ValueError, naming
-      the argument, on invalid input (see `mtp_jax.request.check_request`) and ValueError when the
+      the argument, on invalid input (see `mtp_jax.decode.request.check_request`) and ValueError when the
       model cannot serve `speculative` (no MTP modules, vanilla/parallel with K > D, ...).
     """
     engine = DecodeEngine(model, speculative, mesh=mesh)

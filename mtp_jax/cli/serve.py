@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtp_jax.cli_mesh import add_mesh_arguments, mesh_from_args
-from mtp_jax.pretrained import DEFAULT_MODEL_DIR
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR
+from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 
 SERVE_DESCRIPTION = """\
 Serve a model directory over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
@@ -38,7 +38,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-                        "half-precision checkpoints: mtp_jax.pretrained.inference_dtype)")
+                        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)")
     p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per slot, prompt + output (default: the model's max positions)")
@@ -65,11 +65,11 @@ def _name_flags(error: ValueError) -> ValueError:
 
 def _build_engine(args: argparse.Namespace, mesh):
     """(engine, tokenizer, served name, metrics, chat template) of the flags; ValueError naming them."""
-    from mtp_jax.pretrained import inference_dtype, load_pretrained
+    from mtp_jax.checkpoints.pretrained import inference_dtype, load_pretrained
+    from mtp_jax.decode.drafters import SpeculativeConfig
     from mtp_jax.serving import ServingEngine
     from mtp_jax.serving.chat_template import ChatTemplate
-    from mtp_jax.serving.metrics import PrometheusMetrics
-    from mtp_jax.speculative import SpeculativeConfig
+    from mtp_jax.serving.prometheus import PrometheusMetrics
 
     model_dir = Path(args.model_dir)
     try:
