@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax.checkpoints.reading import save_hf_checkpoint  # noqa: E402
+from mtp_jax.checkpoints import save_hf_checkpoint  # noqa: E402
 from mtp_jax.config import ModelConfig  # noqa: E402
 from mtp_jax.decode.generation import generate  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402

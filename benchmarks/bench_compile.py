@@ -38,8 +38,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax.config import ModelConfig  # noqa: E402
-from mtp_jax.decode.drafters import SpeculativeConfig  # noqa: E402
 from mtp_jax.decode.generation import generate  # noqa: E402
+from mtp_jax.decode.speculative import SpeculativeConfig  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402
 
 _DEEPSEEK = dict(attention_type="mla", ffn_type="moe", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,

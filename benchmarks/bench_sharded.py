@@ -47,8 +47,8 @@ import numpy as np
 from jax.profiler import ProfileData
 
 import mtp_jax
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.sharding import make_mesh
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "ragged-all-to-all", "reduce-scatter",

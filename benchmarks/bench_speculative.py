@@ -40,10 +40,10 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.decode import drafters as speculative
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
 from mtp_jax.decode.metrics import SpeculativeMetrics
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import sequence_positions
 from mtp_jax.training import data
 

@@ -3,7 +3,7 @@
 Runs plain decoding and one speculative configuration on the same prompts (greedy), each loop
 warmed up first, then once under `jax.profiler.trace`. The XLA ops the trace times are mapped to
 the named scopes of the one decode step (`verify_forward`, `accept`, `commit`, `draft` in
-`mtp_jax.engine`; plain decoding is the same step with no drafts) through the compiled module's
+`mtp_jax.decode.engine`; plain decoding is the same step with no drafts) through the compiled module's
 op metadata; what no scope covers is "other" (rollback, metrics, sampling glue). Prints, per
 phase, milliseconds per step and the number of XLA ops per step, and writes JSON.
 
@@ -31,8 +31,8 @@ import numpy as np
 
 import mtp_jax
 from mtp_jax.decode import drafters as speculative
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.speculative import SpeculativeConfig
 
 PHASES = ("verify_forward", "accept", "commit", "draft")
 CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops

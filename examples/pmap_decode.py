@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 
 import mtp_jax
-from mtp_jax.decode.drafters import SpeculativeConfig
-from mtp_jax.decode.engine import GenerationResult, init_state, prefill, results_from_state, run
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import GenerationResult, init_state, results_from_state
+from mtp_jax.decode.step import prefill, run
 from mtp_jax.model import Transformer, static_split
 
 

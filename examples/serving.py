@@ -4,7 +4,7 @@
 
 Prints, per engine step, how many tokens each running request committed (1 .. K+1), then each
 request's text and metrics, and checks that every greedy request got exactly what
-`mtp_jax.generate` gives it alone. Over HTTP the same engine serves OpenAI's API:
+`mtp_jax.decode.generation` gives it alone. Over HTTP the same engine serves OpenAI's API:
 
     mtp-jax serve --speculative eagle --num-speculative-tokens 3 --max-batch 8 --port 8000
 

@@ -11,13 +11,15 @@ metrics, fixed shapes).
 """
 
 from mtp_jax.cache import KVCache
-from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, TextStream, load_pretrained, save_pretrained, stream_text
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained
 from mtp_jax.config import ModelConfig, RopeScaling
-from mtp_jax.decode.drafters import SpeculativeConfig
-from mtp_jax.decode.engine import DecodeEngine, DecodeState, GenerationResult
+from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate, stream
 from mtp_jax.decode.metrics import SpeculativeMetrics
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import DecodeState, GenerationResult
+from mtp_jax.decode.text import TextStream, stream_text
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.sharding import make_mesh
 

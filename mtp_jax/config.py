@@ -1,7 +1,7 @@
 """Model configuration: a frozen, validated dataclass for Llama/Qwen2-family decoders.
 
 The fields follow Hugging Face's `LlamaConfig` / `Qwen2Config` names so that `config.json`
-maps onto them one to one (see `mtp_jax.checkpoint`). Invalid combinations raise a
+maps onto them one to one (see `mtp_jax.checkpoints`). Invalid combinations raise a
 `ValueError` that names the field.
 
 Architectures: `attention_type` selects the attention and its cache layout ("gqa"; DeepSeek-V3's
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any
 
 import jax.numpy as jnp
+
+from mtp_jax.validation import check_int, is_finite_positive, is_real
 
 # Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU where it applies.
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -35,13 +36,6 @@ SCAN_LAYERS_DEFAULT = False
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_finite_positive(value: Any) -> bool:
-    """A real number in (0, inf): NaN, infinities, 0, negatives and non-numbers are not."""
-    return _is_number(value) and math.isfinite(value) and value > 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,11 +65,11 @@ class RopeScaling:
         # Ratios and rotation counts: finite and > 0 (yarn's correction range takes log(1 / beta)).
         for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
             value = getattr(self, name)
-            if value is not None and not _is_finite_positive(value):
+            if value is not None and not is_finite_positive(value):
                 raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value!r}")
         for name in ("mscale", "mscale_all_dim"):  # yarn's log-scale coefficients: 0 is allowed
             value = getattr(self, name)
-            if value is not None and not (_is_number(value) and math.isfinite(value)):
+            if value is not None and not (is_real(value) and math.isfinite(value)):
                 raise ValueError(f"rope_scaling.{name} must be a finite number, got {value!r}")
         if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"rope_scaling.original_max_position_embeddings is required for {self.rope_type!r}")
@@ -193,7 +187,7 @@ class ModelConfig:
         if self.head_dim is None and self.resolved_head_dim % 2:
             raise ValueError(f"head_dim (hidden_size / num_attention_heads = {self.resolved_head_dim}) must be even")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            if not _is_finite_positive(getattr(self, name)):
+            if not is_finite_positive(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling, got {type(self.rope_scaling).__name__}")
@@ -260,7 +254,7 @@ class ModelConfig:
                              f"{per_group} experts of the topk_group best groups")
         if self.scoring_func not in MOE_SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {MOE_SCORING_FUNCS}, got {self.scoring_func!r}")
-        if not _is_finite_positive(self.routed_scaling_factor):
+        if not is_finite_positive(self.routed_scaling_factor):
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
 
     # Derived values.
@@ -326,12 +320,10 @@ class ModelConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
+
 def _check_int(config: ModelConfig, name: str, minimum: int) -> None:
-    """Raises ValueError naming the field unless it is an int (not a bool) >= minimum."""
-    value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    """`validation.check_int` on a field, which then holds a Python int (a NumPy int is accepted)."""
+    object.__setattr__(config, name, check_int(name, getattr(config, name), minimum))
 
 
 PRESETS: dict[str, ModelConfig] = {

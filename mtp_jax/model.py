@@ -3,7 +3,7 @@
 Module and parameter names follow Hugging Face's `LlamaForCausalLM` and DeepSeek-V3 (`embed_tokens`,
 `layers[i].self_attn`, `mlp`, `input_layernorm`, `norm`, `lm_head`), except the fused projections
 (`self_attn.qkv_proj` group-major, `mlp.gate_up_proj` interleaved, so that a tensor-parallel shard
-is self-contained; MLA's `fused_qkv_a_proj`), which `mtp_jax.checkpoint` fuses from the checkpoint's
+is self-contained; MLA's `fused_qkv_a_proj`), which `mtp_jax.checkpoints` fuses from the checkpoint's
 separate tensors on load and takes apart again on export.
 
 `Transformer.__call__(tokens, positions, cache)` runs T >= 1 new tokens per row at the positions the

@@ -34,7 +34,7 @@ def model():
 
 
 def speculative():
-    from mtp_jax.decode.drafters import SpeculativeConfig
+    from mtp_jax.decode.speculative import SpeculativeConfig
 
     return SpeculativeConfig(method="eagle", num_speculative_tokens=2)
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.moe import MoE
 from mtp_jax.model import init_model, sequence_positions

@@ -9,7 +9,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from mtp_jax.checkpoints.reading import (
+from mtp_jax.checkpoints import (
     CheckpointError,
     config_from_hf,
     config_to_hf,

@@ -23,16 +23,16 @@ from test_checkpoint import _random_model as random_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from mtp_jax.checkpoints import atomic_dir
-from mtp_jax.checkpoints import reading as checkpoint
-from mtp_jax.checkpoints.pretrained import load_pretrained, save_pretrained
-from mtp_jax.checkpoints.reading import (
+from mtp_jax.checkpoints import writing as checkpoint
+from mtp_jax.checkpoints import (
     CheckpointError,
+    atomic_dir,
     config_from_hf,
     config_to_hf,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
+from mtp_jax.checkpoints.pretrained import load_pretrained, save_pretrained
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.request import MAX_STOP_TOKENS
 

@@ -1,4 +1,4 @@
-"""Corpus split, tokenizer, packing and resumable batches (`mtp_jax.data`), on a tiny in-memory corpus."""
+"""Corpus split, tokenizer, packing and resumable batches (`mtp_jax.training.data`), on a tiny in-memory corpus."""
 
 import json
 

@@ -8,8 +8,8 @@ import pytest
 
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import main
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.speculative import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

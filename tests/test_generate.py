@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from mtp_jax.decode.engine import init_state
 from mtp_jax.decode.generation import generate, stream
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from mtp_jax.decode.state import init_state
 from mtp_jax.model import init_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13]]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.checkpoints.reading import load_hf_checkpoint, save_hf_checkpoint
+from mtp_jax.checkpoints import load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.generation import SamplingParams, generate
 from mtp_jax.model import Transformer, sequence_positions

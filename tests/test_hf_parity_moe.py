@@ -22,13 +22,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from mtp_jax.checkpoints.reading import (
-    CheckpointError,
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
+from mtp_jax.checkpoints import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.decode.generation import SamplingParams, generate
 
 torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")

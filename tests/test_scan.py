@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mtp_jax import checkpoints as checkpoint
 from mtp_jax.cache import StackedCache, capacity, fill_stale
-from mtp_jax.checkpoints import reading as checkpoint
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model, sequence_positions
 from mtp_jax.training import trainer as train

@@ -3,7 +3,7 @@
 
 One module fixture loads the demo model, builds one eagle K=3 engine (4 slots of 256 tokens,
 prefill chunks of 32), warms it up and serves it on a free port. Expected values come from
-`mtp_jax.generate` (the same speculative config) or from the same request sent alone.
+`mtp_jax.decode.generation` (the same speculative config) or from the same request sent alone.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import build_parser, main
 from mtp_jax.cli.serve import run_serve
 from mtp_jax.decode import generation as generate
-from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError
 from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt

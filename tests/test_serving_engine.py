@@ -1,6 +1,6 @@
 """`mtp_jax.serving.ServingEngine`: continuous batching gives each request exactly what it gets alone.
 
-Oracles: `mtp_jax.generate` on the request alone (greedy: token for token; sampled: the same seed
+Oracles: `mtp_jax.decode.generation` on the request alone (greedy: token for token; sampled: the same seed
 gives the same tokens, the draws being keyed by row seed and position only); for acceptance
 patterns, the "oracle" drafter replaying the greedy sequence with chosen tokens corrupted, so each
 step accepts exactly the number of drafts the test picks. Greedy references are checked to decide

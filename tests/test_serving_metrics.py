@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import mtp_jax
-from mtp_jax.decode.drafters import SpeculativeConfig
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.serving import ServingEngine
 from mtp_jax.serving.prometheus import CONTENT_TYPE, TTFT_BUCKETS, PrometheusMetrics, build_1_2_5_buckets
 

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax import sharding
 from mtp_jax.cache import StackedCache, logical_axes
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
 from mtp_jax.sharding import MESH_AXES, make_mesh, parse_mesh_spec, resolve

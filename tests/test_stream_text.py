@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, TextStream, save_pretrained, stream_text
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, save_pretrained
 from mtp_jax.cli import main
 from mtp_jax.config import ModelConfig
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.text import TextStream, stream_text
 from mtp_jax.model import init_model
 
 TEXT = "héllo 日本語 ✓ 🙂 naïve €5"

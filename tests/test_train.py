@@ -1,4 +1,5 @@
-"""The trainer (`mtp_jax.train`): learning, exact resume, frozen-main MTP training, run-dir safety, eval, export.
+"""The trainer (`mtp_jax.training.trainer`): learning, exact resume, frozen-main MTP training, run-dir safety,
+eval, export.
 
 Tiny model (1 layer of width 64, D = 2) on a tiny in-memory corpus; every test shares one
 `TrainConfig` shape so the jitted step compiles once per mode.
@@ -17,9 +18,11 @@ import pytest
 from flax import nnx
 from test_data import tiny_documents
 
+from mtp_jax import checkpoints as checkpoint
 from mtp_jax import cli
-from mtp_jax.checkpoints import reading as checkpoint
 from mtp_jax.checkpoints.pretrained import save_pretrained
+from mtp_jax.cli import eval as eval_cli
+from mtp_jax.cli import train as train_cli
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
@@ -198,7 +201,7 @@ def test_a_non_finite_step_is_never_saved(tmp_path, corpus, model_config, straig
     config = TRAIN.replace(checkpoint_every=2, keep_checkpoints=1)  # one checkpoint kept: rotation would lose it
     run_dir = tmp_path / "run"
     train.train(run_dir, corpus, model_config=model_config, train_config=config, stop_at_step=3, progress=False)
-    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    monkeypatch.setattr(train_cli, "corpus_of_run", lambda run_dir, run, data_dir: corpus)
     with monkeypatch.context() as m:
         _poison_after(m, 5)  # step 6's loss is NaN
         assert cli.main(["train", str(run_dir), "--resume", "--no-progress", "--no-export"]) == 1
@@ -227,7 +230,7 @@ def test_resume_applies_more_steps_and_refuses_other_changes(tmp_path, corpus, m
     run_dir = tmp_path / "run"
     train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, stop_at_step=3, progress=False)
     run_before = (run_dir / "run.json").read_text()
-    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    monkeypatch.setattr(train_cli, "corpus_of_run", lambda run_dir, run, data_dir: corpus)
     resume = ["train", str(run_dir), "--resume", "--no-progress", "--no-export"]
     assert cli.main([*resume, "--lr", "1", "--seed", "3", "--mtp-only", "--vocab-size", "512", "--steps", "8"]) == 2
     err = capsys.readouterr().err
@@ -403,10 +406,10 @@ def test_cli_parses_into_train_config():
     parser = cli.build_parser()
     args = parser.parse_args(["train", "runs/x", "--steps", "50", "--warmup", "5", "--lr", "1e-3", "--mtp-only",
                               "--init-from", "hf"])
-    config = cli._train_config_from_args(args)
+    config = train_cli._train_config_from_args(args)
     assert config == train.TrainConfig(num_steps=50, warmup_steps=5, learning_rate=1e-3, mtp_only=True)
-    assert args.func is cli.run_train and args.init_from == "hf"
-    assert parser.parse_args(["eval", "runs/x"]).func is cli.run_eval
+    assert args.func is train_cli.run_train and args.init_from == "hf"
+    assert parser.parse_args(["eval", "runs/x"]).func is eval_cli.run_eval
 
 
 def test_the_score_correction_bias_is_never_trained():

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` <-> `ModelConfig`: the model half of a checkpoint's format.
 
-Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoint` loads and saves:
+Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoints` loads and saves:
   - model types: `LlamaConfig` ("llama"), `Qwen2Config` ("qwen2") and `MistralConfig` ("mistral")
     as transformers' `save_pretrained` writes them; `DeepseekV3Config` ("deepseek_v3": MLA + MoE,
     also DeepSeek's own files with `scoring_func` / `topk_method`) and `Glm4MoeConfig` ("glm4_moe":
@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.validation import is_int, is_real
 
 # mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
@@ -78,8 +79,7 @@ def _read(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, w
     value = hf.get(name)
     if value is None:
         return default
-    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-          "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+    ok = {"int": is_int(value), "number": is_real(value),
           "bool": isinstance(value, bool), "str": isinstance(value, str),
           "object": isinstance(value, Mapping), "list": isinstance(value, list)}[kind]
     if not ok:
@@ -109,7 +109,7 @@ def _read_token_ids(hf: Mapping[str, Any], name: str) -> int | tuple[int, ...] |
     if not isinstance(value, list):
         return _read(hf, name, "int")
     for i, token in enumerate(value):
-        if not isinstance(token, int) or isinstance(token, bool):
+        if not is_int(token):
             raise ValueError(f"{name}[{i}] must be an int, got {token!r}")
     return tuple(value)
 
@@ -276,7 +276,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     Every field read is type-checked as JSON, without coercion (see `_read`); null means absent.
     deepseek_v3 and glm4_moe fields absent from the file take their HF config class's defaults
     (GLM's partial_rotary_factor 0.5 included). `num_nextn_predict_layers` (or transformers 5's
-    `num_mtp_layers`) is D; `mtp_jax.checkpoint` checks that the weights hold exactly D MTP layers.
+    `num_mtp_layers`) is D; `mtp_jax.checkpoints` checks that the weights hold exactly D MTP layers.
 
     Raises:
       ValueError naming the field for anything this model cannot reproduce: another model_type,

@@ -2,23 +2,22 @@
 
 A directory written by `save_pretrained` loads in `transformers` as the main model (its MTP
 tensors sit at DeepSeek-V3's `model.layers.{L + j}.*` names, which `transformers` ignores) and
-back here with its MTP modules (`mtp_jax.checkpoint`).
+back here with its MTP modules (`mtp_jax.checkpoints`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from mtp_jax.checkpoints import atomic_dir
-from mtp_jax.checkpoints import reading as checkpoint
-from mtp_jax.decode.generation import stream
+from mtp_jax.checkpoints.format import CONFIG_FILE, CheckpointError
+from mtp_jax.checkpoints.reading import read_hf_files, stored_dtype
+from mtp_jax.checkpoints.writing import is_model_file, write_hf_files
 from mtp_jax.model import Transformer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "demo"
@@ -35,7 +34,7 @@ def _parse_tokenizer(data: bytes, shown: str | os.PathLike) -> Tokenizer:
     try:
         return Tokenizer.from_buffer(data)
     except Exception as error:  # the tokenizers library raises a bare Exception for a bad file
-        raise checkpoint.CheckpointError(f"{shown} is not a valid tokenizer.json: {error}") from error
+        raise CheckpointError(f"{shown} is not a valid tokenizer.json: {error}") from error
 
 
 def load_pretrained(
@@ -45,7 +44,7 @@ def load_pretrained(
 
     The weights, config.json and tokenizer.json come from one save even while another process
     overwrites `path` (`atomic_dir.read_dir`), and a save that a kill interrupted is finished
-    first (see `checkpoint.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
+    first (see `mtp_jax.checkpoints.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
     model's weights and compute, default the checkpoint's (`inference_dtype` picks float32 for
     decoding on a CPU).
 
@@ -53,7 +52,7 @@ def load_pretrained(
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
       CheckpointError naming the file: tokenizer.json is not a valid tokenizer, or its vocabulary
         (added tokens included) is larger than the model's vocab_size; and the errors of
-        `checkpoint.load_hf_checkpoint` (corrupt files, a checkpoint that does not match its config).
+        `mtp_jax.checkpoints.load_hf_checkpoint` (corrupt files, a checkpoint that does not match its config).
       OSError: `path` was replaced by concurrent saves during each attempt to read it.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
@@ -79,7 +78,7 @@ def inference_dtype(path: str | os.PathLike | None = None,
         return asked, None
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
     try:
-        stored = checkpoint.stored_dtype(path)
+        stored = stored_dtype(path)
     except (OSError, ValueError):  # missing or unreadable: the load that follows reports it, as it always has
         return None, None
     if stored == "float32" or jax.default_backend() != "cpu":
@@ -96,68 +95,13 @@ def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transf
     if not (root / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {shown}")
     data = (root / TOKENIZER_FILE).read_bytes()  # before the weights, which take longest
-    model = checkpoint.read_hf_files(root, dtype=dtype, shown=shown)
+    model = read_hf_files(root, dtype=dtype, shown=shown)
     tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:
-        raise checkpoint.CheckpointError(f"{shown / TOKENIZER_FILE} has {size} tokens, more than the model's "
-                                         f"vocab_size={model.config.vocab_size} in {shown / checkpoint.CONFIG_FILE}")
+        raise CheckpointError(f"{shown / TOKENIZER_FILE} has {size} tokens, more than the model's "
+                                         f"vocab_size={model.config.vocab_size} in {shown / CONFIG_FILE}")
     return model, tokenizer
-
-
-class TextStream:
-    """The text of a growing sequence of token ids, piece by piece, exact across split characters.
-
-    Byte-level BPE can split one UTF-8 character (CJK, accents, symbols, emoji) over several
-    tokens. `push` returns only completed characters and holds an incomplete one back (HF
-    `tokenizers.decoders.DecodeStream`); `finish` returns what is still held back at the end (a
-    character left incomplete decodes as U+FFFD, as in `Tokenizer.decode`). Everything returned,
-    concatenated, equals `tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)` of all
-    the ids pushed; `ids` and `text` hold both so far.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""
-        self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def push(self, ids: Sequence[int]) -> str:
-        """Appends token ids; returns the characters they completed ("" when none)."""
-        # One id per step: `DecodeStream.step` takes lists only in recent `tokenizers` releases.
-        pieces = [self._decoder.step(self.tokenizer, int(i)) for i in ids]
-        self.ids.extend(int(i) for i in ids)
-        new = "".join(p for p in pieces if p)
-        self.text += new
-        return new
-
-    def finish(self) -> str:
-        """The end of the text that `push` held back (usually ""), once no more ids will come."""
-        final = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        if not final.startswith(self.text):  # DecodeStream emits only prefixes of the full decode
-            raise RuntimeError(f"streamed text {self.text!r} is not a prefix of the decoded {final!r}")
-        rest, self.text = final[len(self.text):], final
-        return rest
-
-
-def stream_text(model: Transformer, tokenizer: Tokenizer, prompt: str, **kwargs) -> Iterator[str]:
-    """The continuation of `prompt` as it is committed: after each decode step, the characters it completed.
-
-    Characters split over several tokens are held back until complete (`TextStream`), so the
-    concatenation of everything yielded is exactly `tokenizer.decode(tokens)` of the generated
-    tokens (`generate(...).tokens[0]` with the same arguments). Steps that complete no character
-    yield nothing. `kwargs` go to `mtp_jax.decode.generation.stream` (max_new_tokens, sampling,
-    speculative, ...). Raises TypeError when `prompt` is not a str, and the errors of `stream`.
-    """
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str (the text to continue), got {type(prompt).__name__}")
-    text = TextStream(tokenizer)
-    for step in stream(model, [tokenizer.encode(prompt).ids], **kwargs):
-        if piece := text.push(step[0]):
-            yield piece
-    if rest := text.finish():
-        yield rest
 
 
 def save_pretrained(
@@ -167,18 +111,18 @@ def save_pretrained(
     tokenizer: Tokenizer | str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> None:
-    """Writes config.json and the weights (`checkpoint.write_hf_files`) and tokenizer.json, atomically.
+    """Writes config.json and the weights (`mtp_jax.checkpoints.write_hf_files`) and tokenizer.json, atomically.
 
     `tokenizer` is a `tokenizers.Tokenizer` or the path of a tokenizer.json (copied byte for
     byte); None writes none. Everything goes into one atomic directory swap, as in
-    `checkpoint.save_hf_checkpoint`: a kill leaves the old model and tokenizer or the new ones, and
+    `mtp_jax.checkpoints.save_hf_checkpoint`: a kill leaves the old model and tokenizer or the new ones, and
     an overwrite drops the old tokenizer files, so a tokenizer.json in `path` is always the one
     saved with its weights.
 
     Raises:
-      FileExistsError: as `checkpoint.save_hf_checkpoint` (`path` not empty and `overwrite` False, ...).
+      FileExistsError: as `mtp_jax.checkpoints.save_hf_checkpoint` (`path` not empty and `overwrite` False, ...).
       ValueError: the tokenizer's vocabulary (added tokens included) is larger than the model's
-        vocab_size; a `checkpoint.CheckpointError` naming the file when the tokenizer path is not
+        vocab_size; a `mtp_jax.checkpoints.CheckpointError` naming the file when the tokenizer path is not
         a valid tokenizer.json. Nothing is written then.
     """
     if tokenizer is not None:
@@ -187,8 +131,8 @@ def save_pretrained(
         if size > model.config.vocab_size:
             raise ValueError(f"the tokenizer{'' if loaded is tokenizer else f' {tokenizer}'} has {size} tokens, "
                              f"more than the model's vocab_size={model.config.vocab_size}")
-    with atomic_dir.replace_dir(path, overwrite=overwrite, owned=checkpoint.is_model_file) as new:
-        checkpoint.write_hf_files(model, new)
+    with atomic_dir.replace_dir(path, overwrite=overwrite, owned=is_model_file) as new:
+        write_hf_files(model, new)
         if isinstance(tokenizer, Tokenizer):
             tokenizer.save(str(new / TOKENIZER_FILE))
         elif tokenizer is not None:

@@ -29,7 +29,7 @@ from mtp_jax.decode.sampling import (
 )
 
 if TYPE_CHECKING:
-    from mtp_jax.decode.drafters import SpeculativeConfig
+    from mtp_jax.decode.speculative import SpeculativeConfig
 
 
 @struct.dataclass

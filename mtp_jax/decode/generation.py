@@ -14,9 +14,10 @@ from collections.abc import Generator, Iterable, Sequence
 import jax
 from jax.sharding import Mesh
 
-from mtp_jax.decode.drafters import SpeculativeConfig
-from mtp_jax.decode.engine import DecodeEngine, GenerationResult
+from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import GenerationResult
 from mtp_jax.model import Transformer
 from mtp_jax.sharding import to_host
 

@@ -1,6 +1,6 @@
 """Speculative-decoding metrics as vLLM defines them (`docs/MTP_SPEC.md`, "Metrics").
 
-`SpecMetrics` holds per-row counters on device, advanced by every decode step (`count_step`);
+`SpeculativeCounters` holds per-row counters on device, advanced by every decode step (`count_step`);
 `SpeculativeMetrics` pools them over rows on the host. Plain decoding (K = 0) counts steps only.
 """
 
@@ -15,7 +15,7 @@ from flax import struct
 
 
 @struct.dataclass
-class SpecMetrics:
+class SpeculativeCounters:
     """Per-row counters (device arrays), K drafts per step."""
 
     num_steps: jax.Array  # int32 [B]: verify steps the row took part in
@@ -25,19 +25,19 @@ class SpecMetrics:
     accepted_length_histogram: jax.Array  # int32 [B, K + 1]: steps that accepted exactly n drafts
 
     @classmethod
-    def zeros(cls, batch_size: int, num_speculative_tokens: int) -> SpecMetrics:
+    def zeros(cls, batch_size: int, num_speculative_tokens: int) -> SpeculativeCounters:
         shapes = dict(num_steps=(batch_size,), num_drafts=(batch_size,), num_accepted=(batch_size,),
                       accepted_per_position=(batch_size, num_speculative_tokens),
                       accepted_length_histogram=(batch_size, num_speculative_tokens + 1))
         # distinct buffers (the decode state is donated), placed without compiling anything
         return cls(**jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()}))
 
-    def count_step(self, active: jax.Array, accepted: jax.Array) -> SpecMetrics:
+    def count_step(self, active: jax.Array, accepted: jax.Array) -> SpeculativeCounters:
         """The counters after one step in which the `active` rows (bool [B]) each proposed K drafts and
         committed the first `accepted` (int32 [B]) of them (drafts cut by a stop condition do not count)."""
         k_max = self.accepted_per_position.shape[1]
         counted = jnp.where(active, accepted, 0)
-        return SpecMetrics(
+        return SpeculativeCounters(
             num_steps=self.num_steps + active, num_drafts=self.num_drafts + k_max * active,
             num_accepted=self.num_accepted + counted,
             accepted_per_position=self.accepted_per_position + (jnp.arange(k_max)[None, :] < counted[:, None]),
@@ -73,7 +73,7 @@ class SpeculativeMetrics:
         return self.num_accepted / self.num_drafts if self.num_drafts else float("nan")
 
     @classmethod
-    def from_counters(cls, metrics: SpecMetrics) -> SpeculativeMetrics:
+    def from_counters(cls, metrics: SpeculativeCounters) -> SpeculativeMetrics:
         m = jax.device_get(metrics)
         return cls(num_steps=int(m.num_steps.sum()), num_drafts=int(m.num_drafts.sum()),
                    num_accepted=int(m.num_accepted.sum()),

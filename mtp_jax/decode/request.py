@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.sampling import SamplingParams, is_int
+from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.validation import is_integer
 
 MAX_STOP_TOKENS = 16  # stop-token slots in the decode state (fixed shape); unused slots hold -1
 _TEXT = (str, bytes, bytearray, memoryview)  # sequences of characters or bytes, never of token ids
@@ -29,14 +30,6 @@ class Request:
     sampling: list[SamplingParams]  # per row
     max_length: int  # S, the cache capacity in tokens
     stop_tokens: list[int]  # sorted distinct ids, at most MAX_STOP_TOKENS
-
-
-def is_integer(value) -> bool:
-    """A Python or NumPy int, or a 0-d integer array (an element of a NumPy or JAX array, `jnp.int32(3)`);
-    not a bool. Token ids, max_new_tokens and max_length all accept exactly these."""
-    if isinstance(value, (np.ndarray, jax.Array)):
-        return value.ndim == 0 and np.issubdtype(value.dtype, np.integer)
-    return is_int(value)
 
 
 def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:

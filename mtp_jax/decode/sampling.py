@@ -21,21 +21,13 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from mtp_jax.validation import is_int, is_real
+
 MAX_SEED = 2**32 - 1  # seeds are uint32 on device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
 STREAM_TARGET = 0  # the committed token drawn from the target (plain sampling, residual, bonus)
 STREAM_ACCEPT = 1  # the acceptance uniforms u_j
 STREAM_DRAFT = 3  # draft tokens sampled from the MTP distribution
-
-
-def is_int(value) -> bool:
-    """True for a Python or NumPy integer; False for a bool, a float or anything else."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def is_real(value) -> bool:
-    """True for a Python or NumPy int or float; False for a bool or anything else."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -120,7 +120,7 @@ class Attention(nnx.Module):
     axis group-major: [G, H/G + 2, D] flattened, KV head g's H/G query heads (query head
     h = g * (H/G) + j, which reads KV head h // (H/G) as in HF's GQA), then k_g, then v_g. A contiguous
     chunk of the output axis is then whole GQA groups, so tensor parallelism over it (any degree that
-    divides G, `mtp_jax.sharding`) keeps each device's q, k and v local. `mtp_jax.checkpoint` builds
+    divides G, `mtp_jax.sharding`) keeps each device's q, k and v local. `mtp_jax.checkpoints` builds
     it from HF's tensors on load and takes them back out on export. `o_proj` [H D, E]; with
     `use_qk_norm`, `q_norm` and `k_norm` [D].
     """

@@ -26,7 +26,7 @@ class MLP(nnx.Module):
     `gate_proj` and `up_proj` in one matmul, interleaved along the output axis ([E, I, 2] flattened:
     column 2i is gate unit i, column 2i + 1 up unit i), so that a contiguous chunk of it holds matching
     gate and up units and tensor parallelism over it (any degree that divides I, `mtp_jax.sharding`)
-    needs no exchange before `down_proj`; `mtp_jax.checkpoint` interleaves HF's tensors on load and
+    needs no exchange before `down_proj`; `mtp_jax.checkpoints` interleaves HF's tensors on load and
     separates them on export. `down_proj` [I, E].
     """
 

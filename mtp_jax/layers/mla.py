@@ -87,7 +87,7 @@ def softmax_scale(config: ModelConfig) -> float:
     """`(N + R)^-1/2`, times mscale(factor, mscale_all_dim)^2 under scaled RoPE, as DeepSeek-V3 does.
 
     DeepSeek's YaRN puts mscale(factor, mscale) / mscale(factor, mscale_all_dim) into cos/sin
-    (`mtp_jax.rope`) and the square of mscale(factor, mscale_all_dim) = 0.1 mscale_all_dim ln(factor) + 1
+    (`mtp_jax.layers.rope`) and the square of mscale(factor, mscale_all_dim) = 0.1 mscale_all_dim ln(factor) + 1
     (1 when factor <= 1) into the softmax scale; `transformers`' DeepseekV3Attention applies the latter
     for any rope_type other than "default" whose `mscale_all_dim` is set and nonzero.
     """
@@ -105,7 +105,7 @@ class MLAttention(nnx.Module):
     Parameters (DeepSeek-V3 names; kernels [in, out] in `config.weight_dtype`):
       when `q_lora_rank` is set: fused_qkv_a_proj [E, q_lora_rank + C + R] (+ bias if attention_bias),
       DeepSeek-V3's q_a_proj [E, q_lora_rank] and kv_a_proj_with_mqa [E, C + R] side by side in that order
-      along the output axis (both read x: one matmul; `mtp_jax.checkpoint` splits and joins them),
+      along the output axis (both read x: one matmul; `mtp_jax.checkpoints` splits and joins them),
       q_a_layernorm [q_lora_rank], q_b_proj [q_lora_rank, H (N + R)]; else q_proj [E, H (N + R)] and
       kv_a_proj_with_mqa [E, C + R] (+ bias);
       kv_a_layernorm [C], kv_b_proj [C, H (N + V)] (per head: N key columns, then V value columns),

@@ -41,14 +41,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tokenizers import Tokenizer
 
-from mtp_jax.checkpoints.pretrained import TextStream
-from mtp_jax.decode.drafters import SpeculativeConfig
-from mtp_jax.decode.engine import DecodeEngine, DecodeState
-from mtp_jax.decode.request import check_request, is_integer
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.engine import compiled_counts as decode_compiled_counts
+from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import DecodeState
+from mtp_jax.decode.text import TextStream
 from mtp_jax.model import Transformer
 from mtp_jax.serving.outputs import FINISH_REASONS, RequestMetrics, RequestOutput
-from mtp_jax.sharding import named_shardings, place, to_host, trim_specs
+from mtp_jax.sharding import batch_rows, named_shardings, place, to_host, trim_specs
+from mtp_jax.validation import is_integer
 
 __all__ = ["FINISH_REASONS", "QueueFull", "RequestMetrics", "RequestOutput", "ServingEngine"]
 
@@ -125,7 +128,7 @@ class ServingEngine:
         if max_length > config.max_position_embeddings:
             raise ValueError(f"max_length={max_length} exceeds config.max_position_embeddings="
                              f"{config.max_position_embeddings}")
-        rows = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+        rows = batch_rows(mesh)
         if max_batch % rows:
             raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
         self.model, self.speculative, self.tokenizer, self.mesh = model, speculative, tokenizer, mesh
@@ -248,10 +251,8 @@ class ServingEngine:
 
     def compiled_counts(self) -> dict[str, int]:
         """How many times each jitted call has compiled (tests check nothing compiles after warm-up)."""
-        from mtp_jax.decode import engine as decode
-
-        return {name: getattr(decode, name)._cache_size()
-                for name in ("_prefill_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")}
+        counts = decode_compiled_counts()
+        return {name: counts[name] for name in ("_prefill_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")}
 
     # ------------------------------------------------------------------------------------------
     # The engine step

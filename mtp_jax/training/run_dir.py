@@ -23,7 +23,7 @@ Guarantees:
     do not meet them.
 
 What a checkpoint's state is (a pytree), and which settings a resume may change, is the trainer's
-(`mtp_jax.train`); this module stores and restores it.
+(`mtp_jax.training.trainer`); this module stores and restores it.
 """
 
 from __future__ import annotations

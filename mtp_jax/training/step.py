@@ -1,6 +1,6 @@
 """The optimisation step of training: settings (`TrainConfig`), AdamW with warm-up and cosine decay,
 the state one step updates (`TrainState`) and its placement on a mesh, and the jitted train and eval
-steps. `mtp_jax.train` runs them in its loop (run dir, checkpoints, resume, logging).
+steps. `mtp_jax.training.trainer` runs them in its loop (run dir, checkpoints, resume, logging).
 
 One jitted step takes the trainable parameters and the optimizer state as a donated `TrainState`, the
 rest of the model (`frozen`) as a plain argument, and merges them with the static graph definition
@@ -12,7 +12,6 @@ batch rows are split over data x fsdp, and the step returns the state on the sha
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -31,6 +30,7 @@ from mtp_jax.mtp import MTP_PARAMS, shift_left
 from mtp_jax.sharding import (
     constrain_tree,
     named_shardings,
+    on_mesh,
     param_logical_axes,
     place,
     resolve,
@@ -205,10 +205,6 @@ def place_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh | None) 
         return tokens, segment_ids
     batch = (tokens, segment_ids)
     return place(batch, named_shardings(batch, (P("batch", None),) * 2, mesh))
-
-
-def on_mesh(mesh: Mesh | None):
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "optimizer"), donate_argnames=("state",))

@@ -2,7 +2,7 @@
 
 The objective is `mtp_jax.training.loss.compute_loss` (main next-token loss + `mtp_lambda` times the mean
 MTP loss). The step itself (settings, optimizer, `TrainState`, its placement on a mesh, the jitted
-train and eval steps) is `mtp_jax.train_step`, whose names this module re-exports; here is the run
+train and eval steps) is `mtp_jax.training.step`, whose names this module re-exports; here is the run
 around it. On a device mesh (`train(..., mesh=)`, `mtp_jax.sharding`) the step runs sharded and
 checkpoints restore onto whatever mesh the run continues on.
 
@@ -13,7 +13,7 @@ Two modes (`trainable_filter`; neither trains the MoE routers' `ScoreCorrectionB
     The main parameters travel in `frozen`, get no gradient and no optimizer state, and come out
     bit-identical (for adding MTP heads to an existing model, e.g. one imported from Hugging Face).
 
-A run lives in a run dir (`mtp_jax.run_dir`: its layout, the lock, the overwrite rules, the log
+A run lives in a run dir (`mtp_jax.training.run_dir`: its layout, the lock, the overwrite rules, the log
 and checkpoint fallback). A checkpoint holds {"train": TrainState, "frozen": the frozen state}
 and the JSON metadata {"tokens_per_step", "step"}.
 
@@ -56,12 +56,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from mtp_jax.checkpoints import reading as checkpoint
+from mtp_jax.checkpoints import load_hf_checkpoint
 from mtp_jax.checkpoints.pretrained import save_pretrained
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.mtp import make_mtp_modules
-from mtp_jax.sharding import named_shardings, param_logical_axes, place, resolve, to_host
+from mtp_jax.sharding import named_shardings, on_mesh, param_logical_axes, place, resolve, to_host
 from mtp_jax.training import data
 from mtp_jax.training.run_dir import (
     EXPORT_DIR,
@@ -95,7 +95,6 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
     evaluate,
     learning_rate_schedule,
     make_optimizer,
-    on_mesh,
     place_batch,
     split_model,
     train_state_logical_axes,  # noqa: F401  (re-exported)
@@ -521,7 +520,7 @@ def init_from_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: i
     adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
     compute dtype (default: the checkpoint's).
     """
-    loaded = checkpoint.load_hf_checkpoint(path, dtype=dtype)
+    loaded = load_hf_checkpoint(path, dtype=dtype)
     d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
     if d == loaded.config.num_nextn_predict_layers:
         return loaded

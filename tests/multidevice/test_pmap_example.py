@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.generation import generate
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import init_model
 
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "pmap_decode.py"

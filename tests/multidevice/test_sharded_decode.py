@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax import engine as engine_lib
 from mtp_jax.cache import StackedCache
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.drafters import SpeculativeConfig
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate, stream
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.attention import attend
 from mtp_jax.model import init_model
 from mtp_jax.sharding import argmax_last, make_mesh

@@ -1,0 +1,200 @@
+"""The one mapping between mtp_jax parameter paths and Hugging Face tensor names.
+
+Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_name` is the one
+place that maps them: `layers.3.mlp.down_proj.kernel` is `model.layers.3.mlp.down_proj.weight`.
+Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files. A fused
+projection (`FUSED_MODULES`: `self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`) holds
+the HF modules it stands for in its output axis, one tensor each in the files (`_fuse`, `_unfuse`):
+`qkv_proj.kernel` [E, (H + 2G) D] is `q_proj.weight` [H D, E], `k_proj.weight` and `v_proj.weight`
+[G D, E] group-major ([E, G, H/G + 2, D]: KV head g's H/G query heads, k_g, v_g), `gate_up_proj`
+[E, 2I] is `gate_proj.weight` and `up_proj.weight` [I, E] interleaved ([E, I, 2]), so that a
+contiguous shard of the output axis (tensor parallelism, `mtp_jax.sharding`) is self-contained;
+`fused_qkv_a_proj` is `q_a_proj` then `kv_a_proj_with_mqa` side by side. The MoE's stacked routed
+experts [R, in, out] are R tensor sets `mlp.experts.{r}.<proj>.weight` [out, in] there (`hf_names`),
+and a scanned model's stacked layer groups (`ModelConfig.scan_layers`, `layer_groups.{g}.layer.<path>`
+[n, ...]) one tensor set per layer, under the unrolled layout's names: both layouts read and write
+the same files. The router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] are
+as they are (float32, whatever the dtype of the rest). MTP modules are imported and exported in
+DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`,
+and `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.model import per_layer_path
+
+# A fused module (several HF modules that read the same input, computed as one matmul) -> the HF
+# modules it holds in its output (last) axis, in this order (`fuse` gives the layout).
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),  # `mtp_jax.layers.attention.Attention`
+    "gate_up_proj": ("gate_proj", "up_proj"),  # `mtp_jax.layers.ffn.MLP`, `mtp_jax.layers.moe.Experts`
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # `mtp_jax.layers.mla.MLAttention`
+}
+
+
+def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool]:
+    """The HF tensor name of one unfused, unstacked parameter path and whether it is transposed.
+
+    The whole mapping: `lm_head.*` stays at top level, main-model paths get the `model.` prefix,
+    MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3); leaf
+    `kernel` [in, out] is `weight` [out, in], `embedding` is `weight`, others keep their name.
+    Fused and stacked parameters are several tensors: `hf_names`.
+    """
+    *modules, leaf = (str(p) for p in path)
+    if modules[0] == "lm_head":
+        prefix = []
+    elif modules[0] == "mtp":
+        prefix, modules = ["model", "layers", str(config.num_hidden_layers + int(modules[1]))], modules[2:]
+    else:
+        prefix = ["model"]
+    name = "weight" if leaf in ("kernel", "embedding") else leaf
+    return ".".join([*prefix, *modules, name]), leaf == "kernel"
+
+
+def _is_experts(path: tuple[str | int, ...]) -> bool:
+    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate_up,down}_proj`, [R, in, out])."""
+    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_up_proj", "down_proj")
+
+
+def tensor_axes(path: tuple[str | int, ...]) -> int:
+    """How many leading axes of the parameter at `path` enumerate separate tensors of the files (0, 1 or 2):
+    a stacked layer group's layer axis (`ModelConfig.scan_layers`), then the routed experts' axis."""
+    return (str(path[0]) == "layer_groups") + _is_experts(path)
+
+
+def _module_at(path: tuple[str | int, ...]) -> int:
+    """The index in `path` of its module's name: the last entry for stacked experts, else the one before the leaf."""
+    return len(path) - (1 if _is_experts(path) else 2)
+
+
+def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
+    """The unfused paths a (per-layer) parameter path stands for: itself, or a fused module's (`FUSED_MODULES`)
+    paths with each of its HF modules in its place, in order."""
+    at = _module_at(path)
+    return [(*path[:at], module, *path[at + 1:]) for module in FUSED_MODULES.get(str(path[at]), (path[at],))]
+
+
+def piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
+    """The output widths of the HF tensors that one slice of the parameter at `path` (last axis of size
+    `width`) holds (`_pieces`, `fuse`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj` I, I;
+    `fused_qkv_a_proj` q_lora_rank, C + R."""
+    module = str(path[_module_at(path)])
+    if module == "qkv_proj":
+        q = config.num_attention_heads * config.resolved_head_dim
+        return [q, (width - q) // 2, (width - q) // 2]
+    if module == "gate_up_proj":
+        return [width // 2, width // 2]
+    if module == "fused_qkv_a_proj":
+        return [config.q_lora_rank, width - config.q_lora_rank]
+    return [width]
+
+
+def fuse(path: tuple[str | int, ...], pieces: list[jax.Array], config: ModelConfig) -> jax.Array:
+    """One slice of the parameter at `path` from the HF tensors it holds (`_pieces` order, ours [..., out]
+    each, e.g. a kernel [E, out] or a bias [out]); `unfuse` inverts it.
+
+      - `qkv_proj`: q [..., H D], k, v [..., G D] -> [..., G (H/G + 2) D], group-major: for each KV head g
+        its H/G query heads g * (H/G) .. (g + 1) * (H/G) - 1 (those that read it, HF's GQA), then k_g, v_g;
+      - `gate_up_proj`: gate, up [..., I] -> [..., 2I] interleaved: column 2i is gate_i, 2i + 1 is up_i;
+      - `fused_qkv_a_proj` (replicated over `tensor`, so never split): its two tensors side by side;
+      - anything else: its one tensor as is.
+    """
+    module = str(path[_module_at(path)])
+    if module == "qkv_proj":
+        q, k, v = pieces
+        g, d, lead = config.num_key_value_heads, config.resolved_head_dim, q.shape[:-1]
+        q = q.reshape(*lead, g, -1, d)  # [..., G, H/G, D]
+        k, v = k.reshape(*lead, g, 1, d), v.reshape(*lead, g, 1, d)  # [..., G, 1, D] each
+        return jnp.concatenate([q, k, v], axis=-2).reshape(*lead, -1)  # [..., G, H/G + 2, D] -> [..., G (H/G + 2) D]
+    if module == "gate_up_proj":
+        gate, up = pieces
+        return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)  # [..., I, 2] -> [..., 2I]
+    return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+
+
+def unfuse(path: tuple[str | int, ...], array: np.ndarray, config: ModelConfig) -> list[np.ndarray]:
+    """The HF tensors (ours [..., out] each, `_pieces` order) that one slice `array` of the parameter at
+    `path` holds: `fuse`'s inverse, by reshapes and slices only (bit-exact)."""
+    module, lead = str(path[_module_at(path)]), array.shape[:-1]
+    if module == "qkv_proj":
+        grouped = array.reshape(*lead, config.num_key_value_heads, -1, config.resolved_head_dim)  # [..., G, H/G + 2, D]
+        return [grouped[..., :-2, :].reshape(*lead, -1),  # [..., H D]
+                grouped[..., -2, :].reshape(*lead, -1), grouped[..., -1, :].reshape(*lead, -1)]  # [..., G D] each
+    if module == "gate_up_proj":
+        pairs = array.reshape(*lead, -1, 2)  # [..., I, 2]
+        return [pairs[..., 0], pairs[..., 1]]  # [..., I] each
+    bounds = np.cumsum(piece_widths(path, array.shape[-1], config))[:-1]
+    return np.split(array, bounds, axis=-1)
+
+
+def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
+    """The HF tensors of one parameter path: [(name, transposed)], one per tensor in the files.
+
+    `hf_name`'s single tensor, except for stacked and fused parameters. Stacked ones are one tensor set
+    per slice of their `tensor_axes` leading axes, in row-major order, and a fused one (`FUSED_MODULES`)
+    is, per slice, one tensor per HF module it holds in its last axis, in `FUSED_MODULES` order
+    (`_pieces`, `piece_widths`, `fuse`):
+      - the MoE's routed experts (`mtp_jax.layers.moe`): `...mlp.experts.gate_up_proj` [R, E, 2I] is
+        the 2R tensors `...mlp.experts.{r}.gate_proj.weight`, `...mlp.experts.{r}.up_proj.weight` [I, E]
+        (the transposes of slice r's even and odd columns, interleaved), `down_proj` [R, I, E] the R tensors
+        `...mlp.experts.{r}.down_proj.weight` [E, I]; this is DeepSeek-V3's and GLM-4.5's layout,
+        which transformers 5 stacks on load and splits on save;
+      - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
+        slice i is layer `start + i`'s `<path>` (`mtp_jax.model.per_layer_path`), so both layouts
+        read and write the same files. A stacked layer's experts are n x R tensor sets, layer-major.
+    """
+    names = []
+    for layer_path in per_layer_path(path, config):
+        pieces = _pieces(layer_path)
+        if not _is_experts(layer_path):
+            names += [hf_name(piece, config) for piece in pieces]
+            continue
+        base, _ = hf_name((*layer_path[:-1], "kernel"), config)  # "...mlp.experts.weight"
+        stem = base[: -len(".weight")]
+        names += [(f"{stem}.{r}.{piece[-1]}.weight", True) for r in range(config.n_routed_experts) for piece in pieces]
+    return names
+
+
+def tensor_layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...], Any]]:
+    """HF name -> (our path, transposed, HF shape, our dtype) for every tensor in the files, in model order."""
+    layout = {}
+    for path, variable in nnx.to_flat_state(params):
+        shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
+        shape = shape[tensor_axes(path):]  # one slice's: e.g. one expert's [in, out]
+        widths = piece_widths(path, shape[-1], config)
+        for k, (name, transposed) in enumerate(hf_names(path, config)):
+            piece = (*shape[:-1], widths[k % len(widths)])  # one tensor's: a fused slice's piece
+            layout[name] = (path, transposed, piece[::-1] if transposed else piece, dtype)
+    return layout
+
+
+def mtp_layers_present(names: Iterator[str], config: ModelConfig) -> int:
+    """How many MTP layers the tensor `names` hold: distinct `model.layers.{n}` with n >= L (max n + 1 - L)."""
+    layers = {int(m.group(1)) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    extra = [n for n in layers if n >= config.num_hidden_layers]
+    return max(extra) + 1 - config.num_hidden_layers if extra else 0
+
+
+def shared_copies(config: ModelConfig) -> dict[str, str]:
+    """Tensors a checkpoint may carry as copies of shared ones: copy name -> the name it must equal.
+
+    Tied models may still store `lm_head.weight`; DeepSeek-V3 stores each MTP layer's
+    `embed_tokens` and `shared_head.head` (README_WEIGHTS.md), which here are the main model's.
+    """
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    copies = {"lm_head.weight": head} if config.tie_word_embeddings else {}
+    for j in range(config.num_nextn_predict_layers):
+        layer = f"model.layers.{config.num_hidden_layers + j}"
+        copies[f"{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        copies[f"{layer}.shared_head.head.weight"] = head
+    return copies

@@ -1,0 +1,143 @@
+"""Hugging Face checkpoint export: `save_hf_checkpoint` (config.json plus safetensors weights).
+
+Saving is atomic (`mtp_jax.checkpoints.atomic_dir`): the checkpoint is written to a temporary sibling
+directory and swapped in, so a kill at any point leaves the old or the new checkpoint at `path`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from mtp_jax.checkpoints import atomic_dir
+from mtp_jax.checkpoints.format import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE_BYTES,
+    INDEX_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+)
+from mtp_jax.checkpoints.hf_config import config_to_hf
+from mtp_jax.checkpoints.names import hf_names, tensor_axes, unfuse
+from mtp_jax.model import Transformer
+
+_MODEL_FILE_PATTERNS = (CONFIG_FILE, "generation_config.json", WEIGHTS_FILE, INDEX_FILE, "model-*-of-*.safetensors",
+                        "pytorch_model*.bin", "pytorch_model.bin.index.json", *TOKENIZER_FILES)
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file name in a model directory belongs to the model or its tokenizer.
+
+    These are the files an overwriting save replaces or drops (config.json, generation_config.json,
+    safetensors weights and index, torch `pytorch_model*.bin` weights, `TOKENIZER_FILES`); any
+    other plain file (a README, ...) is carried over into the new directory.
+    """
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILE_PATTERNS)
+
+
+def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names in order, split greedily into shards of at most max_bytes (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """HF tensor name -> the numpy array the files hold (torch's [out, in] for kernels), in model order.
+
+    What `write_hf_files` writes. Both layer layouts (`ModelConfig.scan_layers`) give the same dict
+    for the same weights, in the same order (a layer group's tensors layer by layer, as the unrolled
+    layout orders them), so they shard and save alike.
+    """
+    keyed = []  # ((position of the path or of its layer group's first path, layer within the group, path), ...)
+    group_position: dict[tuple, int] = {}
+    for position, (param_path, variable) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        array = np.asarray(jax.device_get(variable.get_value()))
+        names = hf_names(param_path, model.config)
+        axes = tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
+        slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
+        parts = [part for one in slices for part in unfuse(param_path, one, model.config)]  # a slice's HF tensors
+        grouped = str(param_path[0]) == "layer_groups"
+        where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
+        per_layer = len(names) // (array.shape[0] if grouped else 1)
+        for k, ((name, transposed), part) in enumerate(zip(names, parts, strict=True)):
+            tensor = np.ascontiguousarray(part.T if transposed else part)
+            keyed.append(((where, k // per_layer, position), name, tensor))
+    return {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
+
+
+def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
+                   max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES, model_type: str | None = None) -> None:
+    """Writes `model`'s checkpoint files into the existing `directory`, in place (not atomic).
+
+    The files and arguments are `save_hf_checkpoint`'s, which wraps this in an atomic directory
+    swap; `mtp_jax.checkpoints.pretrained.save_pretrained` adds the tokenizer inside the same swap.
+
+    Raises:
+      ValueError: the config cannot be expressed as `model_type`, or max_shard_size_bytes < 1.
+    """
+    if max_shard_size_bytes < 1:
+        raise ValueError(f"max_shard_size_bytes must be >= 1, got {max_shard_size_bytes}")
+    directory = Path(directory)
+    config = model.config
+    hf_config = config_to_hf(config, model_type=model_type)
+    tensors = hf_tensors(model)
+    shards = _shards({name: t.nbytes for name, t in tensors.items()}, max_shard_size_bytes)
+    metadata = {"format": "pt"}  # as save_pretrained writes it (transformers 4.x checks this field)
+    if len(shards) == 1:
+        save_file(tensors, directory / WEIGHTS_FILE, metadata=metadata)
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({name: tensors[name] for name in names}, directory / file, metadata=metadata)
+            weight_map.update(dict.fromkeys(names, file))
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *,
+                       max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES, overwrite: bool = False,
+                       model_type: str | None = None) -> None:
+    """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Writes `config.json` (`config_to_hf`) and the weights in `param_dtype`: one
+    `model.safetensors` when they fit in `max_shard_size_bytes` (bytes of tensor data), else
+    shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Linear kernels
+    [in, out] are written as torch's [out, in]; tied models write no `lm_head.weight`.
+
+    The save is atomic (`mtp_jax.checkpoints.atomic_dir.replace_dir`): the files go to a temporary sibling
+    directory `.{name}.tmp-*`, fsynced, which then replaces `path`; a kill at any point leaves
+    the old or the new checkpoint at `path`, and an exception leaves `path` as it was and no
+    temporary files.
+
+    Args:
+      model: the model to save.
+      path: the directory; created if needed (with its parents).
+      max_shard_size_bytes: shard size limit (a single larger tensor gets a shard of its own).
+      overwrite: replace the checkpoint in a non-empty directory. The old model and tokenizer
+        files (`is_model_file`: weights, config.json, tokenizer.json, ...) are all dropped, so no
+        stale tokenizer is left beside the new weights; other plain files are carried over.
+      model_type: see `config_to_hf`.
+
+    Raises:
+      FileExistsError: `path` is a file, a non-empty directory and `overwrite` is False, or a
+        directory holding a subdirectory or symlink (which the swap would lose).
+      ValueError: the config cannot be expressed as `model_type`, or max_shard_size_bytes < 1.
+    """
+    with atomic_dir.replace_dir(path, overwrite=overwrite, owned=is_model_file) as new:
+        write_hf_files(model, new, max_shard_size_bytes=max_shard_size_bytes, model_type=model_type)

@@ -1,0 +1,191 @@
+"""The decode step in verbs that each read on their own: plain and speculative decoding alike (plain
+decoding is speculation with no drafter, K = 0).
+
+A step, for every unfinished row (`docs/MTP_SPEC.md`):
+
+- **verify** (`verify`): feed `[t_{L-1}, d_1, ..., d_K]` at positions `L-1 .. L-1+K` through the main
+  model in one forward; output j is the target distribution p_j for position L + j, normalised
+  once (`acceptance.Target`).
+- **accept** (`acceptance.accept`): the accepted prefix of the drafts and the token after it.
+- **commit** (`commit`): append them, cut at the first stop token, `max_new_tokens` and the capacity.
+  Committing advances `lengths`, the only length there is; that is also the **roll back**: caches
+  keep no lengths, every cache of a row holds the positions before its last committed token, and
+  what a verify pass wrote for rejected drafts lies past that, stale, masked out and overwritten
+  later.
+- **draft** (`drafters.draft_after_verify`): the next K drafts (none when not speculating).
+
+`prefill` starts a state (its first token through `commit_first_token`), `step` advances it, `run`
+loops `step` on device; `step_with_output`, `insert_row` and `release_rows` serve continuous
+batching (`mtp_jax.serving`). All are traceable; `mtp_jax.decode.engine` jits them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtp_jax.cache import KVCache, write_at
+from mtp_jax.decode.acceptance import Target, accept, update_phase
+from mtp_jax.decode.drafters import draft_after_prefill, draft_after_verify
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import DecodeState
+from mtp_jax.layers.indexing import sequence_positions, take_rows
+from mtp_jax.model import Transformer
+from mtp_jax.mtp import initial_hidden
+from mtp_jax.sharding import constrain_tree
+
+
+@jax.named_scope("verify_forward")  # named scopes: `benchmarks/profile_step.py` groups time by them
+def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
+    """The main model over `[t_{L-1}, d_1 .. d_K]` at positions L-1 .. L-1+K (int32 [B, K+1]).
+
+    Returns the K+1 targets, h^0 [B, K+1, E] for the drafter (`mtp.initial_hidden`; the final norm
+    runs once for it and the logits) and the main cache with the K+1 entries written (a finished
+    row's writes land past its length, stale).
+    """
+    last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
+    window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
+    _, hidden, cache = model(window, sequence_positions(*window.shape, state.lengths - 1), state.cache,
+                             with_logits=False)
+    normed = model.norm(hidden)
+    target = Target.from_logits(model.head(normed), state.sampling)
+    return target, initial_hidden(model, hidden, normed), cache
+
+
+@jax.named_scope("commit")
+def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
+           candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
+    """Appends up to N candidate tokens per unfinished row and applies the stop conditions.
+
+    Row b offers `candidates[b, :num_candidates[b]]` (int32 [B, N]) with their raw logprobs (float32
+    [B, N]). The block is cut after the first stop token (kept), at `max_new_tokens` and at the
+    capacity S; finished rows take nothing. Returns the new state and the number of tokens each row
+    committed (int32 [B]).
+    """
+    capacity = state.tokens.shape[1]
+    index = jnp.arange(candidates.shape[1])[None, :]  # [1, N]
+    offered = index < num_candidates[:, None]  # [B, N]
+    is_stop = offered & jnp.any(candidates[:, :, None] == state.stop_tokens[:, None, :], axis=-1)  # [B, N]
+    through_stop = jnp.where(jnp.any(is_stop, axis=-1), jnp.argmax(is_stop, axis=-1) + 1, num_candidates)
+    room = jnp.minimum(state.max_new_tokens - (state.lengths - state.prompt_lengths), capacity - state.lengths)
+    num = jnp.where(state.done, 0, jnp.clip(jnp.minimum(through_stop, room), 0, None))  # [B]
+    taken = index < num[:, None]  # [B, N]
+    positions = jnp.where(taken, state.lengths[:, None] + index, capacity)  # untaken: past the end, dropped
+    tokens = write_at(state.tokens, candidates, positions)
+    logprobs = write_at(state.logprobs, candidate_logprobs, positions)
+    lengths = state.lengths + num
+    done = (state.done | jnp.any(is_stop & taken, axis=-1) | (lengths - state.prompt_lengths >= state.max_new_tokens)
+            | (lengths >= capacity))
+    return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done), num
+
+
+def accept_and_commit(speculative: SpeculativeConfig | None, state: DecodeState, target: Target,
+                      drafts: jax.Array, draft_probs: jax.Array) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Accepts `drafts` (int32 [B, K], their q in `draft_probs`) against `target` (K+1 outputs), commits
+    the accepted ones and the emitted token. Returns the state and, per row (int32 [B]), the tokens
+    committed and the drafts accepted."""
+    num_accepted, token = accept(speculative, target, drafts, draft_probs, state.sampling, state.lengths,
+                                 state.thinking)
+    index = jnp.arange(drafts.shape[1] + 1)[None, :]
+    candidates = jnp.where(index < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                           token[:, None])  # [B, K+1]: accepted drafts, then the emitted token
+    new, num = commit(state, candidates, num_accepted + 1, target.logprobs_at(candidates))
+    return new.replace(thinking=update_phase(speculative, state.thinking, candidates, num)), num, num_accepted
+
+
+def commit_first_token(speculative: SpeculativeConfig | None, state: DecodeState, target: Target) -> DecodeState:
+    """The prefill's token at position L: accepted and committed as a step with no drafts (K = 0) would,
+    from the prefill's target (one output, [B, 1, V]); the drafter's state is untouched."""
+    no_drafts = state.draft.tokens[:, :0], state.draft.probs[:, :0]  # [B, 0], [B, 0, V or 0]
+    return accept_and_commit(speculative, state, target, *no_drafts)[0]
+
+
+def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, padded_prompts: jax.Array,
+            start: jax.Array | None = None, *, final: bool = True) -> DecodeState:
+    """Prompts int32 [B, C] (right-padded) through the main model, the first token committed (as a
+    step with no drafts commits it), the first drafts made. Not a step: the metrics count none.
+
+    Chunked prefill (`mtp_jax.serving`): `start` (int32 [B]) puts the chunk at positions start ..
+    start + C - 1 of prompts already prefilled before `start`. A `final` chunk holds each prompt's
+    last token (start <= prompt_lengths - 1 < start + C) and commits as above; an earlier chunk
+    (`final=False`, static; start + C < prompt_lengths) only fills the caches, the MTP modules'
+    included (`speculative.draft_after_prefill`), and commits nothing.
+    """
+    offset = jnp.zeros_like(state.lengths) if start is None else start
+    positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
+    if final:
+        logits, hidden, cache = model(padded_prompts, positions, state.cache,
+                                      logits_at=state.prompt_lengths - 1 - offset)
+        target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
+        state = commit_first_token(speculative, state.replace(cache=cache), target)
+        lengths = state.lengths
+    else:
+        _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False)
+        state = state.replace(cache=cache)
+        lengths = offset + padded_prompts.shape[1] + 1  # as if the chunk's next token were committed too
+    state = state.replace(draft=draft_after_prefill(model, speculative, state.sampling, state.tokens, state.draft,
+                                                    initial_hidden(model, hidden), lengths, start))
+    return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
+
+
+def step(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
+    """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
+    target, h0, cache = verify(model, state)  # h0: [B, K+1, E] at positions L-1 .. L-1+K
+    before = state
+    state, num, num_accepted = accept_and_commit(speculative, state.replace(cache=cache), target,
+                                                  state.draft.tokens, state.draft.probs)
+    state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
+    state = state.replace(draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0,
+                                                   before.lengths, num))
+    return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
+
+
+def run(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
+    """`step` until every row is done, as one `lax.while_loop` (traceable: jit it, or pmap it)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, speculative, s), state)
+
+
+@struct.dataclass
+class StepOutput:
+    """What one step committed, per row, for a host that streams it (`mtp_jax.serving`).
+
+    The first `num_committed[b]` entries of `tokens[b]` / `logprobs[b]` are row b's new tokens and
+    their raw logprobs (the rest is padding); `num_accepted[b]` of them were accepted drafts.
+    """
+
+    num_committed: jax.Array  # int32 [B], 0 for a finished row
+    tokens: jax.Array  # int32 [B, K+1]
+    logprobs: jax.Array  # float32 [B, K+1]
+    num_accepted: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B], after the step
+
+
+def step_with_output(model: Transformer, speculative: SpeculativeConfig | None,
+                     state: DecodeState) -> tuple[DecodeState, StepOutput]:
+    """`step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
+    new = step(model, speculative, state)
+    positions = jnp.minimum(state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :],
+                            state.tokens.shape[1] - 1)  # [B, K+1]
+    return new, StepOutput(num_committed=new.lengths - state.lengths,
+                           tokens=jnp.take_along_axis(new.tokens, positions, axis=1),
+                           logprobs=jnp.take_along_axis(new.logprobs, positions, axis=1),
+                           num_accepted=new.metrics.num_accepted - state.metrics.num_accepted, done=new.done)
+
+
+def insert_row(state: DecodeState, rows: DecodeState, slot: jax.Array) -> DecodeState:
+    """`state` with row `slot` (an int32 scalar, traced) replaced by row 0 of `rows` (a state of the
+    same capacity and drafter, any batch size): how a prefilled request enters a running batch."""
+
+    def put(x, new, pspec):
+        axis = list(pspec).index("batch")
+        row = jax.lax.slice_in_dim(new, 0, 1, axis=axis).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(x, row, slot, axis)
+
+    state = jax.tree.map(put, state, rows, state.logical_axes())
+    return constrain_tree(state, state.logical_axes())
+
+
+def release_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """`state` with the `rows` (bool [B]) marked done: steps no longer commit for them (their slots are free)."""
+    return constrain_tree(state.replace(done=state.done | rows), state.logical_axes())
