@@ -10,6 +10,7 @@ The semantics every part keeps are pinned in docs/MTP_SPEC.md (cache, MTP module
 metrics, fixed shapes).
 """
 
+from mtp_jax import _moved
 from mtp_jax.cache import KVCache
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained
 from mtp_jax.config import ModelConfig, RopeScaling
@@ -22,6 +23,8 @@ from mtp_jax.decode.state import DecodeState, GenerationResult
 from mtp_jax.decode.text import TextStream, stream_text
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.sharding import make_mesh
+
+_moved.install()  # the 0.1 module paths, for one release (`mtp_jax._moved`)
 
 __version__ = "0.1.0"
 

@@ -96,6 +96,24 @@ def test_sharded_round_trip(tmp_path):
     _assert_same_params(load_hf_checkpoint(tmp_path), model)
 
 
+def test_weights_get_the_mode_of_an_ordinary_new_file(tmp_path):
+    """safetensors creates its files 0600; a saved model's weights are as readable as its config.json."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        save_hf_checkpoint(_random_model(TINY, seed=3), tmp_path / "one")
+        save_hf_checkpoint(_random_model(TINY, seed=3), tmp_path / "sharded", max_shard_size_bytes=40_000)
+        os.umask(0o027)
+        save_hf_checkpoint(_random_model(TINY, seed=3), tmp_path / "group")
+    finally:
+        os.umask(old)
+    modes = {f"{f.parent.name}/{f.name}": f.stat().st_mode & 0o777 for f in tmp_path.glob("*/*.safetensors")}
+    assert modes["one/model.safetensors"] == (tmp_path / "one" / "config.json").stat().st_mode & 0o777 == 0o644
+    assert {m for name, m in modes.items() if name.startswith("sharded/")} == {0o644}
+    assert modes["group/model.safetensors"] == 0o640
+
+
 def test_bfloat16_weights_and_dtype_override(tmp_path):
     model = _random_model(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=4)
     save_hf_checkpoint(model, tmp_path)

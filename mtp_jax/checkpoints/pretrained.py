@@ -12,13 +12,15 @@ import shutil
 from pathlib import Path
 
 import jax
+from flax import nnx
 from tokenizers import Tokenizer
 
 from mtp_jax.checkpoints import atomic_dir
 from mtp_jax.checkpoints.format import CONFIG_FILE, CheckpointError
-from mtp_jax.checkpoints.reading import read_hf_files, stored_dtype
+from mtp_jax.checkpoints.reading import load_hf_checkpoint, read_hf_files, stored_dtype
 from mtp_jax.checkpoints.writing import is_model_file, write_hf_files
 from mtp_jax.model import Transformer
+from mtp_jax.mtp import make_mtp_modules
 
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "demo"
 TOKENIZER_FILE = "tokenizer.json"
@@ -137,3 +139,24 @@ def save_pretrained(
             tokenizer.save(str(new / TOKENIZER_FILE))
         elif tokenizer is not None:
             shutil.copyfile(tokenizer, new / TOKENIZER_FILE)
+
+
+def init_from_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0,
+                         dtype: str | None = None) -> Transformer:
+    """A model from a Hugging Face-format directory (`load_hf_checkpoint`) with D MTP modules.
+
+    `num_nextn_predict_layers`, if given, sets D: modules the checkpoint has are kept (the first
+    D), the others are initialised at random (seed `seed`). This is how `--mtp-only --init-from`
+    adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
+    compute dtype (default: the checkpoint's).
+    """
+    loaded = load_hf_checkpoint(path, dtype=dtype)
+    d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
+    if d == loaded.config.num_nextn_predict_layers:
+        return loaded
+    config = loaded.config.replace(num_nextn_predict_layers=d)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # no random main model: it is replaced
+    model.mtp = make_mtp_modules(config, nnx.Rngs(seed))
+    kept = [(p, v) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param)) if p[0] != "mtp" or int(p[1]) < d]
+    nnx.update(model, nnx.from_flat_state(kept))
+    return model

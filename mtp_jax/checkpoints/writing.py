@@ -55,6 +55,15 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _save_file(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+    """`safetensors.numpy.save_file`, the file then given the mode an ordinary new file gets (0666 less the
+    umask, as config.json): safetensors creates it 0600, unreadable to the other users of a shared model."""
+    save_file(tensors, file, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    file.chmod(0o666 & ~umask)
+
+
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     """HF tensor name -> the numpy array the files hold (torch's [out, in] for kernels), in model order.
 
@@ -98,12 +107,12 @@ def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
     shards = _shards({name: t.nbytes for name, t in tensors.items()}, max_shard_size_bytes)
     metadata = {"format": "pt"}  # as save_pretrained writes it (transformers 4.x checks this field)
     if len(shards) == 1:
-        save_file(tensors, directory / WEIGHTS_FILE, metadata=metadata)
+        _save_file(tensors, directory / WEIGHTS_FILE, metadata)
     else:
         weight_map = {}
         for i, names in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({name: tensors[name] for name in names}, directory / file, metadata=metadata)
+            _save_file({name: tensors[name] for name in names}, directory / file, metadata)
             weight_map.update(dict.fromkeys(names, file))
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -56,13 +56,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from mtp_jax.checkpoints import load_hf_checkpoint
-from mtp_jax.checkpoints.pretrained import save_pretrained
+from mtp_jax.checkpoints.pretrained import init_from_pretrained, save_pretrained  # noqa: F401  (re-exported)
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
-from mtp_jax.mtp import make_mtp_modules
 from mtp_jax.sharding import named_shardings, on_mesh, param_logical_axes, place, resolve, to_host
 from mtp_jax.training import data
+from mtp_jax.training.resume import check_compatible, record_resume, resume_settings
 from mtp_jax.training.run_dir import (
     EXPORT_DIR,
     RUN_ENTRIES,  # noqa: F401  (re-exported: part of this module's interface)
@@ -83,11 +82,9 @@ from mtp_jax.training.run_dir import (
     save_checkpoint,
     start_run,
     truncate_log,
-    write_run,
 )
 from mtp_jax.training.run_dir import check_run_dir as check_run_dir_here
 from mtp_jax.training.step import (  # re-exported: part of this module's interface
-    RESUMABLE_FIELDS,
     StaticOptimizer,
     TrainConfig,
     TrainState,
@@ -261,7 +258,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
             model_config = model.config
         if model_config is None or train_config is None:
             raise ValueError("a fresh run needs model_config (or model) and train_config")
-        _check_compatible(model_config, train_config, corpus)
+        check_compatible(model_config, train_config, corpus)
         _check_mesh(train_config, mesh)
     check_run_dir(run_dir, resume=resume, overwrite=overwrite)
     primary = jax.process_index() == 0
@@ -269,7 +266,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir) if primary else contextlib.nullcontext():
         if resume:
-            run, model_config, saved_train, train_config = _load_run(run_dir, corpus, model_config, train_config,
+            run, model_config, saved_train, train_config = resume_settings(run_dir, corpus, model_config, train_config,
                                                                       model)
             _check_mesh(train_config, mesh)
         else:
@@ -289,7 +286,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
                 step, restored = restore_latest(manager, run_dir, target, move_unreadable=primary)
                 state, frozen = restored["train"], restored["frozen"]
                 if primary:
-                    _record_resume(run_dir, run, saved_train, train_config, step)
+                    record_resume(run_dir, run, saved_train, train_config, step)
                     truncate_log(run_dir, step, train_config.num_steps)
             else:
                 model = model if model is not None else init_model(model_config, train_config.seed)
@@ -454,79 +451,3 @@ def load_run(run_dir: str | os.PathLike, step: int | None = None, *,
     finally:
         manager.close()
     return nnx.merge(graphdef, restored["train"].params, restored["frozen"]), run
-
-
-def _check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
-    if corpus.vocab_size > model_config.vocab_size:
-        raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is "
-                         f"{model_config.vocab_size}")
-    if train_config.mtp_only and model_config.num_nextn_predict_layers == 0:
-        raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0 (set it, or --mtp-layers)")
-    if train_config.seq_len > model_config.max_position_embeddings:
-        raise ValueError(f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings "
-                         f"({model_config.max_position_embeddings})")
-
-
-def _differences(saved, given) -> dict[str, tuple]:
-    return {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
-
-
-def _load_run(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelConfig | None,
-              train_config: TrainConfig | None,
-              model: Transformer | None) -> tuple[dict, ModelConfig, TrainConfig, TrainConfig]:
-    """(run.json dict, model config, saved train config, train config to resume with) of a run."""
-    if model is not None:
-        raise ValueError("resume restores the model from the checkpoint; do not pass model")
-    run = read_run(run_dir)
-    saved_model = model_config_from_dict(run["model_config"])
-    saved_train = TrainConfig(**run["train_config"])
-    if model_config is not None and model_config != saved_model:
-        raise ValueError(f"model_config differs from the run's in {run_dir}: "
-                         + "; ".join(f"{k} (saved {a!r}, given {b!r})"
-                                     for k, (a, b) in _differences(saved_model, model_config).items()))
-    if train_config is None:
-        train_config = saved_train
-    fixed = {k: d for k, d in _differences(saved_train, train_config).items() if k not in RESUMABLE_FIELDS}
-    if fixed:
-        raise ValueError(f"train_config differs from the run's in {run_dir} in settings a resume cannot change: "
-                         + "; ".join(f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in fixed.items()))
-    if (run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
-            or corpus.tokenizer_path.read_bytes() != (run_dir / TOKENIZER_FILE).read_bytes()):
-        raise ValueError(f"the corpus or tokenizer differs from the one the run in {run_dir} started with")
-    return run, saved_model, saved_train, train_config
-
-
-def _record_resume(run_dir: pathlib.Path, run: dict, saved: TrainConfig, config: TrainConfig, step: int) -> None:
-    """Checks a resume's settings against the restored step and writes changed ones to run.json."""
-    if config.num_steps < step:
-        raise ValueError(f"num_steps must be >= {step}, the step of the checkpoint resumed from in {run_dir}, "
-                         f"got {config.num_steps}")
-    changed = _differences(saved, config)
-    if changed:
-        resumes = [*run.get("resumes", []), {"step": step, "changed": {k: list(d) for k, d in changed.items()}}]
-        run = {**run, "train_config": config_to_dict(config), "resumes": resumes}
-        write_run(run_dir, run)
-
-
-# ----------------------------------------------------------------------------------------------
-# Export and import.
-
-def init_from_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0,
-                         dtype: str | None = None) -> Transformer:
-    """A model from a Hugging Face-format directory (`checkpoint.load_hf_checkpoint`) with D MTP modules.
-
-    `num_nextn_predict_layers`, if given, sets D: modules the checkpoint has are kept (the first
-    D), the others are initialised at random (seed `seed`). This is how `--mtp-only --init-from`
-    adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
-    compute dtype (default: the checkpoint's).
-    """
-    loaded = load_hf_checkpoint(path, dtype=dtype)
-    d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
-    if d == loaded.config.num_nextn_predict_layers:
-        return loaded
-    config = loaded.config.replace(num_nextn_predict_layers=d)
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # no random main model: it is replaced
-    model.mtp = make_mtp_modules(config, nnx.Rngs(seed))
-    kept = [(p, v) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param)) if p[0] != "mtp" or int(p[1]) < d]
-    nnx.update(model, nnx.from_flat_state(kept))
-    return model

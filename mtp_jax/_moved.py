@@ -1,0 +1,64 @@
+"""Module paths of mtp_jax 0.1 that moved when the package was laid out by concern, kept importable
+for one release: importing one warns (DeprecationWarning) and gives the module that holds its names now.
+
+`mtp_jax.generate` is not among them: that name is the function `mtp_jax.generate`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+MOVED = {
+    "mtp_jax.acceptance": "mtp_jax.decode.acceptance",
+    "mtp_jax.atomic_dir": "mtp_jax.checkpoints.atomic_dir",
+    "mtp_jax.checkpoint": "mtp_jax.checkpoints",
+    "mtp_jax.cli_mesh": "mtp_jax.cli.distributed",
+    "mtp_jax.cli_serve": "mtp_jax.cli.serve",
+    "mtp_jax.data": "mtp_jax.training.data",
+    "mtp_jax.engine": "mtp_jax.decode",
+    "mtp_jax.hf_config": "mtp_jax.checkpoints.hf_config",
+    "mtp_jax.loss": "mtp_jax.training.loss",
+    "mtp_jax.metrics": "mtp_jax.decode.metrics",
+    "mtp_jax.pretrained": "mtp_jax.checkpoints.pretrained",
+    "mtp_jax.request": "mtp_jax.decode.request",
+    "mtp_jax.rope": "mtp_jax.layers.rope",
+    "mtp_jax.run_dir": "mtp_jax.training.run_dir",
+    "mtp_jax.sampling": "mtp_jax.decode.sampling",
+    "mtp_jax.serving.engine": "mtp_jax.serving.scheduler",
+    "mtp_jax.serving.metrics": "mtp_jax.serving.prometheus",
+    "mtp_jax.speculative": "mtp_jax.decode",
+    "mtp_jax.train": "mtp_jax.training.trainer",
+    "mtp_jax.train_step": "mtp_jax.training.step",
+}
+
+
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old path in `MOVED` and loads it as the module at the new path."""
+
+    def __init__(self):
+        self._specs = {}
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+
+    def create_module(self, spec):
+        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; the old path goes away in the next release",
+                      DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(MOVED[spec.name])
+        self._specs[module.__name__] = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # Already executed under its own name; the import system has just set its __spec__ to the old
+        # path's: give it back its own.
+        module.__spec__ = self._specs[module.__name__]
+
+
+def install() -> None:
+    """Adds the finder once (`mtp_jax/__init__.py` calls it)."""
+    if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
+        sys.meta_path.append(_Alias())

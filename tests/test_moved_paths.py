@@ -1,0 +1,45 @@
+"""The 0.1 module paths (`mtp_jax._moved`): each imports, warns, and is the module that holds its names now."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import mtp_jax
+from mtp_jax._moved import MOVED
+
+_CHECK = """
+import importlib, json, warnings
+import mtp_jax
+from mtp_jax._moved import MOVED
+out = {}
+for old, new in sorted(MOVED.items()):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    real = importlib.import_module(new)
+    out[old] = [str(w.message) for w in caught if w.category is DeprecationWarning], module is real, real.__spec__.name
+print(json.dumps(out))
+"""
+
+
+def test_an_old_path_is_the_new_module_with_a_warning():
+    out = json.loads(subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, check=True).stdout)
+    assert sorted(out) == sorted(MOVED)
+    for old, (messages, same, spec_name) in out.items():
+        assert len(messages) == 1 and messages[0].startswith(f"{old} moved to {MOVED[old]};"), (old, messages)
+        assert same and spec_name == MOVED[old], old
+
+
+def test_old_names_resolve_and_the_generate_function_stays():
+    for old in ("mtp_jax.checkpoint", "mtp_jax.engine", "mtp_jax.speculative"):
+        importlib.import_module(old)  # (warns the first time in a process)
+    from mtp_jax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from mtp_jax.engine import DecodeEngine, init_state
+    from mtp_jax.speculative import SpeculativeConfig
+
+    assert (DecodeEngine, SpeculativeConfig) == (mtp_jax.DecodeEngine, mtp_jax.SpeculativeConfig)
+    assert load_hf_checkpoint.__module__ == "mtp_jax.checkpoints.reading"
+    assert save_hf_checkpoint.__module__ == "mtp_jax.checkpoints.writing"
+    assert init_state.__module__ == "mtp_jax.decode.state"
+    assert callable(mtp_jax.generate) and mtp_jax.generate.__module__ == "mtp_jax.decode.generation"
