@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax
-from mtp_jax.decode import drafters as speculative
+from mtp_jax.decode import drafters
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
 from mtp_jax.decode.metrics import SpeculativeMetrics
@@ -134,7 +134,7 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     """Seconds of `speculative.draft` alone (all K draft forwards) after a verify step, in a device loop."""
     graphdef, params = nnx.split(model)
     config = model.config
-    draft_state = speculative.init_draft_state(model, spec, batch, capacity)
+    draft_state = drafters.init_draft_state(model, spec, batch, capacity)
     width = spec.hidden_window or spec.num_speculative_tokens + 1
     hidden = jnp.zeros((batch, width, config.hidden_size), config.compute_dtype)
     lengths = jnp.full((batch,), prefix, jnp.int32)
@@ -144,7 +144,7 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
 
     def body(params, carry):
         draft_state, acc = carry
-        draft_state = speculative.draft(nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden,
+        draft_state = drafters.draft(nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden,
                                         start, lengths)
         return draft_state, acc + draft_state.tokens.sum()
 

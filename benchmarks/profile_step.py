@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 import mtp_jax
-from mtp_jax.decode import drafters as speculative
+from mtp_jax.decode import speculative
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
 

@@ -183,8 +183,8 @@ def context_spec(logical: P, shape: Sequence[int]) -> P | None:
 
 def constrain(x: jax.Array, logical: P) -> jax.Array:
     """`x` constrained to the sharding its `logical` axes give on the context mesh (no mesh: `x`)."""
-    spec = context_spec(logical, x.shape)
-    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    pspec = context_spec(logical, x.shape)
+    return x if pspec is None else jax.lax.with_sharding_constraint(x, pspec)
 
 
 def constrain_tree(tree, logical_tree):
@@ -196,15 +196,15 @@ def param_logical_axes(state: nnx.State) -> nnx.State:
     """The logical `PartitionSpec` of every parameter of `state` (`nnx.state(model)`): its
     `logical_axes` metadata, or P() (replicated) without it."""
 
-    def spec(v):
+    def logical(v):
         return v.replace(P(*v.get_metadata().get("logical_axes", ())))
 
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(logical, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def named_shardings(tree, logical_tree, mesh: Mesh):
     """`NamedSharding`s on `mesh` for a pytree of arrays and its matching tree of logical specs."""
-    return jax.tree.map(lambda x, spec: NamedSharding(mesh, resolve(spec, x.shape, mesh)), tree, logical_tree)
+    return jax.tree.map(lambda x, pspec: NamedSharding(mesh, resolve(pspec, x.shape, mesh)), tree, logical_tree)
 
 
 def trim_specs(shardings):
@@ -213,10 +213,10 @@ def trim_specs(shardings):
     coming back from a jitted call would compile that call twice."""
 
     def trimmed(sharding: NamedSharding) -> NamedSharding:
-        spec = list(sharding.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        return NamedSharding(sharding.mesh, P(*spec))
+        pspec = list(sharding.spec)
+        while pspec and pspec[-1] is None:
+            pspec.pop()
+        return NamedSharding(sharding.mesh, P(*pspec))
 
     return jax.tree.map(trimmed, shardings)
 
@@ -271,11 +271,11 @@ def argmax_last(x: jax.Array, logical: P) -> jax.Array:
     device takes the max of its slice and the per-device (max, index) pairs are combined, instead of
     gathering the full logits (TensorRT-LLM's MTP under tensor parallelism does the same).
     """
-    spec = context_spec(logical, x.shape)
-    if spec is None or spec[-1] is None:
+    pspec = context_spec(logical, x.shape)
+    if pspec is None or pspec[-1] is None:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    vocab_axes = spec[-1]
-    lead = P(*spec[:-1])
+    vocab_axes = pspec[-1]
+    lead = P(*pspec[:-1])
 
     def local(xs):
         shard = jax.lax.axis_index(vocab_axes)
@@ -286,7 +286,7 @@ def argmax_last(x: jax.Array, logical: P) -> jax.Array:
         winner = jnp.argmax(maxes, axis=-1)  # the first device holding the max: lowest global index
         return jnp.take_along_axis(idxs, winner[..., None], axis=-1)[..., 0]
 
-    return jax.shard_map(local, in_specs=spec, out_specs=lead, check_vma=False)(x)
+    return jax.shard_map(local, in_specs=pspec, out_specs=lead, check_vma=False)(x)
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -309,8 +309,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     given; a count that is not an integer (num_processes >= 1, 0 <= process_id < num_processes); an
     address that is not HOST:PORT with PORT in 1..65535 (an IPv6 host in brackets: `[::1]:1234`).
     """
+    import errno
     import ipaddress
     import re
+    import socket
 
     env = os.environ
     names = {"coordinator_address": "coordinator_address", "num_processes": "num_processes",
@@ -370,6 +372,17 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if problem:
         raise ValueError(f"{names['coordinator_address']} {coordinator_address!r} {problem} (expected HOST:PORT "
                          "with PORT in 1..65535, e.g. 10.0.0.1:1234 or [::1]:1234)")
+    if process_id == 0 and not env.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        # Process 0's coordinator listens on [::]:PORT (jax's default); on a port taken, jax's runtime fails,
+        # at times with a segmentation fault.
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("::", int(port)))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ValueError(f"{names['coordinator_address']} {coordinator_address!r}: port {port} is in use "
+                                 "on this host, where process 0 runs the coordinator") from None
     if on_connect is not None:
         on_connect(coordinator_address, int(num_processes), int(process_id))
     jax.distributed.initialize(coordinator_address, int(num_processes), int(process_id), **timeout)

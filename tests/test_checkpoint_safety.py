@@ -23,7 +23,6 @@ from test_checkpoint import _random_model as random_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from mtp_jax.checkpoints import writing as checkpoint
 from mtp_jax.checkpoints import (
     CheckpointError,
     atomic_dir,
@@ -32,6 +31,7 @@ from mtp_jax.checkpoints import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
+from mtp_jax.checkpoints import writing as checkpoint
 from mtp_jax.checkpoints.pretrained import load_pretrained, save_pretrained
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.request import MAX_STOP_TOKENS

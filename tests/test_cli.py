@@ -87,7 +87,7 @@ def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, mon
                     tokenizer=tokenizer)
     asked = []
     real = mtp_jax.checkpoints.pretrained.load_pretrained
-    monkeypatch.setattr(mtp_jax.pretrained, "load_pretrained",
+    monkeypatch.setattr(mtp_jax.checkpoints.pretrained, "load_pretrained",
                         lambda path, dtype=None: asked.append(dtype) or real(path, dtype=dtype))
     argv = ["generate", "--model", str(bf16_dir), "--prompt", "class A", "--max-new-tokens", "4", "--max-length", "32"]
     outputs = {}
@@ -321,7 +321,7 @@ def test_mesh_larger_than_the_devices_and_partial_distributed_flags_are_refused(
 
 def test_prompts_the_mesh_cannot_split_are_refused_naming_mesh(model_dir, capsys, monkeypatch):
     data_2 = types.SimpleNamespace(shape={"data": 2, "fsdp": 1, "expert": 1, "tensor": 1})  # a data=2 mesh's sizes
-    monkeypatch.setattr("mtp_jax.cli.mesh_from_args", lambda args: data_2)  # this process has one device
+    monkeypatch.setattr("mtp_jax.cli.generate.mesh_from_args", lambda args: data_2)  # this process has one device
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--prompt", "y", "--prompt", "z",
                  "--mesh", "data=2"]) == 2
     assert capsys.readouterr().err == ("mtp-jax generate: error: --mesh data=2: 3 prompts cannot be split over "
@@ -330,7 +330,7 @@ def test_prompts_the_mesh_cannot_split_are_refused_naming_mesh(model_dir, capsys
 
 
 def test_train_resumes_on_a_one_device_mesh_as_it_would_without(tmp_path, monkeypatch, capsys):
-    from mtp_jax import cli
+    from mtp_jax.cli import train as train_cli
     from mtp_jax.training import data
     from mtp_jax.training import trainer as train
 
@@ -343,7 +343,7 @@ def test_train_resumes_on_a_one_device_mesh_as_it_would_without(tmp_path, monkey
                            export=False)
     train.train(tmp_path / "run", corpus, model_config=config, train_config=settings, stop_at_step=1, progress=False,
                 export=False)
-    monkeypatch.setattr(cli, "_corpus_of_run", lambda run_dir, run, data_dir: corpus)
+    monkeypatch.setattr(train_cli, "corpus_of_run", lambda run_dir, run, data_dir: corpus)
     assert main(["train", str(tmp_path / "run"), "--resume", "--mesh", "data=1", "--no-progress", "--no-export"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["step"] == 2 and not result["stopped_early"]

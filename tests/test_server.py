@@ -25,10 +25,10 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtp_jax import generate
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import build_parser, main
 from mtp_jax.cli.serve import run_serve
-from mtp_jax.decode import generation as generate
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError

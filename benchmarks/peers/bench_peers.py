@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE))
 import convert  # noqa: E402
 
 import mtp_jax  # noqa: E402
-from mtp_jax import data  # noqa: E402
+from mtp_jax.training import data  # noqa: E402
 from mtp_jax.checkpoints import load_hf_checkpoint  # noqa: E402
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained  # noqa: E402
 from mtp_jax.config import ModelConfig  # noqa: E402

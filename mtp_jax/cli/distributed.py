@@ -1,17 +1,26 @@
-"""The device flags `mtp-jax generate` and `mtp-jax train` share: `--mesh` (`mtp_jax.sharding.make_mesh`)
+"""The device flags `mtp-jax generate`, `train` and `serve` share: `--mesh` (`mtp_jax.sharding.make_mesh`)
 and the multi-process ones of `jax.distributed` (`--coordinator-address`, `--num-processes`,
-`--process-id`; each overrides its `JAX_*` environment variable, see
-`mtp_jax.sharding.initialize_distributed`)."""
+`--process-id`, each overriding its `JAX_*` environment variable, see
+`mtp_jax.sharding.initialize_distributed`; `--distributed-timeout`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import threading
 
 from jax.sharding import Mesh
 
+from mtp_jax.cli.common import bounded, name_flags
 from mtp_jax.sharding import MESH_AXES, initialize_distributed, make_mesh, parse_mesh_spec
 
-_DISTRIBUTED_FLAGS = "--coordinator-address, --num-processes, --process-id"
+# initialize_distributed's arguments, named in its errors, and their flags.
+_DISTRIBUTED_FLAGS = {r"\bcoordinator_address\b": "--coordinator-address", r"\bnum_processes\b": "--num-processes",
+                      r"\bprocess_id\b": "--process-id"}
+# jax's own timeout is the flag's plus this: the watchdog (`_Watchdog`) ends the process first, with a
+# message, where jax would abort it (a fatal error of its runtime, with a C++ stack trace).
+_JAX_TIMEOUT_GRACE_S = 10
 
 
 def mesh_spec(text: str) -> str:
@@ -22,17 +31,6 @@ def mesh_spec(text: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
-
-
-def _count(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
-    return parse
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, mesh_help: str) -> None:
@@ -46,23 +44,81 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *, mesh_help: str) -> No
     group.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
                        help="multi-process run (jax.distributed): process 0's address; with --num-processes and "
                             "--process-id (default: $JAX_COORDINATOR_ADDRESS)")
-    group.add_argument("--num-processes", type=_count(1), default=None,
+    group.add_argument("--num-processes", type=bounded(int, 1), default=None,
                        help="multi-process run: the number of processes (default: $JAX_NUM_PROCESSES)")
-    group.add_argument("--process-id", type=_count(0), default=None,
+    group.add_argument("--process-id", type=bounded(int, 0), default=None,
                        help="multi-process run: this process's index, 0..N-1 (default: $JAX_PROCESS_ID)")
+    group.add_argument("--distributed-timeout", metavar="SECONDS", type=bounded(int, 0, above=True), default=300,
+                       help="multi-process run: how long to wait for all processes to join the coordinator, then "
+                            "give up with an error (default 300)")
+
+
+class _Watchdog:
+    """Says on stderr what `jax.distributed` waits for, and ends the process (exit 2, a one-line error
+    naming the flags) if the wait outlasts --distributed-timeout: jax cannot be interrupted while it
+    waits, and would abort the process with a C++ stack trace past its own timeout."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.timer, self.address = args, None, args.coordinator_address
+
+    def start(self, address: str | None, num_processes: int | None, process_id: int | None) -> None:
+        """`initialize_distributed`'s on_connect: called right before jax waits."""
+        command, seconds = f"mtp-jax {self.args.command}", self.args.distributed_timeout
+        self.address = address
+        if address is None:  # JAX_DISTRIBUTED=auto: jax finds the cluster itself
+            waiting = "the processes of the cluster jax detects (JAX_DISTRIBUTED=auto) to join"
+            failure = (f"--distributed-timeout {seconds}: the processes of the cluster (JAX_DISTRIBUTED=auto) did not "
+                       f"all join within {seconds} s")
+        elif process_id == 0:
+            waiting = (f"all {num_processes} processes to join the coordinator at {address} (process 0 of "
+                       f"{num_processes}, which runs it)")
+            failure = (f"--coordinator-address {address}, --distributed-timeout {seconds}: the other processes did not "
+                       f"all join the coordinator at {address} within {seconds} s (this is process 0 of "
+                       f"{num_processes}); start them with the same --coordinator-address and --num-processes, or "
+                       "raise --distributed-timeout")
+        else:
+            waiting = f"the coordinator at {address} (process {process_id} of {num_processes})"
+            failure = (f"--coordinator-address {address}, --distributed-timeout {seconds}: no answer from the "
+                       f"coordinator at {address} within {seconds} s (process {process_id} of {num_processes}); "
+                       "is process 0 running there, and the port reachable from this host? Else raise "
+                       "--distributed-timeout")
+        print(f"{command}: waiting up to {seconds} s for {waiting}", file=sys.stderr, flush=True)
+        self.timer = threading.Timer(seconds, self._give_up, args=(f"{command}: error: {failure}",))
+        self.timer.daemon = True
+        self.timer.start()
+
+    @staticmethod
+    def _give_up(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)  # the main thread is inside jax, out of reach of exceptions
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
     """Joins the multi-process run the flags (or the environment) ask for, then builds the `--mesh`
     (None without it). Call it before anything else uses jax.
 
-    Raises ValueError naming the flags: only some of the multi-process settings given, or a mesh whose
-    size is not the number of devices.
+    Raises ValueError naming the flags (or the environment variable): only some of the multi-process
+    settings given, a bad --coordinator-address or process count, a coordinator that cannot start, or a
+    mesh whose size is not the number of devices. Waits at most --distributed-timeout seconds for the
+    other processes, then exits the process (status 2) with a one-line error.
     """
+    watchdog = _Watchdog(args)
     try:
-        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id,
+                               initialization_timeout=args.distributed_timeout + _JAX_TIMEOUT_GRACE_S,
+                               on_connect=watchdog.start)
     except ValueError as error:
-        raise ValueError(f"{_DISTRIBUTED_FLAGS}: {error}") from None
+        raise name_flags(error, _DISTRIBUTED_FLAGS) from None
+    except RuntimeError as error:  # jax's runtime: e.g. process 0 cannot listen on the port
+        raise ValueError(f"--coordinator-address {watchdog.address}: jax.distributed could not start: "
+                         f"{str(error).strip()}") from None
+    finally:
+        watchdog.cancel()
     if args.mesh is None:
         return None
     try:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR
+from mtp_jax.cli.common import add_compilation_cache_arguments, bounded, configure_compilation_cache, name_flags
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 
 SERVE_DESCRIPTION = """\
@@ -19,7 +20,8 @@ Serve a model directory over HTTP with OpenAI's API: POST /v1/completions and /v
 are batched continuously over --max-batch slots of --max-length tokens each, with plain decoding or
 MTP speculative decoding. The engine is compiled (warmed up) before the server listens; the URL is
 printed once it does. Chat requests use the model's chat_template from tokenizer_config.json, else a
-plain "<|role|>" template (mtp_jax.serving.chat_template)."""
+plain "<|role|>" template (mtp_jax.serving.chat_template). Compiled programs go to JAX's persistent
+compilation cache (--compilation-cache), which makes the warm-up short after the first start."""
 
 # ServingEngine parameters named in its errors, and their flags.
 _FLAGS = {"max_batch": "--max-batch", "max_length": "--max-length", "prefill_chunk": "--prefill-chunk",
@@ -47,26 +49,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests before new ones get 429 (default 256)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model name requests must give (default: the model directory's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
+    add_compilation_cache_arguments(p)
     add_mesh_arguments(p, mesh_help="--max-batch must be a multiple of data x fsdp.")
     p.set_defaults(func=run_serve)
     return p
 
 
-def _name_flags(error: ValueError) -> ValueError:
-    message = str(error)
-    flags = [flag for name, flag in _FLAGS.items() if name in message]
-    return ValueError(f"{', '.join(flags)}: {message}") if flags else error
-
-
 def _build_engine(args: argparse.Namespace, mesh):
     """(engine, tokenizer, served name, metrics, chat template) of the flags; ValueError naming them."""
     from mtp_jax.checkpoints.pretrained import inference_dtype, load_pretrained
-    from mtp_jax.decode.drafters import SpeculativeConfig
+    from mtp_jax.decode.speculative import SpeculativeConfig
     from mtp_jax.serving import ServingEngine
     from mtp_jax.serving.chat_template import ChatTemplate
     from mtp_jax.serving.prometheus import PrometheusMetrics
@@ -89,12 +86,13 @@ def _build_engine(args: argparse.Namespace, mesh):
                                max_length=args.max_length, prefill_chunk=args.prefill_chunk,
                                max_queue=args.max_queue, mesh=mesh, stats=metrics)
     except ValueError as error:
-        raise _name_flags(error) from error
+        raise name_flags(error, _FLAGS) from error
     return engine, tokenizer, name, metrics, chat_template
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Binds the port, loads the model, builds and warms up the engine, then serves until interrupted."""
+    """Binds the port, loads the model, builds the engine, warms it up (compiling into the persistent cache
+    of --compilation-cache, or loading from it), then serves until interrupted."""
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     import jax
 
@@ -110,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--host {args.host} --port {args.port}: {error.strerror or error}") from None
     try:
         engine, tokenizer, name, metrics, chat_template = _build_engine(args, mesh)
+        configure_compilation_cache(args)  # the warm-up compiles every engine step: cached after a first start
         print(f"mtp-jax serve: warming up {name} ({args.speculative}, max batch {engine.max_batch}, "
               f"max length {engine.max_length}) ...", file=sys.stderr, flush=True)
         engine.warm_up()

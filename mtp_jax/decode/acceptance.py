@@ -55,38 +55,40 @@ class Target:
         return jnp.take_along_axis(self.logprobs, tokens[..., None], axis=-1)[..., 0]
 
 
-def phase_after(thinking: jax.Array, token: jax.Array, spec: SpeculativeConfig) -> jax.Array:
+def phase_after(thinking: jax.Array, token: jax.Array, speculative: SpeculativeConfig) -> jax.Array:
     """The thinking phase after `token` (bool [B]) given the phase before it."""
-    thinking = jnp.where(token == spec.think_start_token_id, True, thinking)
-    return jnp.where(token == spec.think_end_token_id, False, thinking)
+    thinking = jnp.where(token == speculative.think_start_token_id, True, thinking)
+    return jnp.where(token == speculative.think_end_token_id, False, thinking)
 
 
-def update_phase(spec: SpeculativeConfig | None, thinking: jax.Array, tokens: jax.Array, num: jax.Array) -> jax.Array:
+def update_phase(speculative: SpeculativeConfig | None, thinking: jax.Array, tokens: jax.Array,
+                 num: jax.Array) -> jax.Array:
     """The thinking phase (bool [B]) after committing `tokens[:, :num]` (int32 [B, N], num int32 [B]).
     Tracked only under relaxed acceptance; unchanged otherwise."""
-    if spec is None or not spec.relaxed:
+    if speculative is None or not speculative.relaxed:
         return thinking
     for j in range(tokens.shape[1]):
-        thinking = jnp.where(j < num, phase_after(thinking, tokens[:, j], spec), thinking)
+        thinking = jnp.where(j < num, phase_after(thinking, tokens[:, j], speculative), thinking)
     return thinking
 
 
-def initial_phase(prompt: Sequence[int], spec: SpeculativeConfig | None) -> bool:
+def initial_phase(prompt: Sequence[int], speculative: SpeculativeConfig | None) -> bool:
     """Whether a prompt ends inside a thinking phase (only tracked under relaxed acceptance)."""
     phase = False
-    if spec is not None and spec.relaxed:
+    if speculative is not None and speculative.relaxed:
         for token in prompt:
-            phase = True if token == spec.think_start_token_id else False if token == spec.think_end_token_id else phase
+            if token in (speculative.think_start_token_id, speculative.think_end_token_id):
+                phase = token == speculative.think_start_token_id
     return phase
 
 
 @jax.named_scope("accept")
-def accept(spec: SpeculativeConfig | None, target: Target, draft_tokens: jax.Array, draft_probs: jax.Array,
+def accept(speculative: SpeculativeConfig | None, target: Target, draft_tokens: jax.Array, draft_probs: jax.Array,
            sampling: SamplingState, lengths: jax.Array, thinking: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance for a batch.
 
     Args:
-      spec: the speculative configuration (relaxed acceptance), or None (K = 0).
+      speculative: the speculative configuration (relaxed acceptance), or None (K = 0).
       target: the verify forward's K+1 outputs (output j is the target for position L + j).
       draft_tokens: int32 [B, K], K >= 0. draft_probs: q, float32 [B, K, V], or [B, K, 0] for
         greedy drafts (q one-hot at the draft).
@@ -117,15 +119,15 @@ def accept(spec: SpeculativeConfig | None, target: Target, draft_tokens: jax.Arr
     uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms,
                             positions)
     accepted = uniforms * q_draft < p_draft  # [B, K]; p = 0 is never accepted, even for u = 0
-    if spec.relaxed:
+    if speculative.relaxed:
         probs = jnp.exp(target.logprobs[:, :num_drafts])  # [B, K, V], softmax of the raw logits
-        top = jax.lax.top_k(probs, spec.relaxed_top_n)[0]  # [B, K, N]
+        top = jax.lax.top_k(probs, speculative.relaxed_top_n)[0]  # [B, K, N]
         prob_draft = jnp.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
-        relaxed_ok = (prob_draft >= top[..., -1]) & (prob_draft >= top[..., 0] - spec.relaxed_delta)
+        relaxed_ok = (prob_draft >= top[..., -1]) & (prob_draft >= top[..., 0] - speculative.relaxed_delta)
         phase, in_phase = thinking, []
         for j in range(num_drafts):  # a </think> accepted at j makes drafts after it strict
             in_phase.append(phase)
-            phase = phase_after(phase, draft_tokens[:, j], spec)
+            phase = phase_after(phase, draft_tokens[:, j], speculative)
         relaxed_ok &= jnp.stack(in_phase, axis=1) & (sampling.temperature == 0)[:, None]
         accepted |= relaxed_ok
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)  # [B]

@@ -1,5 +1,5 @@
 """What a served request receives (`RequestOutput`, one per engine step it took part in) and its
-timeline and speculation counts (`RequestMetrics`): `mtp_jax.serving.engine`'s results."""
+timeline and speculation counts (`RequestMetrics`): `mtp_jax.serving.scheduler`'s results."""
 
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ from mtp_jax.decode.state import DecodeState
 from mtp_jax.decode.text import TextStream
 from mtp_jax.model import Transformer
 from mtp_jax.serving.outputs import FINISH_REASONS, RequestMetrics, RequestOutput
+from mtp_jax.serving.requests import ServedRequest
 from mtp_jax.sharding import batch_rows, named_shardings, place, to_host, trim_specs
 from mtp_jax.validation import is_integer
 
@@ -60,30 +61,10 @@ class QueueFull(RuntimeError):
 
 
 @dataclasses.dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: list[int]  # device stops: EOS (unless ignored) and the request's
-    eos_ids: frozenset[int]
-    stop: tuple[str, ...]
-    metrics: RequestMetrics
-    text: TextStream | None
-    oracle_tokens: np.ndarray | None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text_sent: int = 0  # characters of `text.text` already handed out
-    slot: int | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    text_end: int | None = None  # where a stop string cut the text
-
-
-@dataclasses.dataclass
 class _Staging:
     """The request being prefilled, chunk by chunk, in its own state."""
 
-    request: _Request
+    request: ServedRequest
     state: DecodeState
     slot: int
     start: int = 0
@@ -142,8 +123,8 @@ class ServingEngine:
             [[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length, stop_tokens=[],
             oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None)
         self._state = self.decode.release(self._placed(state), np.ones(self.max_batch, bool))  # every slot free
-        self._slots: list[_Request | None] = [None] * self.max_batch
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self._slots: list[ServedRequest | None] = [None] * self.max_batch
+        self._waiting: collections.deque[ServedRequest] = collections.deque()
         self._staging: _Staging | None = None
         self._aborts: set[str] = set()
         self._ids: set[str] = set()  # every request not yet finished
@@ -206,7 +187,7 @@ class ServingEngine:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} requests waiting, max_queue="
                                 f"{self.max_queue}); retry later")
-            request = _Request(
+            request = ServedRequest(
                 id=request_id, prompt=prompt, max_tokens=max_tokens, sampling=checked.sampling[0],
                 stop_token_ids=checked.stop_tokens, eos_ids=frozenset(eos), stop=stop,
                 oracle_tokens=oracle_tokens,
@@ -416,51 +397,14 @@ class ServingEngine:
     # ------------------------------------------------------------------------------------------
     # Host-side bookkeeping
 
-    def _absorb(self, r: _Request, tokens: list[int], logprobs: list[float], num_committed: int,
+    def _absorb(self, r: ServedRequest, tokens: list[int], logprobs: list[float], num_committed: int,
                 num_accepted: int, now: float) -> RequestOutput:
         """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
-        taken = 0
-        stop_ids = set(r.stop_token_ids)
-        longest = max((len(s) for s in r.stop), default=0)
-        for token in tokens:
-            taken += 1
-            r.token_ids.append(token)
-            if token in stop_ids:
-                r.finish_reason, r.stop_reason = "stop", (None if token in r.eos_ids else token)
-                break
-            if r.text is not None:
-                searched = max(0, len(r.text.text) - longest + 1)
-                r.text.push([token])
-                if r.stop:
-                    hits = [(i, s) for s in r.stop if (i := r.text.text.find(s, searched)) >= 0]
-                    if hits:
-                        r.text_end, r.stop_reason = min(hits)
-                        r.finish_reason = "stop"
-                        break
-            if len(r.token_ids) >= r.max_tokens:
-                r.finish_reason = "length"
-                break
-        if taken:
-            r.metrics.token_times.append(now)
-            r.metrics.committed_per_step.append(taken)
-        text = self._text_delta(r, longest)
-        return self._output(r, tokens[:taken], logprobs[:taken], text, num_committed, min(num_accepted, taken), now)
+        taken = r.take(tokens, now)
+        return self._output(r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed,
+                            min(num_accepted, taken), now)
 
-    def _text_delta(self, r: _Request, longest: int) -> str:
-        if r.text is None:
-            return ""
-        if r.finish_reason is None:
-            end = len(r.text.text) - max(longest - 1, 0)  # may still be the start of a stop string
-        elif r.text_end is not None:
-            end = r.text_end
-        else:
-            r.text.finish()  # what DecodeStream held back at the end
-            end = len(r.text.text)
-        piece = r.text.text[r.text_sent: max(end, r.text_sent)]
-        r.text_sent = max(end, r.text_sent)
-        return piece
-
-    def _output(self, r: _Request, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
+    def _output(self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
         if r.finish_reason is not None:
             r.metrics.finished_time = now
             if r.slot is not None:
@@ -472,7 +416,7 @@ class ServingEngine:
                              completion_tokens=len(r.token_ids), finish_reason=r.finish_reason,
                              stop_reason=r.stop_reason, metrics=r.metrics)
 
-    def _finish(self, r: _Request, reason: str, tokens, logprobs) -> RequestOutput:
+    def _finish(self, r: ServedRequest, reason: str, tokens, logprobs) -> RequestOutput:
         r.finish_reason = reason
-        return self._output(r, tokens, logprobs, self._text_delta(r, 0) if reason != "abort" else "", 0, 0,
+        return self._output(r, tokens, logprobs, r.text_delta() if reason != "abort" else "", 0, 0,
                             self.clock())

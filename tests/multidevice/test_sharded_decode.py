@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax import engine as engine_lib
 from mtp_jax.cache import StackedCache
 from mtp_jax.config import ModelConfig
+from mtp_jax.decode import engine as engine_lib
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate, stream
 from mtp_jax.decode.sampling import SamplingParams

@@ -27,11 +27,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_data import tiny_documents  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-from mtp_jax import run_dir as run_dir_lib
 from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.training import data
+from mtp_jax.training import run_dir as run_dir_lib
 from mtp_jax.training import trainer as train
 
 CONFIG = train.TrainConfig(batch_size=8, seq_len=16, num_steps=3, learning_rate=0.5, warmup_steps=0, eps=1.0,

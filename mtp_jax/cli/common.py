@@ -1,0 +1,133 @@
+"""What the `mtp-jax` commands share: the cache directories (tokenized corpora, JAX's persistent
+compilation cache and its flags), bounded argparse types, and flag-naming of the library's errors."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+
+from mtp_jax.training import data
+
+
+def cache_root() -> pathlib.Path:
+    """Where the CLI keeps what it can rebuild (tokenized corpora, compiled programs): `$MTP_JAX_CACHE`,
+    else `$XDG_CACHE_HOME/mtp_jax`, else `~/.cache/mtp_jax`."""
+    if os.environ.get("MTP_JAX_CACHE"):
+        return pathlib.Path(os.environ["MTP_JAX_CACHE"])
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "mtp_jax"
+
+
+def default_compilation_cache_dir() -> pathlib.Path:
+    """JAX's persistent compilation cache of the CLI: `cache_root() / "jax_cache"`."""
+    return cache_root() / "jax_cache"
+
+
+def bounded(kind: type, low: float, high: float | None = None, *, above: bool = False):
+    """An argparse `type`: `kind(text)`, refused unless >= low (> low if `above`) and <= high if given."""
+    def parse(text: str):
+        value = kind(text)
+        if not ((value > low if above else value >= low) and (high is None or value <= high)):
+            bound = f"in [{low}, {high}]" if high is not None else f"> {low}" if above else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def name_flags(error: Exception, flags: Mapping[str, str], extra: Iterable[str] = ()) -> ValueError:
+    """A ValueError of `error`'s message with the flags it concerns named in front: `flags` maps a regex
+    (a library parameter's name) to its flag, named when the message matches it and does not name the
+    flag already; `extra` flags are named too. `error` itself (a ValueError) when no flag is named."""
+    message = str(error)
+    named = [flag for pattern, flag in flags.items() if re.search(pattern, message) and flag not in message]
+    named += [flag for flag in extra if flag not in named]
+    if named:
+        return ValueError(f"{', '.join(named)}: {message}")
+    return error if isinstance(error, ValueError) else ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# JAX's persistent compilation cache: `--compilation-cache DIR`, `--no-compilation-cache`.
+
+
+def add_compilation_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the mutually exclusive `--compilation-cache DIR` / `--no-compilation-cache` to `parser`."""
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", metavar="DIR", default=None,
+                       help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
+                            "else $XDG_CACHE_HOME/mtp_jax/jax_cache, i.e. ~/.cache/mtp_jax/jax_cache)")
+    cache.add_argument("--no-compilation-cache", action="store_true", help="compile from scratch, cache nothing")
+
+
+def _check_cache_dir(path: pathlib.Path) -> str | None:
+    """Why `path` cannot hold the compilation cache (it is a file, cannot be created or is not writable);
+    None when it can. Creates the directory."""
+    if path.exists() and not path.is_dir():
+        return f"{path} is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"{path} is not a writable directory ({error.strerror or error})"
+    return None
+
+
+def configure_compilation_cache(args: argparse.Namespace) -> pathlib.Path | None:
+    """Points JAX's persistent compilation cache at the directory the flags choose (None: off) for this
+    process; returns it.
+
+    Every compiled function is cached, however quick its compile or small its executable. Raises
+    ValueError naming --compilation-cache when that directory is a file, cannot be created or is not
+    writable; the default directory in that state only gets a warning on stderr, and no cache.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = None if args.no_compilation_cache else pathlib.Path(args.compilation_cache or
+                                                               default_compilation_cache_dir())
+    problem = None if path is None else _check_cache_dir(path)
+    if problem and args.compilation_cache:
+        raise ValueError(f"--compilation-cache: {problem}")
+    if problem:
+        print(f"mtp-jax {args.command}: warning: the default compilation cache {problem}: compiling without a "
+              "persistent cache (set --compilation-cache DIR or --no-compilation-cache)", file=sys.stderr)
+        path = None
+    compilation_cache.reset_cache()  # an earlier call in this process may have used another directory
+    jax.config.update("jax_enable_compilation_cache", path is not None)
+    jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The stdlib corpus of `train` and `eval`.
+
+
+def default_data_dir(*, vocab_size: int | None = None, tokenizer_path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The corpus cache for this interpreter: `cache_root()` / `stdlib-py3.X-v<vocab>` for a trained
+    tokenizer, `stdlib-py3.X-tok<sha256[:12]>` for a given one."""
+    root = cache_root()
+    tag = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if tokenizer_path is not None:
+        return root / f"stdlib-{tag}-tok{hashlib.sha256(pathlib.Path(tokenizer_path).read_bytes()).hexdigest()[:12]}"
+    return root / f"stdlib-{tag}-v{vocab_size}"
+
+
+def corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> data.Corpus:
+    """The corpus a run (its run.json dict `run`) was trained on, prepared again (or read from its cache)."""
+    c = run["corpus"]
+    if c.get("source") != "stdlib":
+        raise ValueError(f"the run in {run_dir} was trained on in-memory documents, not the stdlib corpus")
+    given = c.get("tokenizer_source") == "given"
+    return data.prepare_corpus(data_dir or c["work_dir"], vocab_size=c["vocab_size"],
+                               heldout_fraction=c["heldout_fraction"],
+                               tokenizer_path=run_dir / "tokenizer.json" if given else None, verbose=True)

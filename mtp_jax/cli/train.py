@@ -1,0 +1,296 @@
+"""`mtp-jax train`: train a model with MTP modules on the Python stdlib corpus (fresh, `--resume`, or
+`--init-from DIR`, e.g. `--mtp-only` heads on a pretrained model)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import types
+import typing
+
+from tokenizers import Tokenizer
+
+from mtp_jax.checkpoints.hf_config import config_from_hf
+from mtp_jax.checkpoints.pretrained import init_from_pretrained
+from mtp_jax.cli.common import bounded, corpus_of_run, default_data_dir
+from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
+from mtp_jax.config import PRESETS, ModelConfig
+from mtp_jax.training import data
+from mtp_jax.training.run_dir import RunDirInUseError, model_config_from_dict
+from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
+from mtp_jax.training.trainer import NonFiniteError, check_run_dir, train
+
+# (flag, TrainConfig field, argparse type) of `mtp-jax train`'s training settings.
+_TRAIN_FLAGS = (("--steps", "num_steps", bounded(int, 1)), ("--batch-size", "batch_size", bounded(int, 1)),
+                ("--seq-len", "seq_len", bounded(int, 2)), ("--lr", "learning_rate", bounded(float, 0, above=True)),
+                ("--warmup", "warmup_steps", bounded(int, 0)),
+                ("--min-lr-ratio", "min_lr_ratio", bounded(float, 0, 1)),
+                ("--weight-decay", "weight_decay", bounded(float, 0)),
+                ("--grad-clip", "grad_clip_norm", bounded(float, 0)),
+                ("--mtp-lambda", "mtp_lambda", bounded(float, 0)),
+                ("--seed", "seed", int), ("--checkpoint-every", "checkpoint_every", bounded(int, 1)),
+                ("--eval-every", "eval_every", bounded(int, 0)), ("--eval-batches", "eval_batches", bounded(int, 1)),
+                ("--log-every", "log_every", bounded(int, 1)))
+_FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only": "--mtp-only"}
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `train` (from scratch, `--resume`, `--mtp-only --init-from DIR`) on an argparse subparsers."""
+    p = subparsers.add_parser(
+        "train", help="train a model with MTP modules on the Python stdlib corpus",
+        description="Train a decoder with DeepSeek-V3-style MTP modules on the Python standard library's source "
+                    "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). run_dir gets "
+                    "run.json, checkpoints/, log.jsonl and, at the end, export/ (a Hugging Face-format model). "
+                    "--resume continues a run exactly (flags may only raise or lower --steps and change "
+                    "bookkeeping); --overwrite restarts a run dir and never deletes any other folder; one trainer "
+                    "at a time per run dir; a non-finite loss stops the run before it is saved.")
+    p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
+    mode = p.add_argument_group("mode")
+    start = mode.add_mutually_exclusive_group()  # continue the run, or delete it and start again: not both
+    start.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
+    start.add_argument("--overwrite", action="store_true",
+                      help="delete the run in run_dir and start again (only a run dir: one with its run.json)")
+    mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
+    mode.add_argument("--init-from", metavar="DIR",
+                      help="initialise from a Hugging Face-format dir (config.json, model.safetensors, "
+                           "tokenizer.json); its tokenizer is used for the corpus")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", help="preset name (config.PRESETS); default demo")
+    model.add_argument("--mtp-layers", type=bounded(int, 0),
+                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with --init-from, "
+                            "the checkpoint's)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="compute dtype (a fresh model keeps float32 weights; with --init-from, both)")
+    corpus = p.add_argument_group("corpus")
+    corpus.add_argument("--vocab-size", type=bounded(int, 1), help="BPE vocabulary to train (default 4096)")
+    corpus.add_argument("--heldout-fraction", type=bounded(float, 0, 1),
+                        help=f"default {data.DEFAULT_HELDOUT_FRACTION}")
+    corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
+    opt = p.add_argument_group("training")
+    d = TrainConfig()
+    for flag, field, kind in _TRAIN_FLAGS:
+        opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
+    add_mesh_arguments(p, mesh_help="--batch-size must be a multiple of data x fsdp; data=N replicates the "
+                                    "parameters and optimizer state (data parallel), fsdp=N splits them along the "
+                                    "hidden size (FSDP), tensor=N along heads, FFN width and vocabulary. A run "
+                                    "may resume on another mesh.")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def _train_config_from_args(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+    """`base` (default `TrainConfig()`) with the training flags given on the command line.
+
+    Raises ValueError (naming the flags) for settings TrainConfig refuses together, e.g. --warmup > --steps.
+    """
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None and v is not False}
+    try:
+        return (base or TrainConfig()).replace(**given)
+    except ValueError as error:
+        message = str(error)
+        for field, flag in _FLAG_OF_FIELD.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+
+
+def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict) -> TrainConfig:
+    """The settings `--resume` continues with: the run's, with the flags given.
+
+    Raises ValueError naming each flag whose value differs from the run's (saved and given value)
+    in a setting a resume cannot change (all but --steps and the bookkeeping flags).
+    """
+    saved = _saved_train_config(run_dir, run)
+    config = _train_config_from_args(args, base=saved)
+    differ = [f"{_FLAG_OF_FIELD.get(k, k)} (saved {v!r}, given {getattr(config, k)!r})"
+              for k, v in dataclasses.asdict(saved).items() if getattr(config, k) != v and k not in RESUMABLE_FIELDS]
+    saved_model, saved_corpus = _saved_model_config(run_dir, run), run["corpus"]
+    checks = [("--mtp-layers", args.mtp_layers, saved_model.num_nextn_predict_layers),
+              ("--dtype", args.dtype, saved_model.dtype),
+              ("--heldout-fraction", args.heldout_fraction, saved_corpus.get("heldout_fraction"))]
+    if saved_corpus.get("tokenizer_source") != "given":
+        checks.append(("--vocab-size", args.vocab_size, saved_corpus.get("vocab_size")))
+    differ += [f"{flag} (saved {old!r}, given {new!r})" for flag, new, old in checks if new is not None and new != old]
+    if args.model is not None:
+        def as_run(preset):
+            return preset.replace(vocab_size=saved_model.vocab_size, eos_token_id=saved_model.eos_token_id,
+                                  num_nextn_predict_layers=saved_model.num_nextn_predict_layers,
+                                  dtype=saved_model.dtype)
+        old = next((name for name, preset in PRESETS.items() if as_run(preset) == saved_model), None)
+        if old != args.model:
+            differ.append(f"--model (saved {old or 'a model of no preset'!r}, given {args.model!r})")
+    if args.init_from is not None:
+        differ.append(f"--init-from (given {args.init_from!r}; a resume restores the model from the checkpoint)")
+    if differ:
+        raise ValueError(f"--resume: flags differ from the run in {run_dir} where a resume cannot change them: "
+                         + "; ".join(differ) + ". Drop them to continue the run, or start a new one")
+    return config
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """`mtp-jax train`: prints the result as JSON and returns 0; returns 1 (with a one-line message on
+    stderr) if the run dir is in use or training stopped at a non-finite loss."""
+    try:
+        result = _train_from_args(args)
+    except (RunDirInUseError, NonFiniteError) as error:
+        print(f"mtp-jax train: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
+                      "heldout": result.eval_metrics}, indent=1))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# What is refused before the corpus is prepared (tokenizing it takes minutes on a first run).
+
+
+def _read_run(run_dir: pathlib.Path) -> dict:
+    """run_dir's run.json as far as `--resume` reads it; ValueError naming the file (and the key) otherwise."""
+    file = run_dir / "run.json"
+    try:
+        run = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"{file}: {error.strerror or error}") from None
+    except ValueError as error:  # not UTF-8, not JSON
+        raise ValueError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(run, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {_json_kind(run)}")
+    for key in ("train_config", "model_config", "corpus"):
+        if not isinstance(run.get(key), dict):
+            raise ValueError(f"{file}: {key!r} must be a JSON object, got {_json_kind(run.get(key))}")
+    corpus = run["corpus"]
+    if corpus.get("source") == "stdlib":
+        for key, kinds in (("work_dir", str), ("vocab_size", int), ("heldout_fraction", (int, float))):
+            if not isinstance(corpus.get(key), kinds) or isinstance(corpus.get(key), bool):
+                raise ValueError(f"{file}: corpus.{key} must be {_TYPE_NAMES[kinds]}, "
+                                 f"got {_json_kind(corpus.get(key))}")
+    return run
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", (int, float): "a number", bool: "true or false",
+               str: "a string", type(None): "null"}
+
+
+def _json_kind(value) -> str:
+    """`value` (from JSON) and its JSON type, for messages: "'4' (a string)", "nothing" when missing."""
+    if value is None:
+        return "null or nothing"
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+    return f"{json.dumps(value)[:60]} ({kind})"
+
+
+def _fits(value, hint) -> bool:
+    """Whether the JSON value `value` is of the annotated type `hint` (int, float, bool, str, a union of them)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _hint_name(hint) -> str:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return " or ".join(_hint_name(h) for h in typing.get_args(hint))
+    return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _saved_train_config(run_dir: pathlib.Path, run: dict) -> TrainConfig:
+    """The TrainConfig of run.json's "train_config"; ValueError naming the file and the key it cannot take."""
+    file, saved = run_dir / "run.json", run["train_config"]
+    hints = typing.get_type_hints(TrainConfig)
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.init]
+    for key, value in saved.items():
+        if key not in fields:
+            raise ValueError(f"{file}: train_config has an unknown key {key!r} (the keys are {', '.join(fields)})")
+        if not _fits(value, hints[key]):
+            raise ValueError(f"{file}: train_config.{key} must be {_hint_name(hints[key])}, got {_json_kind(value)}")
+    try:
+        return TrainConfig(**saved)
+    except ValueError as error:
+        raise ValueError(f"{file}: train_config: {error}") from None
+
+
+def _saved_model_config(run_dir: pathlib.Path, run: dict) -> ModelConfig:
+    """The ModelConfig of run.json's "model_config"; ValueError naming the file when it cannot be one."""
+    try:
+        return model_config_from_dict(run["model_config"])
+    except KeyError as error:
+        raise ValueError(f"{run_dir / 'run.json'}: model_config has no key {error}") from None
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{run_dir / 'run.json'}: model_config: {error}") from None
+
+
+def _refuse_mla(config: ModelConfig, source: str) -> None:
+    """Training packs documents into rows (segment_ids), which MLA attention does not take yet
+    (`mtp_jax.layers.decoder`): ValueError naming `source` (the flag) for an MLA model."""
+    if config.attention_type == "mla":
+        raise ValueError(f"{source}: the model has attention_type='mla', and training packs documents into rows "
+                         "(segment_ids), which MLA does not support yet; train a model with attention_type='gqa'")
+
+
+def _pretrained_config(path: pathlib.Path) -> ModelConfig | None:
+    """The config in path/config.json, None when it cannot be read (loading the model then says why)."""
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return config_from_hf(hf) if isinstance(hf, dict) else None
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def _train_from_args(args: argparse.Namespace):
+    mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
+    run_dir = pathlib.Path(args.run_dir)
+    check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)  # fail before preparing the corpus
+    if args.resume:
+        run = _read_run(run_dir)
+        train_config = _resume_config(args, run_dir, run)
+        _refuse_mla(_saved_model_config(run_dir, run), f"--resume: the run in {run_dir}")
+        corpus = corpus_of_run(run_dir, run, args.data_dir)
+        return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
+                     export=not args.no_export, mesh=mesh)
+    train_config = _train_config_from_args(args)
+    vocab_size = 4096 if args.vocab_size is None else args.vocab_size
+    heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
+    model, tokenizer_path, eos_token, base = None, None, data.EOS_TOKEN, None
+    if args.init_from:
+        tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
+        pretrained = _pretrained_config(pathlib.Path(args.init_from))
+        if pretrained is not None:  # before the weights are read
+            _refuse_mla(pretrained, f"--init-from {args.init_from}")
+        model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
+                                     seed=train_config.seed, dtype=args.dtype)
+        model_config = model.config
+        _refuse_mla(model_config, f"--init-from {args.init_from}")
+        if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
+            eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
+    else:
+        base = PRESETS.get(args.model or "demo")
+        if base is None:
+            raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
+        _refuse_mla(base, f"--model {args.model or 'demo'}")
+    data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
+    corpus = data.prepare_corpus(data_dir, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
+                                 tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
+    if base is not None:
+        changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
+        if args.mtp_layers is not None:
+            changes["num_nextn_predict_layers"] = args.mtp_layers
+        if args.dtype is not None:
+            changes["dtype"] = args.dtype
+        model_config = base.replace(**changes)
+    if train_config.mtp_only and not args.init_from:
+        print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
+    return train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
+                 overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export, mesh=mesh)

@@ -1,0 +1,115 @@
+"""`mtp-jax serve` and JAX's persistent compilation cache: the flags `generate` has
+(`--compilation-cache DIR`, `--no-compilation-cache`, default `$MTP_JAX_CACHE/jax_cache`), set up before
+the engine's warm-up, so that a second start loads the warm-up's programs instead of compiling them.
+
+The server itself is not started: `mtp_jax.serving.server.serve` is replaced by a stand-in that
+returns at once (tests/test_server.py serves for real)."""
+
+import jax
+import jax.monitoring
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from mtp_jax.checkpoints.pretrained import save_pretrained
+from mtp_jax.cli import main
+from mtp_jax.config import ModelConfig
+from mtp_jax.model import init_model
+from mtp_jax.serving import server
+from mtp_jax.training.data import train_tokenizer
+
+CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                  "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(autouse=True)
+def compilation_cache_off_afterwards(tmp_path, monkeypatch):
+    """The default cache goes to a temporary directory; the process-wide JAX settings are undone after."""
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "cache"))
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED"):
+        monkeypatch.delenv(name, raising=False)
+    before = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n", "import os\n"] * 20, vocab_size=300)
+    config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1,
+                                   num_nextn_predict_layers=1, eos_token_id=0)
+    save_pretrained(init_model(config, seed=0), path, tokenizer=tokenizer)
+    return path
+
+
+@pytest.fixture
+def served(monkeypatch) -> list[dict]:
+    """What each `serve` call found: the compilation cache settings once the engine was warm."""
+    calls = []
+
+    def stand_in(engine, tokenizer, name, *, sock, **kwargs):
+        calls.append({name: getattr(jax.config, name) for name in CACHE_SETTINGS})
+        sock.close()
+
+    monkeypatch.setattr(server, "serve", stand_in)
+    return calls
+
+
+def _argv(model_dir, *flags) -> list[str]:
+    return ["serve", str(model_dir), "--port", "0", "--speculative", "none", "--max-batch", "1", "--max-length",
+            "32", "--prefill-chunk", "8", "--log-level", "warning", *flags]
+
+
+def test_serve_help_has_the_compilation_cache_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--compilation-cache DIR" in out and "--no-compilation-cache" in out and "--distributed-timeout" in out
+
+
+def test_second_start_loads_the_warm_up_from_the_persistent_cache(model_dir, tmp_path, served, capsys):
+    cache_dir = tmp_path / "jax_cache"
+    assert main(_argv(model_dir, "--compilation-cache", str(cache_dir))) == 0
+    assert served[0]["jax_enable_compilation_cache"] and served[0]["jax_compilation_cache_dir"] == str(cache_dir)
+    assert len(list(cache_dir.iterdir())) > 0  # the warm-up's programs
+    assert "warming up tiny" in capsys.readouterr().err
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+    try:
+        jax.clear_caches()  # as in a new process: nothing compiled in memory
+        assert main(_argv(model_dir, "--compilation-cache", str(cache_dir))) == 0
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert len(hits) >= 2  # the engine's steps came from the cache
+
+
+def test_default_cache_and_no_cache(model_dir, tmp_path, served):
+    assert main(_argv(model_dir)) == 0
+    assert served[-1]["jax_compilation_cache_dir"] == str(tmp_path / "cache" / "jax_cache")
+    assert main(_argv(model_dir, "--no-compilation-cache")) == 0
+    assert not served[-1]["jax_enable_compilation_cache"] and served[-1]["jax_compilation_cache_dir"] is None
+
+
+def test_unusable_cache_dirs(model_dir, tmp_path, monkeypatch, served, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert main(_argv(model_dir, "--compilation-cache", str(tmp_path / "a_file"))) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"mtp-jax serve: error: --compilation-cache: "
+                                                        f"{tmp_path / 'a_file'} is not a directory")
+    assert not served  # refused before the warm-up
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "a_file"))  # the default a_file/jax_cache: a warning
+    assert main(_argv(model_dir)) == 0
+    assert (f"mtp-jax serve: warning: the default compilation cache {tmp_path / 'a_file/jax_cache'} is not a "
+            "writable directory (Not a directory): compiling without a persistent cache (set --compilation-cache "
+            "DIR or --no-compilation-cache)") in capsys.readouterr().err.splitlines()
+    assert not served[-1]["jax_enable_compilation_cache"]
+
+
+def test_compilation_cache_flags_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--compilation-cache", "x", "--no-compilation-cache"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --no-compilation-cache: not allowed with argument "
+                                            "--compilation-cache\n")
