@@ -74,7 +74,7 @@ def main() -> int:
     mesh = make_mesh(args.mesh)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     model, make_prompts = load(args.model)
-    prompts = make_prompts(args.batch or mesh.shape["data"] * mesh.shape["fsdp"])
+    prompts = make_prompts(args.batch or mtp_jax.sharding.batch_rows(mesh))
     spec = mtp_jax.SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens)
     say(f"{args.model}: {jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
         f"process(es), mesh {dict(mesh.shape)}, batch {len(prompts)}, {args.max_new_tokens} new tokens")

@@ -29,6 +29,7 @@ from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS
 from mtp_jax.training import data
 from mtp_jax.training import trainer as train
+from mtp_jax.training.run_checkpoints import run_checkpoint_manager
 
 TRAIN = train.TrainConfig(batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1,
                           checkpoint_every=100, log_every=1)
@@ -207,7 +208,7 @@ def test_a_non_finite_step_is_never_saved(tmp_path, corpus, model_config, straig
         assert cli.main(["train", str(run_dir), "--resume", "--no-progress", "--no-export"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not finite at step 6" in err and "last checkpoint, step 4" in err, err
-    manager = train._checkpoint_manager(run_dir, config)
+    manager = run_checkpoint_manager(run_dir, config)
     assert manager.all_steps() == [4]  # step 6 not saved, step 4 not rotated away
     manager.close()
     assert all(np.isfinite(x).all() for x in _leaves(nnx.state(train.load_run(run_dir)[0])))
@@ -295,7 +296,7 @@ def test_kill_and_corrupt_checkpoint_resume_from_the_last_good_step(tmp_path, co
     assert _log_steps(run_dir) == [1, 2, 3, 4, 5, 6] and _log_steps(run_dir, "eval") == [6]
 
     # Nothing restorable: a named error, and nothing moved.
-    manager = train._checkpoint_manager(run_dir, config)
+    manager = run_checkpoint_manager(run_dir, config)
     steps = manager.all_steps()
     manager.close()
     for step in steps:

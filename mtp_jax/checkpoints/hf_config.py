@@ -28,12 +28,11 @@ layout `scan_layers` are left out on export and take `ModelConfig`'s defaults on
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from mtp_jax.checkpoints.json_fields import read_field, read_kind, read_positive, read_token_ids
 from mtp_jax.config import ModelConfig, RopeScaling
-from mtp_jax.validation import is_int, is_real
 
 # mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
@@ -65,55 +64,6 @@ _ROPE_KEYS = {
              "mscale", "mscale_all_dim", "truncate"),
 }
 
-_KINDS = {"int": "an int", "number": "a number", "bool": "a bool (true or false)", "str": "a string",
-          "object": "an object", "list": "a list"}
-
-
-def _read(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, where: str = "") -> Any:
-    """hf[name], checked to be JSON of `kind` (see `_KINDS`); `default` when absent or null.
-
-    No coercion: an int is not a bool, a float or a string is not an int; "number" accepts ints
-    and returns a float, and refuses NaN and +-Infinity. `where` prefixes the field name in the
-    error ("rope_scaling.").
-    """
-    value = hf.get(name)
-    if value is None:
-        return default
-    ok = {"int": is_int(value), "number": is_real(value),
-          "bool": isinstance(value, bool), "str": isinstance(value, str),
-          "object": isinstance(value, Mapping), "list": isinstance(value, list)}[kind]
-    if not ok:
-        raise ValueError(f"{where}{name} must be {_KINDS[kind]}, got {value!r}")
-    if kind != "number":
-        return value
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range
-        number = math.inf
-    if not math.isfinite(number):
-        raise ValueError(f"{where}{name} must be a finite number, got {value!r}")
-    return number
-
-
-def _read_positive(hf: Mapping[str, Any], name: str, default: int | None = None, *, where: str = "") -> int | None:
-    """hf[name] as an int >= 1 (`default` when absent or null); 0 and negatives are errors."""
-    value = _read(hf, name, "int", where=where)
-    if value is not None and value < 1:
-        raise ValueError(f"{where}{name} must be >= 1, got {value}")
-    return default if value is None else value
-
-
-def _read_token_ids(hf: Mapping[str, Any], name: str) -> int | tuple[int, ...] | None:
-    """A token id, or a list of them (returned as a tuple)."""
-    value = hf.get(name)
-    if not isinstance(value, list):
-        return _read(hf, name, "int")
-    for i, token in enumerate(value):
-        if not is_int(token):
-            raise ValueError(f"{name}[{i}] must be an int, got {token!r}")
-    return tuple(value)
-
-
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -124,7 +74,7 @@ def _agreed(sources: list[tuple[str, Mapping[str, Any]]], name: str, default: fl
     Two sources with different values are an error naming both fields.
     """
     found = [(prefix + name, value) for prefix, source in sources
-             if (value := _read(source, name, "number", where=prefix)) is not None]
+             if (value := read_field(source, name, "number", where=prefix)) is not None]
     for field, value in found[1:]:
         if value != found[0][1]:
             raise ValueError(f"{found[0][0]}={found[0][1]!r} and {field}={value!r} differ (transformers 4.x "
@@ -140,7 +90,7 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
     `convert_rope_params_to_dict`); a `rope_theta` or `partial_rotary_factor` given in more than
     one of the top level, `rope_scaling` and `rope_parameters` must be equal in all of them.
     """
-    scaling, parameters = _read(hf, "rope_scaling", "object"), _read(hf, "rope_parameters", "object")
+    scaling, parameters = read_field(hf, "rope_scaling", "object"), read_field(hf, "rope_parameters", "object")
     field = "rope_scaling" if scaling else "rope_parameters"
     params, where = dict(scaling or parameters or {}), f"{field}."
     if any(isinstance(v, Mapping) for v in params.values()):
@@ -148,8 +98,8 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
     sources = [("", hf), *((f"{key}.", d) for key, d in (("rope_scaling", scaling), ("rope_parameters", parameters))
                            if d)]
     theta = _agreed(sources, "rope_theta", 10000.0)
-    rope_type = _read(params, "rope_type", "str", where=where)
-    rope_type = _or(_or(rope_type, _read(params, "type", "str", where=where)), "default")
+    rope_type = read_field(params, "rope_type", "str", where=where)
+    rope_type = _or(_or(rope_type, read_field(params, "type", "str", where=where)), "default")
     partial = _agreed(sources, "partial_rotary_factor", partial_default)
     for key in ("rope_theta", "rope_type", "type", "partial_rotary_factor"):
         params.pop(key, None)
@@ -160,7 +110,7 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
         raise ValueError(f"{field}.{unknown[0]} is not supported for rope_type {rope_type!r}")
     if rope_type == "default":
         return theta, RopeScaling(), partial
-    numbers = {key: _read(params, key, "number", where=where)
+    numbers = {key: read_field(params, key, "number", where=where)
                for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
                            "beta_slow", "mscale", "mscale_all_dim")}
     factor = numbers["factor"]
@@ -170,8 +120,8 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
         return theta, RopeScaling(rope_type="linear", factor=factor), partial
     # transformers 5: a top-level original_max_position_embeddings (Phi-3 style) wins, then the
     # dict's, then max_position_embeddings.
-    original = (_read_positive(hf, "original_max_position_embeddings")
-                or _read_positive(params, "original_max_position_embeddings", where=where) or max_positions)
+    original = (read_positive(hf, "original_max_position_embeddings")
+                or read_positive(params, "original_max_position_embeddings", where=where) or max_positions)
     if rope_type == "llama3":
         return theta, RopeScaling(rope_type="llama3", factor=factor, original_max_position_embeddings=original,
                                   low_freq_factor=_or(numbers["low_freq_factor"], 1.0),
@@ -179,15 +129,15 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int, *,
     return theta, RopeScaling(
         rope_type="yarn", factor=max_positions / original if factor is None else factor,
         original_max_position_embeddings=original, beta_fast=_or(numbers["beta_fast"], 32.0),
-        beta_slow=_or(numbers["beta_slow"], 1.0), truncate=_read(params, "truncate", "bool", True, where=where),
+        beta_slow=_or(numbers["beta_slow"], 1.0), truncate=read_field(params, "truncate", "bool", True, where=where),
         **{key: numbers[key] for key in ("attention_factor", "mscale", "mscale_all_dim")}), partial
 
 
 def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions: int, num_layers: int) -> None:
-    window = _read_positive(hf, "sliding_window")
-    layer_types = _read(hf, "layer_types", "list")
-    use_sliding_window = _read(hf, "use_sliding_window", "bool", False)
-    max_window_layers = _read(hf, "max_window_layers", "int", 28)
+    window = read_positive(hf, "sliding_window")
+    layer_types = read_field(hf, "layer_types", "list")
+    use_sliding_window = read_field(hf, "use_sliding_window", "bool", False)
+    max_window_layers = read_field(hf, "max_window_layers", "int", 28)
     if window is None or window >= max_positions:
         return  # no window, or one that never binds
     if model_type == "mistral":
@@ -200,11 +150,6 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions:
                              "sliding-window attention is not supported")
 
 
-def _read_kind(hf: Mapping[str, Any], name: str, kind: str, default: Any) -> Any:
-    """`_read`, with kind "positive" meaning an int >= 1 (`_read_positive`)."""
-    return _read_positive(hf, name, default) if kind == "positive" else _read(hf, name, kind, default)
-
-
 def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The MoE fields of a deepseek_v3 / glm4_moe config, with its config class's defaults.
 
@@ -213,15 +158,15 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     those, and `moe_layer_freq`, when given, must be 1 (every layer from first_k_dense_replace on).
     """
     column = 1 if model_type == "deepseek_v3" else 2
-    out = {name: _read_kind(hf, name, spec[0], spec[column]) for name, spec in _MOE_FIELDS.items()}
+    out = {name: read_kind(hf, name, spec[0], spec[column]) for name, spec in _MOE_FIELDS.items()}
     for name in ("n_shared_experts", "first_k_dense_replace"):
         if out[name] < 0:
             raise ValueError(f"{name} must be >= 0, got {out[name]}")
     for name, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        value = _read(hf, name, "str")
+        value = read_field(hf, name, "str")
         if value is not None and value != supported:
             raise ValueError(f"{name}={value!r} is not supported (only {supported!r}, as {model_type} routes)")
-    freq = _read(hf, "moe_layer_freq", "int")
+    freq = read_field(hf, "moe_layer_freq", "int")
     if freq is not None and freq != 1:
         raise ValueError(f"moe_layer_freq={freq} is not supported (only 1: every layer from first_k_dense_replace on)")
     return {"ffn_type": "moe", **out}
@@ -231,24 +176,24 @@ def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, 
                     partial: float) -> dict[str, Any]:
     """The ModelConfig fields that depend on the model type: attention, biases, head_dim, MoE."""
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
-    attention_bias = _read(hf, "attention_bias", "bool", False)
-    if model_type in _MOE_TYPES and _read(hf, "use_sliding_window", "bool", False):
+    attention_bias = read_field(hf, "attention_bias", "bool", False)
+    if model_type in _MOE_TYPES and read_field(hf, "use_sliding_window", "bool", False):
         raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
     if model_type == "deepseek_v3":
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor must be 1.0 for deepseek_v3 (qk_rope_head_dim is the rotary "
                              f"part), got {partial!r}")
-        _read(hf, "head_dim", "int")  # transformers writes qk_rope_head_dim here; MLA has no use for it
-        _read(hf, "qk_head_dim", "int")
-        mla = {name: _read_kind(hf, name, kind, default) for name, (kind, default) in _MLA_FIELDS.items()}
-        return {"attention_type": "mla", "attention_bias": attention_bias, "q_lora_rank": _read_positive(
+        read_field(hf, "head_dim", "int")  # transformers writes qk_rope_head_dim here; MLA has no use for it
+        read_field(hf, "qk_head_dim", "int")
+        mla = {name: read_kind(hf, name, kind, default) for name, (kind, default) in _MLA_FIELDS.items()}
+        return {"attention_type": "mla", "attention_bias": attention_bias, "q_lora_rank": read_positive(
             hf, "q_lora_rank"), **mla, **_moe_from_hf(hf, model_type)}
-    head_dim = _read_positive(hf, "head_dim")
+    head_dim = read_positive(hf, "head_dim")
     if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
         head_dim = None  # the derived default: keep configs canonical
     if model_type == "glm4_moe":
         return {"head_dim": head_dim, "attention_bias": attention_bias, "partial_rotary_factor": partial,
-                "use_qk_norm": _read(hf, "use_qk_norm", "bool", False), **_moe_from_hf(hf, model_type)}
+                "use_qk_norm": read_field(hf, "use_qk_norm", "bool", False), **_moe_from_hf(hf, model_type)}
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE on every dim), got {partial!r}")
     if attention_bias and model_type in ("llama", "mistral"):
@@ -259,7 +204,7 @@ def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, 
 def _mtp_layers_from_hf(hf: Mapping[str, Any]) -> int:
     """D: `num_nextn_predict_layers` (DeepSeek's name) or transformers 5's alias `num_mtp_layers`; equal if both."""
     found = [(name, value) for name in ("num_nextn_predict_layers", "num_mtp_layers")
-             if (value := _read(hf, name, "int")) is not None]
+             if (value := read_field(hf, name, "int")) is not None]
     if len(found) == 2 and found[0][1] != found[1][1]:
         raise ValueError(f"num_nextn_predict_layers={found[0][1]} and num_mtp_layers={found[1][1]} differ")
     return found[0][1] if found else 0
@@ -273,7 +218,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     (`rope_parameters`) RoPE fields, rope types default / linear / llama3 / yarn. The stored
     `dtype` (or 4.x `torch_dtype`) becomes both `dtype` and `param_dtype` (float32 when absent).
     Fields with no effect on the forward pass (dropout, use_cache, pad_token_id, ...) are ignored.
-    Every field read is type-checked as JSON, without coercion (see `_read`); null means absent.
+    Every field read is type-checked as JSON, without coercion (see `read_field`); null means absent.
     deepseek_v3 and glm4_moe fields absent from the file take their HF config class's defaults
     (GLM's partial_rotary_factor 0.5 included). `num_nextn_predict_layers` (or transformers 5's
     `num_mtp_layers`) is D; `mtp_jax.checkpoints` checks that the weights hold exactly D MTP layers.
@@ -293,39 +238,39 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     if not isinstance(hf_config, Mapping):
         raise ValueError(f"the config must be a JSON object, got {type(hf_config).__name__}")
     hf = dict(hf_config)
-    model_type = _read(hf, "model_type", "str")
+    model_type = read_field(hf, "model_type", "str")
     if model_type not in _ARCHITECTURES:
         raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
     sizes = {}
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        sizes[name] = _read_positive(hf, name)
+        sizes[name] = read_positive(hf, name)
         if sizes[name] is None:
             raise ValueError(f"{name} is missing from the config")
     if hf.get("quantization_config") is not None:
         raise ValueError("quantization_config: quantized checkpoints are not supported")
-    if _read(hf, "mlp_bias", "bool", False):
+    if read_field(hf, "mlp_bias", "bool", False):
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
-    max_positions = _read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
+    max_positions = read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
     _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
     theta, scaling, partial = _rope_from_hf(hf, max_positions,
                                             partial_default=0.5 if model_type == "glm4_moe" else 1.0)
     family = _family_from_hf(hf, model_type, sizes, partial)
-    dtype = _or(_or(_read(hf, "dtype", "str"), _read(hf, "torch_dtype", "str")), "float32")
+    dtype = _or(_or(read_field(hf, "dtype", "str"), read_field(hf, "torch_dtype", "str")), "float32")
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
     mtp_kinds = {"mtp_style": "str", "mtp_concat_order": "str", "mtp_hidden_after_norm": "bool",
                  "mtp_chain_after_shared_head_norm": "bool"}
-    mtp_conventions = {name: _read(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
+    mtp_conventions = {name: read_field(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
     return ModelConfig(
         **sizes, **family,
-        num_key_value_heads=_read_positive(hf, "num_key_value_heads", sizes["num_attention_heads"]),
+        num_key_value_heads=read_positive(hf, "num_key_value_heads", sizes["num_attention_heads"]),
         max_position_embeddings=max_positions,
-        rms_norm_eps=_read(hf, "rms_norm_eps", "number", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)),
+        rms_norm_eps=read_field(hf, "rms_norm_eps", "number", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)),
         rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=_read(hf, "tie_word_embeddings", "bool", False),
-        hidden_act=_read(hf, "hidden_act", "str", "silu"), dtype=dtype, param_dtype=dtype,
-        initializer_range=_read(hf, "initializer_range", "number", 0.02),
-        bos_token_id=_read(hf, "bos_token_id", "int"), eos_token_id=_read_token_ids(hf, "eos_token_id"),
+        tie_word_embeddings=read_field(hf, "tie_word_embeddings", "bool", False),
+        hidden_act=read_field(hf, "hidden_act", "str", "silu"), dtype=dtype, param_dtype=dtype,
+        initializer_range=read_field(hf, "initializer_range", "number", 0.02),
+        bos_token_id=read_field(hf, "bos_token_id", "int"), eos_token_id=read_token_ids(hf, "eos_token_id"),
         num_nextn_predict_layers=_mtp_layers_from_hf(hf),
         **{name: value for name, value in mtp_conventions.items() if value is not None})
 

@@ -13,7 +13,7 @@ import threading
 from jax.sharding import Mesh
 
 from mtp_jax.cli.common import bounded, name_flags
-from mtp_jax.sharding import MESH_AXES, initialize_distributed, make_mesh, parse_mesh_spec
+from mtp_jax.sharding import MESH_AXES, batch_rows, initialize_distributed, make_mesh, parse_mesh_spec
 
 # initialize_distributed's arguments, named in its errors, and their flags.
 _DISTRIBUTED_FLAGS = {r"\bcoordinator_address\b": "--coordinator-address", r"\bnum_processes\b": "--num-processes",
@@ -125,11 +125,6 @@ def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
         return make_mesh(args.mesh)
     except ValueError as error:
         raise ValueError(f"--mesh {args.mesh}: {error}") from None
-
-
-def batch_rows(mesh: Mesh | None) -> int:
-    """The mesh's data x fsdp: what every batch's row count must be a multiple of (1 without a mesh)."""
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def check_num_prompts(args: argparse.Namespace, mesh: Mesh | None, num_prompts: int) -> None:

@@ -137,7 +137,8 @@ def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite
             raise FileExistsError(f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
                                   "its run or overwrite=True (--overwrite) to delete it and start again")
         if not is_run_dir(run_dir):
-            raise FileExistsError(f"{run_dir} is not a run dir (it has no {RUN_FILE} written by mtp_jax.training.trainer): "
+            raise FileExistsError(f"{run_dir} is not a run dir (it has no {RUN_FILE} written by "
+                                  "mtp_jax.training.trainer): "
                                   "overwrite (--overwrite) deletes only a run dir, so nothing was deleted; "
                                   "pick an empty or new directory")
     if (run_dir / LOCK_FILE).is_file():

@@ -52,34 +52,34 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from mtp_jax.checkpoints.pretrained import init_from_pretrained, save_pretrained  # noqa: F401  (re-exported)
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
-from mtp_jax.sharding import named_shardings, on_mesh, param_logical_axes, place, resolve, to_host
+from mtp_jax.sharding import on_mesh, place, resolve, to_host
 from mtp_jax.training import data
 from mtp_jax.training.resume import check_compatible, record_resume, resume_settings
+from mtp_jax.training.run_checkpoints import (  # load_run re-exported: part of this module's interface
+    abstract_train_state,
+    load_run,  # noqa: F401
+    run_checkpoint_manager,
+    save_train_state,
+    train_shardings,
+)
 from mtp_jax.training.run_dir import (
     EXPORT_DIR,
     RUN_ENTRIES,  # noqa: F401  (re-exported: part of this module's interface)
-    RUN_FILE,
     TOKENIZER_FILE,
     CheckpointFallbackWarning,  # noqa: F401  (re-exported)
     NoUsableCheckpointError,  # noqa: F401  (re-exported)
     RunDirInUseError,  # noqa: F401  (re-exported)
     append_log,
-    checkpoint_manager,
     config_to_dict,
-    is_run_dir,
     locked,
-    model_config_from_dict,
-    read_run,
-    restore_checkpoint,
     restore_latest,
-    save_checkpoint,
     start_run,
     truncate_log,
 )
@@ -95,13 +95,12 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
     place_batch,
     split_model,
     train_state_logical_axes,  # noqa: F401  (re-exported)
-    train_state_shardings,
     train_step,  # noqa: F401  (re-exported)
     trainable_filter,  # noqa: F401  (re-exported)
 )
 
 # ----------------------------------------------------------------------------------------------
-# Checkpointed state, non-finite steps, interrupts.
+# Non-finite steps, interrupts.
 
 
 class NonFiniteError(FloatingPointError):
@@ -114,41 +113,6 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, message: str, *, step: int, last_checkpoint: int | None):
         super().__init__(message)
         self.step, self.last_checkpoint = step, last_checkpoint
-
-
-def _checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.CheckpointManager:
-    return checkpoint_manager(run_dir, max_to_keep=config.keep_checkpoints)
-
-
-def _save(manager: ocp.CheckpointManager, state: TrainState, frozen: nnx.State, meta: dict) -> None:
-    save_checkpoint(manager, int(to_host(state.step)), {"train": state, "frozen": frozen}, meta)
-
-
-def _shardings(state: TrainState, frozen: nnx.State, mesh: Mesh | None) -> dict:
-    """The shardings of {"train": state, "frozen": frozen} (arrays or abstract): by the logical axes on
-    `mesh`; without one, all on this process's first device."""
-    if mesh is None:
-        device = SingleDeviceSharding(jax.local_devices()[0])
-        return jax.tree.map(lambda _: device, {"train": state, "frozen": frozen})
-    return {"train": train_state_shardings(state, mesh),
-            "frozen": named_shardings(frozen, param_logical_axes(frozen), mesh)}
-
-
-def _abstract_state(model_config: ModelConfig, train_config: TrainConfig,
-                    mesh: Mesh | None = None) -> tuple[nnx.GraphDef, dict]:
-    """(graphdef, the abstract {"train": TrainState, "frozen": ...} that a checkpoint restores into).
-
-    Each leaf is a `jax.ShapeDtypeStruct` carrying its target sharding (`_shardings`), so orbax reads
-    every array straight onto `mesh` (or one device), whatever mesh the checkpoint was saved from.
-    """
-    abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
-    graphdef, params, frozen = split_model(abstract, train_config)
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                       opt_state=jax.eval_shape(StaticOptimizer(train_config).tx.init, params))
-    target = {"train": state, "frozen": frozen}
-    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), target,
-                          _shardings(state, frozen, mesh))
-    return graphdef, target
 
 
 @jax.jit
@@ -279,10 +243,10 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
                 start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
         _sync("mtp_jax.train: run dir ready")
 
-        manager = _checkpoint_manager(run_dir, train_config)
+        manager = run_checkpoint_manager(run_dir, train_config)
         try:
             if resume:  # restored straight onto `mesh` (or one device), whatever mesh saved it
-                graphdef, target = _abstract_state(model_config, train_config, mesh)
+                graphdef, target = abstract_train_state(model_config, train_config, mesh)
                 step, restored = restore_latest(manager, run_dir, target, move_unreadable=primary)
                 state, frozen = restored["train"], restored["frozen"]
                 if primary:
@@ -295,7 +259,7 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
                 state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                    opt_state=make_optimizer(train_config).init(params))
                 if mesh is not None:
-                    placed = place({"train": state, "frozen": frozen}, _shardings(state, frozen, mesh))
+                    placed = place({"train": state, "frozen": frozen}, train_shardings(state, frozen, mesh))
                     state, frozen = placed["train"], placed["frozen"]
             end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
             state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen,
@@ -420,34 +384,7 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
                     finite = bool(to_host(_all_finite((state.params, state.opt_state))))
                 if not finite:
                     raise _non_finite(run_dir, manager, step, "the updated parameters or optimizer state are")
-                _save(manager, state, frozen, meta)
+                save_train_state(manager, state, frozen, meta)
             if stop.is_set():
                 break
     return state, train_metrics, eval_metrics
-
-
-def load_run(run_dir: str | os.PathLike, step: int | None = None, *,
-             mesh: Mesh | None = None) -> tuple[Transformer, dict]:
-    """The model at checkpoint `step` of a run, and the run's `run.json` dict.
-
-    Without `step`, the latest checkpoint that can be restored (falling back past unreadable ones
-    with a `CheckpointFallbackWarning`; nothing is moved). The parameters are restored straight onto
-    `mesh` by their logical axes (default: one device), whatever mesh the checkpoint was saved from.
-    Raises FileNotFoundError if run_dir holds no run or no such checkpoint, NoUsableCheckpointError if
-    it (or every one) cannot be restored.
-    """
-    run_dir = pathlib.Path(run_dir)
-    if not is_run_dir(run_dir):
-        raise FileNotFoundError(f"no run in {run_dir} ({RUN_FILE} is missing or not a run file)")
-    run = read_run(run_dir)
-    train_config = TrainConfig(**run["train_config"])
-    graphdef, target = _abstract_state(model_config_from_dict(run["model_config"]), train_config, mesh)
-    manager = _checkpoint_manager(run_dir, train_config)
-    try:
-        if step is None:
-            _, restored = restore_latest(manager, run_dir, target, move_unreadable=False)
-        else:
-            restored = restore_checkpoint(manager, run_dir, step, target)
-    finally:
-        manager.close()
-    return nnx.merge(graphdef, restored["train"].params, restored["frozen"]), run
