@@ -1,6 +1,9 @@
 """Streaming: print tokens as each speculative step commits them (one to K+1 tokens per step).
 
-    python examples/streaming.py --prompt "class Stack:\n"
+    python examples/streaming.py                                  # the default prompt: "class Stack:" and a newline
+    python examples/streaming.py --prompt $'def parse(text):\n'    # bash / zsh: $'...' makes \n a newline
+
+(In double quotes the shell passes `\n` on as a backslash and an n, which the model sees as such.)
 """
 
 import argparse

@@ -1,6 +1,7 @@
 """Crash paths of the `mtp-jax` commands that end as one-line errors naming the flag (or the file, or the
 environment variable), exit status 2, no traceback and no hang: the jax.distributed flags and
-variables, serve's --port, a damaged run.json under `train --resume`, and an MLA model under `train`."""
+variables, serve's --port, a damaged run.json under `train --resume`, and an MLA model or --mtp-only
+without MTP modules under `train`."""
 
 import json
 import os
@@ -295,3 +296,17 @@ def test_train_of_an_mla_preset_is_refused_before_the_corpus(tmp_path, capsys, n
     err = _one_line_error(capsys.readouterr().err, "train")
     assert err.startswith("mtp-jax train: error: --model deepseek-v3-small: the model has attention_type='mla'")
     assert not (tmp_path / "run").exists()
+
+
+def test_mtp_only_for_a_model_without_mtp_modules_is_refused_before_the_corpus(tmp_path, capsys, no_corpus):
+    plain = tmp_path / "plain"
+    tokenizer = data.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
+    config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_nextn_predict_layers=0)
+    save_pretrained(init_model(config, seed=0), plain, tokenizer=tokenizer)
+    for flags, source in ((["--init-from", str(plain)], f"--init-from {plain}"),
+                          (["--model", "tiny", "--mtp-layers", "0"], "--model tiny")):
+        assert main(["train", str(tmp_path / "run"), *flags, "--mtp-only", "--no-progress"]) == 2
+        assert _one_line_error(capsys.readouterr().err, "train") == (
+            f"mtp-jax train: error: {source}: --mtp-only trains the MTP modules and the model has none "
+            "(num_nextn_predict_layers is 0): add them with --mtp-layers N\n")
+        assert not (tmp_path / "run").exists()

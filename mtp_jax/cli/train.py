@@ -230,12 +230,16 @@ def _saved_model_config(run_dir: pathlib.Path, run: dict) -> ModelConfig:
         raise ValueError(f"{run_dir / 'run.json'}: model_config: {error}") from None
 
 
-def _refuse_mla(config: ModelConfig, source: str) -> None:
-    """Training packs documents into rows (segment_ids), which MLA attention does not take yet
-    (`mtp_jax.layers.decoder`): ValueError naming `source` (the flag) for an MLA model."""
+def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> None:
+    """What `train` would refuse only once the corpus is ready, refused first (ValueError naming `source`,
+    the flag): an MLA model (training packs documents into rows, segment_ids, which MLA attention does
+    not take yet: `mtp_jax.layers.decoder`), and --mtp-only for a model without MTP modules."""
     if config.attention_type == "mla":
         raise ValueError(f"{source}: the model has attention_type='mla', and training packs documents into rows "
                          "(segment_ids), which MLA does not support yet; train a model with attention_type='gqa'")
+    if mtp_only and config.num_nextn_predict_layers == 0:
+        raise ValueError(f"{source}: --mtp-only trains the MTP modules and the model has none "
+                         "(num_nextn_predict_layers is 0): add them with --mtp-layers N")
 
 
 def _pretrained_config(path: pathlib.Path) -> ModelConfig | None:
@@ -254,7 +258,7 @@ def _train_from_args(args: argparse.Namespace):
     if args.resume:
         run = _read_run(run_dir)
         train_config = _resume_config(args, run_dir, run)
-        _refuse_mla(_saved_model_config(run_dir, run), f"--resume: the run in {run_dir}")
+        _refuse_untrainable(_saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
         corpus = corpus_of_run(run_dir, run, args.data_dir)
         return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
                      export=not args.no_export, mesh=mesh)
@@ -268,18 +272,21 @@ def _train_from_args(args: argparse.Namespace):
             raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
         pretrained = _pretrained_config(pathlib.Path(args.init_from))
         if pretrained is not None:  # before the weights are read
-            _refuse_mla(pretrained, f"--init-from {args.init_from}")
+            if args.mtp_layers is not None:
+                pretrained = pretrained.replace(num_nextn_predict_layers=args.mtp_layers)
+            _refuse_untrainable(pretrained, train_config.mtp_only, f"--init-from {args.init_from}")
         model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
                                      seed=train_config.seed, dtype=args.dtype)
         model_config = model.config
-        _refuse_mla(model_config, f"--init-from {args.init_from}")
+        _refuse_untrainable(model_config, train_config.mtp_only, f"--init-from {args.init_from}")
         if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
             eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
     else:
         base = PRESETS.get(args.model or "demo")
         if base is None:
             raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
-        _refuse_mla(base, f"--model {args.model or 'demo'}")
+        layers = {} if args.mtp_layers is None else {"num_nextn_predict_layers": args.mtp_layers}
+        _refuse_untrainable(base.replace(**layers), train_config.mtp_only, f"--model {args.model or 'demo'}")
     data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
     corpus = data.prepare_corpus(data_dir, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
                                  tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)

@@ -1,7 +1,7 @@
-"""Decoding: plain and MTP speculative, one fixed-shape jitted step (`step`), driven by `DecodeEngine`.
+"""Decoding: plain and MTP speculative, one fixed-shape jitted step (`step.decode_step`), driven by `DecodeEngine`.
 
 Read in this order: `generation` (generate, stream) -> `engine` (DecodeEngine: the jitted calls) ->
-`state` (DecodeState) -> `step` (verify, accept_and_commit, commit, draft) -> `acceptance` ->
+`state` (DecodeState) -> `step` (verify, accept_and_commit, commit, decode_step) -> `acceptance` ->
 `drafters` (one function per method) -> `speculative` (SpeculativeConfig) -> `sampling`.
 """
 
@@ -28,11 +28,11 @@ from mtp_jax.decode.step import (
     accept_and_commit,
     commit,
     commit_first_token,
+    decode_step,
     insert_row,
     prefill,
     release_rows,
     run,
-    step,
     step_with_output,
     verify,
 )
@@ -41,8 +41,9 @@ from mtp_jax.decode.text import TextStream, stream_text
 __all__ = [
     "DRAFTERS", "MAX_SPECULATIVE_TOKENS", "METHODS", "DecodeEngine", "DecodeState", "DraftState", "GenerationResult",
     "SamplingParams", "SamplingState", "SpeculativeConfig", "SpeculativeCounters", "SpeculativeMetrics",
-    "StepOutput", "TextStream", "accept_and_commit", "commit", "commit_first_token", "compiled_counts", "draft",
+    "StepOutput", "TextStream", "accept_and_commit", "commit", "commit_first_token", "compiled_counts", "decode_step",
+    "draft",
     "draft_after_prefill", "draft_after_verify", "draft_eagle", "draft_oracle", "draft_parallel", "draft_vanilla",
     "generate", "init_draft_state", "init_state", "insert_row", "prefill", "release_rows", "results_from_state",
-    "run", "step", "step_with_output", "stream", "stream_text", "verify",
+    "run", "step_with_output", "stream", "stream_text", "verify",
 ]

@@ -20,7 +20,15 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState, GenerationResult, init_state, results_from_state
-from mtp_jax.decode.step import StepOutput, insert_row, prefill, release_rows, run, step, step_with_output
+from mtp_jax.decode.step import (
+    StepOutput,
+    decode_step,
+    insert_row,
+    prefill,
+    release_rows,
+    run,
+    step_with_output,
+)
 from mtp_jax.model import Transformer, static_split
 from mtp_jax.sharding import named_shardings, on_mesh, place, shard_params
 
@@ -38,7 +46,7 @@ def _jit_with_model(fn: Callable, *static: str) -> Callable:
 
 
 _prefill_jit = _jit_with_model(prefill, "final")
-_step_jit = _jit_with_model(step)
+_step_jit = _jit_with_model(decode_step)
 _run_jit = _jit_with_model(run)
 _step_with_output_jit = _jit_with_model(step_with_output)
 _insert_jit = jax.jit(insert_row, donate_argnames=("state",))
@@ -106,7 +114,7 @@ class DecodeEngine:
         return self._call(_prefill_jit, state, padded_prompts, start, final=final)
 
     def step(self, state: DecodeState) -> DecodeState:
-        """One decode step for every row (`step`)."""
+        """One decode step for every row (`decode_step`)."""
         return self._call(_step_jit, state)
 
     def run(self, state: DecodeState) -> DecodeState:

@@ -14,8 +14,8 @@ A step, for every unfinished row (`docs/MTP_SPEC.md`):
   later.
 - **draft** (`drafters.draft_after_verify`): the next K drafts (none when not speculating).
 
-`prefill` starts a state (its first token through `commit_first_token`), `step` advances it, `run`
-loops `step` on device; `step_with_output`, `insert_row` and `release_rows` serve continuous
+`prefill` starts a state (its first token through `commit_first_token`), `decode_step` advances it,
+`run` loops it on device; `step_with_output`, `insert_row` and `release_rows` serve continuous
 batching (`mtp_jax.serving`). All are traceable; `mtp_jax.decode.engine` jits them.
 """
 
@@ -110,7 +110,7 @@ def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: De
     start + C - 1 of prompts already prefilled before `start`. A `final` chunk holds each prompt's
     last token (start <= prompt_lengths - 1 < start + C) and commits as above; an earlier chunk
     (`final=False`, static; start + C < prompt_lengths) only fills the caches, the MTP modules'
-    included (`speculative.draft_after_prefill`), and commits nothing.
+    included (`drafters.draft_after_prefill`), and commits nothing.
     """
     offset = jnp.zeros_like(state.lengths) if start is None else start
     positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
@@ -129,7 +129,7 @@ def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: De
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
-def step(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
+def decode_step(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
     target, h0, cache = verify(model, state)  # h0: [B, K+1, E] at positions L-1 .. L-1+K
     before = state
@@ -142,8 +142,8 @@ def step(model: Transformer, speculative: SpeculativeConfig | None, state: Decod
 
 
 def run(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
-    """`step` until every row is done, as one `lax.while_loop` (traceable: jit it, or pmap it)."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(model, speculative, s), state)
+    """`decode_step` until every row is done, as one `lax.while_loop` (traceable: jit it, or pmap it)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_step(model, speculative, s), state)
 
 
 @struct.dataclass
@@ -163,8 +163,8 @@ class StepOutput:
 
 def step_with_output(model: Transformer, speculative: SpeculativeConfig | None,
                      state: DecodeState) -> tuple[DecodeState, StepOutput]:
-    """`step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
-    new = step(model, speculative, state)
+    """`decode_step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
+    new = decode_step(model, speculative, state)
     positions = jnp.minimum(state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :],
                             state.tokens.shape[1] - 1)  # [B, K+1]
     return new, StepOutput(num_committed=new.lengths - state.lengths,
