@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from speculative_helpers import drive, oracle_drafts  # the speculative suite's draft oracle and step driver
 
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
@@ -97,8 +98,6 @@ def test_cached_drafts_equal_the_no_cache_oracle_and_nothing_recompiles(model, m
     """The speculative suite's oracle on these architectures: at every step boundary the drafts equal a
     no-cache recompute of the MTP modules over the committed tokens, with every stale cache slot NaN before
     each step (MLA latent caches included); a second generation with other lengths compiles nothing."""
-    from test_speculative import drive, oracle_drafts  # the oracle and the step driver of the speculative suite
-
     sp = SpeculativeConfig(method=method, num_speculative_tokens=k)
     state, trace = drive(model, sp, PROMPTS, [12, 9, 16], poison=True)
     for step, snap in enumerate(trace):

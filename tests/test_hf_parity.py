@@ -4,7 +4,6 @@ Tiny random models in float32 with eager attention, weights drawn wide enough (s
 around 1, biases nonzero) that every parameter matters and greedy choices are not near-ties.
 """
 
-import functools
 import json
 
 import jax
@@ -12,17 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_reference import (
+    assert_close,
+    hf_config,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    our_logits,
+    random_hf_model,
+    torch,
+)
 
 from mtp_jax.checkpoints import load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.generation import SamplingParams, generate
 from mtp_jax.model import Transformer, sequence_positions
 
-torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
-transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
-torch.set_num_threads(1)  # tiny models: extra threads only spin on the shared CPUs
-
-RTOL = 1e-5  # max |ours - theirs| / max |theirs| over the logits
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
@@ -40,43 +44,12 @@ ROPE_CASES = {
 
 
 def _hf_model(model_type: str, seed: int = 0, **overrides):
-    """A random float32 HF causal LM with eager attention and every parameter perturbed."""
-    config = getattr(transformers, CONFIG_CLASSES[model_type])(**{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.2)
-    return model.eval()
+    """A random float32 HF causal LM with eager attention and every parameter perturbed (std 0.2)."""
+    return random_hf_model(hf_config(CONFIG_CLASSES[model_type], **{**TINY, **overrides}), seed, 0.2)
 
 
 def _tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, TINY["vocab_size"], (batch, length)).astype(np.int32)
-
-
-def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-def _assert_close(ours, theirs):
-    ours, theirs = np.asarray(ours), np.asarray(theirs)
-    assert ours.shape == theirs.shape
-    err = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
-    assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_logits(graphdef, state, tokens):
-    return nnx.merge(graphdef, state).forward_full(tokens)[0]
-
-
-def _logits(model: Transformer, tokens: np.ndarray) -> np.ndarray:
-    """Float32 logits [B, T, V] of a full forward (jitted: one compile beats hundreds of eager ones)."""
-    return np.asarray(_jit_logits(*nnx.split(model), jnp.asarray(tokens)))
 
 
 def _random_model(config: ModelConfig, seed: int) -> Transformer:
@@ -102,7 +75,7 @@ def test_imported_logits_match_transformers(tmp_path, model_type, overrides):
     model = load_hf_checkpoint(tmp_path)
     assert model.config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings", False))
     tokens = _tokens(3, 24)
-    _assert_close(_logits(model, tokens), _hf_logits(hf_model, tokens))
+    assert_close(our_logits(model, tokens), hf_logits(hf_model, tokens))
 
 
 def _as_transformers4(config_path):
@@ -121,10 +94,10 @@ def test_rope_scaling_matches_transformers(tmp_path, rope):
                          rope_parameters={**ROPE_CASES[rope], "rope_theta": 500.0})
     hf_model.save_pretrained(tmp_path)
     tokens = _tokens(2, 64, seed=1)
-    expected = _hf_logits(hf_model, tokens)
+    expected = hf_logits(hf_model, tokens)
     model = load_hf_checkpoint(tmp_path)
     assert model.config.rope_scaling.rope_type == ROPE_CASES[rope]["rope_type"]
-    _assert_close(_logits(model, tokens), expected)
+    assert_close(our_logits(model, tokens), expected)
     _as_transformers4(tmp_path / "config.json")
     legacy = load_hf_checkpoint(tmp_path)
     assert legacy.config == model.config
@@ -142,10 +115,9 @@ def test_exported_checkpoint_matches_in_transformers(tmp_path, name, rope, shard
     model = _random_model(config, seed=3)
     save_hf_checkpoint(model, tmp_path, **({} if shard_bytes is None else {"max_shard_size_bytes": shard_bytes}))
     assert (tmp_path / "model.safetensors.index.json").exists() == (shard_bytes is not None)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
-                                                                 dtype=torch.float32).eval()
+    hf_model = load_hf_model(tmp_path)
     tokens = _tokens(2, 64, seed=2)
-    _assert_close(_logits(model, tokens), _hf_logits(hf_model, tokens))
+    assert_close(our_logits(model, tokens), hf_logits(hf_model, tokens))
 
 
 def _greedy_loop(model: Transformer, prompts: np.ndarray, steps: int) -> np.ndarray:
@@ -172,10 +144,7 @@ def _hf_greedy(tmp_path, model_type: str, steps: int, **overrides) -> tuple[np.n
     hf_model = _hf_model(model_type, seed=4, **overrides)
     hf_model.save_pretrained(tmp_path)
     prompts = _tokens(2, 8, seed=5)
-    with torch.no_grad():
-        out = hf_model.generate(torch.from_numpy(prompts.astype(np.int64)), attention_mask=torch.ones(prompts.shape),
-                                max_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
-                                return_dict_in_generate=True)
+    out = hf_greedy(hf_model, prompts, steps)
     top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, B, 2]
     assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "test model too flat: greedy choices are near-ties"
     return prompts, out.sequences[:, prompts.shape[1]:].numpy()

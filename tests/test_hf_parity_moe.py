@@ -15,21 +15,26 @@ from __future__ import annotations
 import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_reference import (
+    RTOL,
+    hf_config,
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    our_logits,
+    random_hf_model,
+    relative_error,
+    torch,
+)
 from safetensors.numpy import load_file
 
 from mtp_jax.checkpoints import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.decode.generation import SamplingParams, generate
 
-torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
-transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
-torch.set_num_threads(1)
-
-RTOL = 1e-5  # max |ours - theirs| / max |theirs| over the logits
 MIN_MARGIN = 1e-3  # smallest gap of a routing decision from a tie
 VOCAB = 64
 ROUTER_STD, BIAS_STD = 0.3, 0.1  # router weights wider: fewer near-ties among sigmoid scores
@@ -77,23 +82,15 @@ class RoutingMargins:
         assert self.margins and min(self.margins) > MIN_MARGIN, f"routing near-tie: margin {min(self.margins):.2e}"
 
 
-def _hf_model(model_type: str, seed: int = SEED):
+def _hf_config(model_type: str):
+    """The transformers config of the test's `model_type` model."""
     config_class, overrides = HF_CONFIGS[model_type]
-    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, ROUTER_STD)
-            else:
-                param.normal_(0.0, 0.15)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(BIAS_STD * torch.randn_like(buffer))
-    return model.eval()
+    return hf_config(config_class, **{**_COMMON, **overrides})
+
+
+def _hf_model(model_type: str, seed: int = SEED):
+    return random_hf_model(_hf_config(model_type), seed, 0.15, stds={"mlp.gate.weight": ROUTER_STD},
+                           buffer_stds={"e_score_correction_bias": BIAS_STD})
 
 
 @functools.cache
@@ -114,26 +111,6 @@ def _tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, VOCAB, (batch, length)).astype(np.int32)
 
 
-def _hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_logits(graphdef, state, tokens):
-    return nnx.merge(graphdef, state).forward_full(tokens)[0]
-
-
-def _logits(model, tokens: np.ndarray) -> np.ndarray:
-    return np.asarray(_jit_logits(*nnx.split(model), jnp.asarray(tokens)))
-
-
-def _relative_error(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours), np.asarray(theirs)
-    assert ours.shape == theirs.shape
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
-
-
 def test_imported_logits_match_transformers(checkpoint):
     model_type, hf_model, root = checkpoint
     model = load_hf_checkpoint(root)
@@ -142,9 +119,9 @@ def test_imported_logits_match_transformers(checkpoint):
     assert c.n_group == HF_CONFIGS[model_type][1].get("n_group", 1)
     tokens = _tokens(3, 16)
     margins = RoutingMargins(hf_model)
-    expected = _hf_logits(hf_model, tokens)
+    expected = hf_logits(hf_model, tokens)
     margins.check()
-    err = _relative_error(_logits(model, tokens), expected)
+    err = relative_error(our_logits(model, tokens), expected)
     assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
 
 
@@ -152,10 +129,7 @@ def test_greedy_generation_matches_transformers_generate(checkpoint):
     model_type, hf_model, root = checkpoint
     prompts, steps = _tokens(2, 8, seed=5), 32
     margins = RoutingMargins(hf_model)
-    with torch.no_grad():
-        out = hf_model.generate(torch.from_numpy(prompts.astype(np.int64)), attention_mask=torch.ones(prompts.shape),
-                                max_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
-                                return_dict_in_generate=True)
+    out = hf_greedy(hf_model, prompts, steps)
     margins.check()
     top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, B, 2]
     assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "test model too flat: greedy choices are near-ties"
@@ -171,12 +145,11 @@ def test_exported_checkpoint_loads_back_into_transformers(checkpoint, tmp_path):
     save_hf_checkpoint(model, tmp_path)
     assert set(load_file(tmp_path / "model.safetensors")) == set(load_file(root / "model.safetensors"))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
-                                                                 dtype=torch.float32).eval()
+    reloaded = load_hf_model(tmp_path)
     tokens = _tokens(2, 16, seed=2)
-    theirs = _hf_logits(reloaded, tokens)
-    assert _relative_error(_logits(model, tokens), theirs) <= RTOL
-    assert _relative_error(theirs, _hf_logits(hf_model, tokens)) == 0.0  # the same weights, bit for bit
+    theirs = hf_logits(reloaded, tokens)
+    assert relative_error(our_logits(model, tokens), theirs) <= RTOL
+    assert relative_error(theirs, hf_logits(hf_model, tokens)) == 0.0  # the same weights, bit for bit
     assert load_hf_checkpoint(tmp_path).config == model.config
 
 
@@ -198,8 +171,7 @@ def test_mtp_layer_count_must_match_the_weights(checkpoint, tmp_path):
 
 def _hf_config_json(model_type: str) -> dict:
     """config.json as transformers writes it for the test's config of `model_type`."""
-    config_class, overrides = HF_CONFIGS[model_type]
-    return json.loads(getattr(transformers, config_class)(**{**_COMMON, **overrides}).to_json_string())
+    return json.loads(_hf_config(model_type).to_json_string())
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -268,8 +240,7 @@ def test_mtp_layer_matches_transformers_mtp_model(checkpoint, tmp_path):
     layers = model.config.num_hidden_layers
     assert f"model.layers.{layers}.shared_head.norm.weight" in load_file(tmp_path / "model.safetensors")
     assert load_hf_checkpoint(tmp_path).config == model.config
-    main = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
-                                                             dtype=torch.float32).eval()
+    main = load_hf_model(tmp_path)
     main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers}\..*"]  # HF's pattern names layer 61 / 92
     mtp = MtpModel.from_pretrained(main).eval()
 
@@ -288,5 +259,5 @@ def test_mtp_layer_matches_transformers_mtp_model(checkpoint, tmp_path):
         _, main_hidden = model.forward_full(tokens)
         return mtp_forward_full(model, main_hidden, tokens)[0]
 
-    err = _relative_error(ours(model, jnp.asarray(tokens)), expected)
+    err = relative_error(ours(model, jnp.asarray(tokens)), expected)
     assert err <= RTOL, f"relative MTP logit error {err:.2e} > {RTOL}"

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from transformers import DeepseekV3Config
+from hf_reference import hf_config, torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from mtp_jax.cache import fill_stale
@@ -67,17 +66,16 @@ def _to_float64(module: MLAttention) -> MLAttention:
 def _hf_attention(config: ModelConfig, module: MLAttention, rope: dict | None) -> tuple:
     """transformers' DeepseekV3Attention and rotary embedding holding `module`'s weights (its q_a_proj and
     kv_a_proj_with_mqa are our fused_qkv_a_proj's first q_lora_rank and remaining output columns)."""
-    hf_config = DeepseekV3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=config.num_attention_heads,
+    deepseek = hf_config(
+        "DeepseekV3Config", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=1, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
         rope_interleave=config.rope_interleave, attention_bias=config.attention_bias,
         max_position_embeddings=config.max_position_embeddings,
         rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": config.rope_theta})
-    hf_config._attn_implementation = "eager"
-    hf = DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    hf = DeepseekV3Attention(deepseek, layer_idx=0).eval()
     fused = {"q_a_proj": slice(None, config.q_lora_rank), "kv_a_proj_with_mqa": slice(config.q_lora_rank, None)}
     for name, sub in hf.named_children():
         fuses = config.q_lora_rank is not None and name in fused
@@ -89,7 +87,7 @@ def _hf_attention(config: ModelConfig, module: MLAttention, rope: dict | None) -
                     sub.bias.copy_(torch.from_numpy(np.array(ours.bias[...])[columns]))
             else:
                 sub.weight.copy_(torch.from_numpy(np.array(ours.weight[...])))
-    return hf, DeepseekV3RotaryEmbedding(hf_config)
+    return hf, DeepseekV3RotaryEmbedding(deepseek)
 
 
 def _rel_err(actual, expected) -> float:

@@ -1,0 +1,89 @@
+"""The Hugging Face `transformers` reference (the oracle) of the parity tests (`test_hf_parity`,
+`test_hf_parity_moe`, `test_mla`): transformers configs with eager attention, random float32 reference models,
+checkpoints loaded into transformers, their logits and greedy `generate`, and ours to compare with.
+
+Importing this module skips the importing test module when the [parity] extra (torch, transformers) is
+missing. Every reference model is float32, with eager attention, in eval mode.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="the transformers oracle needs the [parity] extra")
+transformers = pytest.importorskip("transformers", reason="the transformers oracle needs the [parity] extra")
+torch.set_num_threads(1)  # tiny models: extra threads only spin on the shared CPUs
+
+RTOL = 1e-5  # max |ours - theirs| / max |theirs| over the logits
+
+
+def hf_config(class_name: str, **fields):
+    """transformers' config `class_name` (e.g. "LlamaConfig") with `fields`, asking for eager attention."""
+    config = getattr(transformers, class_name)(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+def random_hf_model(config, seed: int, std: float, *, stds: dict[str, float] | None = None,
+                    buffer_stds: dict[str, float] | None = None):
+    """A random float32 HF causal LM of `config` (eager attention, eval mode) with every parameter perturbed:
+    norm weights ~ 1 + N(0, 0.2^2), any other parameter ~ N(0, s^2) with s the first of `stds` whose name
+    suffix it has, else `std`; buffers with a suffix in `buffer_stds` ~ N(0, s^2). Seeded by `seed`."""
+    stds, buffer_stds = stds or {}, buffer_stds or {}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, next((s for suffix, s in stds.items() if name.endswith(suffix)), std))
+        for name, buffer in model.named_buffers():
+            scale = next((s for suffix, s in buffer_stds.items() if name.endswith(suffix)), None)
+            if scale is not None:
+                buffer.copy_(scale * torch.randn_like(buffer))
+    return model.eval()
+
+
+def load_hf_model(path):
+    """A checkpoint directory (ours exported, or `save_pretrained`'s) loaded into transformers."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+
+
+def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def hf_greedy(hf_model, prompts: np.ndarray, steps: int):
+    """transformers' greedy `generate` of `steps` tokens after prompts [B, T], with the scores of each step."""
+    with torch.no_grad():
+        return hf_model.generate(torch.from_numpy(prompts.astype(np.int64)), attention_mask=torch.ones(prompts.shape),
+                                 max_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).forward_full(tokens)[0]
+
+
+def our_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """Our float32 logits [B, T, V] of a full forward (jitted: one compile beats hundreds of eager ones)."""
+    return np.asarray(_jit_logits(*nnx.split(model), jnp.asarray(tokens)))
+
+
+def relative_error(ours, theirs) -> float:
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    assert ours.shape == theirs.shape
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+def assert_close(ours, theirs):
+    err = relative_error(ours, theirs)
+    assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"

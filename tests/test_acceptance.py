@@ -1,0 +1,286 @@
+"""Acceptance (`mtp_jax.decode.acceptance`, `docs/MTP_SPEC.md`): lossless sampling (the emitted tokens follow
+the target distribution, directly and through whole generations), zero-probability drafts never accepted, no
+NaN, and relaxed acceptance in thinking phases (per row and draft position, and through generation).
+
+Models and shared setup: `speculative_helpers` and the `models` fixture (`conftest.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from speculative_helpers import CFG, END_THINK, THINK, S, V, W, add, scripted, spec
+
+from mtp_jax.decode.acceptance import Target, accept
+from mtp_jax.decode.generation import generate
+from mtp_jax.decode.sampling import SamplingParams, SamplingState, target_probs
+from mtp_jax.decode.speculative import SpeculativeConfig
+
+
+@nnx.jit
+def _main_logits(model, tokens):
+    return model.forward_full(tokens)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance: lossless sampling, zero-probability drafts, no NaN
+
+
+def _log(p):
+    with np.errstate(divide="ignore"):
+        return np.log(np.asarray(p, np.float64)).astype(np.float32)
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, z: float = 4.5) -> tuple[bool, str]:
+    """Pearson's chi-square of `counts` against `probs`: no count where the probability is 0, and the
+    statistic below the upper quantile at normal deviate z (Wilson-Hilferty; z = 4.5 is about 3e-6).
+    Cells expected below 5 are pooled."""
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    if counts[probs == 0].sum():
+        return False, f"{counts[probs == 0].sum()} samples where the target has probability 0"
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+    bound = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < bound, f"chi-square {stat:.1f} vs bound {bound:.1f} (df {df}, n {n:.0f})"
+
+
+def emitted(num_accepted: np.ndarray, token: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """The tokens a step emits, [B, K + 1], -1 past the a + 1 emitted."""
+    k_max = drafts.shape[1]
+    index = np.arange(k_max + 1)[None, :]
+    padded = np.concatenate([drafts, np.zeros_like(drafts[:, :1])], axis=1)
+    out = np.where(index < num_accepted[:, None], padded, token[:, None])
+    return np.where(index <= num_accepted[:, None], out, -1)
+
+
+@functools.cache
+def jit_accept(sp: SpeculativeConfig):
+    """`accept` jitted once per config (and shapes)."""
+    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
+                                                                      q, sampling, *rest))
+
+
+def with_uniform(monkeypatch, value: float, sp: SpeculativeConfig):
+    """`accept` under a fresh jit with every uniform draw of the acceptance test forced to `value`."""
+    monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), value, jnp.float32))
+    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
+                                                                      q, sampling, *rest))
+
+
+N_ROWS, SAMPLE_SPEC = 20000, spec("eagle", 2, draft_sampling="sample")  # one compile of `accept` for both tests
+P = np.array([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.0, 0.3, 0.3, 0.3], [0.25, 0.25, 0.0, 0.25, 0.25]])  # p_0..p_2
+Q = np.array([[0.1, 0.6, 0.0, 0.2, 0.1], [0.3, 0.3, 0.3, 0.1, 0.0]])  # q_1, q_2: zeros where p has mass
+
+
+def _rows(**kwargs) -> SamplingState:
+    return SamplingState.from_params([SamplingParams(seed=s, **kwargs) for s in range(N_ROWS)])
+
+
+def _draw(probs: np.ndarray, rng) -> np.ndarray:
+    """One token per row from probs [B, V] (inverse CDF)."""
+    cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)
+    return np.minimum((rng.random((len(probs), 1)) > cdf).sum(-1), probs.shape[-1] - 1).astype(np.int32)
+
+
+@pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
+def test_accept_emits_the_target_distribution(draft_sampling):
+    """20000 rows with distinct seeds, drafts drawn from q (or fixed greedy drafts, q one-hot): the first
+    emitted token follows p_0, the second (rows that accepted d_1) p_1, the bonus (rows that accepted both)
+    p_2; d_1 is accepted at the rate sum(min(p_0, q_1)); drafts with p = 0 are never accepted."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(np.broadcast_to(_log(P), (N_ROWS, 3, 5)))
+    if draft_sampling == "sample":
+        drafts = np.stack([_draw(np.broadcast_to(q, (N_ROWS, 5)), rng) for q in Q], axis=1)
+        q, sp = jnp.asarray(np.broadcast_to(Q, (N_ROWS, 2, 5)), jnp.float32), SAMPLE_SPEC
+        rate = np.minimum(P[0], Q[0]).sum()
+    else:  # half the rows draft (0, 2), half (0, 1), and p_1(1) = 0
+        drafts = np.where(np.arange(N_ROWS)[:, None] % 2, np.int32([0, 2]), np.int32([0, 1]))
+        q, sp = jnp.zeros((N_ROWS, 2, 0), jnp.float32), spec("eagle", 2)
+        rate = P[0, 0]
+    num_accepted, token = jax.device_get(jit_accept(sp)(logits, jnp.asarray(drafts), q, _rows(temperature=1.0),
+                                                        jnp.full((N_ROWS,), 5, jnp.int32), jnp.zeros((N_ROWS,), bool)))
+    out = emitted(num_accepted, token, drafts)
+    for j, rows in enumerate([num_accepted >= 0, num_accepted >= 1, num_accepted == 2]):
+        ok, message = chi_square_ok(np.bincount(out[rows, j], minlength=5), P[j])
+        assert ok, f"emitted token {j}: {message}"
+    accepted = (num_accepted >= 1).mean()
+    assert abs(accepted - rate) < 4.5 * math.sqrt(rate * (1 - rate) / N_ROWS), (accepted, rate)
+    zero = np.concatenate([P[0][drafts[:, :1]] == 0, P[1][drafts[:, 1:]] == 0], axis=1)  # [B, K]: p(d_j) = 0
+    assert zero.any() and not np.any(zero & (np.arange(2)[None, :] < num_accepted[:, None]))
+
+
+def test_zero_probability_draft_is_never_accepted_even_for_a_zero_uniform(monkeypatch):
+    """Every uniform draw forced to exactly 0 (so `u * q < p` holds for any p > 0): drafts with target
+    probability 0 (outside top-k, not the greedy argmax) are rejected whatever q(d), a draft with
+    probability ~1e-6 is accepted."""
+    logits = jnp.asarray(np.tile(np.float32([4.0, 3.0, 2.0, 1.0, -10.0]), (4, 2, 1)))  # [B, K + 1, V]
+    sampling = SamplingState.from_params([SamplingParams(temperature=1.0, top_k=2), SamplingParams(),
+                                          SamplingParams(temperature=1.0, top_k=4),
+                                          SamplingParams(temperature=1.0)])
+    drafts = jnp.int32([[2], [1], [4], [4]])  # outside top-2; not the argmax; outside top-4; p ~ 1e-6
+    q = jnp.asarray(np.float32([[0, 0, 1, 0, 0], [0, 0.5, 0, 0, 0.5], [0.1, 0.1, 0.1, 0.4, 0.3],
+                                [0, 0, 0, 0, 1]])[:, None, :])
+    accept_zero = with_uniform(monkeypatch, 0.0, spec("eagle", 1, draft_sampling="sample"))
+    num_accepted, token = accept_zero(logits, drafts, q, sampling, jnp.full((4,), 3), jnp.zeros((4,), bool))
+    np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
+    token = np.asarray(token)
+    assert token[0] in (0, 1) and token[1] == 0 and token[2] in (0, 1, 2, 3)
+
+
+def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
+    """q = p (temperature 0.7 and top-3 leave zeros in both): every draft is accepted and the bonus is a
+    token of p_K. A rejection forced by u = 1 leaves max(0, p - q) = 0 everywhere: the row still emits a
+    token of p, never NaN or a division by zero."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 2, (N_ROWS, 3, 5)), jnp.float32)
+    sampling = _rows(temperature=0.7, top_k=3)
+    p = np.asarray(jax.jit(target_probs)(logits, sampling), np.float64)  # [B, K + 1, V]
+    drafts = np.stack([_draw(p[:, j], rng) for j in range(2)], axis=1)
+    args = (logits, jnp.asarray(drafts), jnp.asarray(p[:, :2], jnp.float32), sampling, jnp.zeros((N_ROWS,), jnp.int32),
+            jnp.zeros((N_ROWS,), bool))
+    for forced, expected_accepted in [(None, 2), (1.0, 0)]:
+        fn = jit_accept(SAMPLE_SPEC) if forced is None else with_uniform(monkeypatch, forced, SAMPLE_SPEC)
+        num_accepted, token = (np.asarray(x) for x in fn(*args))
+        assert np.all(num_accepted == expected_accepted)
+        assert np.all(p[np.arange(N_ROWS), num_accepted, token] > 0)
+
+
+def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6):
+    """n rows of one prompt with distinct seeds, temperature 1 and top-k, two greedy rows first: the first
+    three generated tokens (one from prefill, then accepted drafts, residual samples and bonuses of
+    speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy."""
+    prompt = [3, 1, 4]
+    sampling = [SamplingParams()] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s) for s in range(n - 2)]
+    result = generate(model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[],
+                                  sampling=sampling)
+    tokens = np.asarray(result.tokens)  # [n, 3]
+    assert 0 < result.metrics.num_accepted < result.metrics.num_drafts
+
+    def target(logits):  # temperature 1 and top-k, in numpy
+        logits = np.asarray(logits, np.float64)
+        kth = np.sort(logits, axis=-1)[..., -top_k][..., None]
+        p = np.where(logits >= kth, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+        return p / p.sum(-1, keepdims=True)
+
+    seqs = np.zeros((V * V + 2, W), np.int32)  # every (t_1, t_2) after the prompt, 3 rows per oracle call
+    for i in range(V * V):
+        seqs[i, : len(prompt) + 2] = prompt + [i // V, i % V]
+    logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i: i + 3]))) for i in range(0, V * V, 3)])
+    at1, at2, at3 = logits[0, len(prompt) - 1], logits[::V][:V, len(prompt)], logits[: V * V, len(prompt) + 1]
+    greedy1 = at1.argmax()
+    greedy2 = at2[greedy1].argmax()
+    np.testing.assert_array_equal(tokens[:2], [[greedy1, greedy2, at3[greedy1 * V + greedy2].argmax()]] * 2)
+    joint12 = target(at1)[:, None] * target(at2)  # [t_1, t_2]
+    joint123 = joint12[..., None] * target(at3).reshape(V, V, V)  # [t_1, t_2, t_3]
+    sampled = tokens[2:]
+    ok, message = chi_square_ok(np.bincount(sampled[:, 0] * V + sampled[:, 1], minlength=V * V), joint12)
+    assert ok, f"(t_1, t_2): {message}"
+    ok, message = chi_square_ok(np.bincount((sampled[:, 0] * V + sampled[:, 1]) * V + sampled[:, 2],
+                                            minlength=V ** 3), joint123)
+    assert ok, f"(t_1, t_2, t_3): {message}"
+
+
+def test_sampled_generation_follows_the_target_distribution(models):
+    """Drafts sampled from the MTP distribution (q carried from the draft step to the next verify)."""
+    check_sampled_generation(models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Relaxed acceptance
+
+
+def _relaxed_spec(delta: float = 0.2, k: int = 4) -> SpeculativeConfig:
+    return spec("eagle", k, relaxed_top_n=3, relaxed_delta=delta)
+
+
+def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
+    """Target at every position: p(1) = 0.4 (argmax), p(2) = 0.3 (top-3, within delta 0.2), p(3) = 0.15
+    (top-3, not within delta), p(7 = </think>) = 0.1 (within delta only at position 1, where p(7) = 0.3)."""
+    base = np.array([0.02, 0.4, 0.3, 0.15, 0.01, 0.01, 0.01, 0.1])
+    think_end_close = np.array([0.02, 0.4, 0.15, 0.1, 0.01, 0.01, 0.01, 0.3])
+    think_start_top = np.array([0.02, 0.1, 0.05, 0.01, 0.01, 0.01, 0.7, 0.1])
+    end_top = np.array([0.02, 0.1, 0.05, 0.01, 0.01, 0.01, 0.1, 0.7])
+    cases = [  # (thinking, temperature, drafts, target per position 0..3, expected num_accepted)
+        (True, 0.0, [2, 2, 2, 2], [base] * 4, 4),  # thinking: relaxed all the way
+        (False, 0.0, [2, 2, 2, 2], [base] * 4, 0),  # not thinking: strict
+        (True, 0.0, [2, 7, 2, 2], [base, think_end_close, base, base], 2),  # </think> accepted: strict after
+        (True, 0.0, [1, 3, 2, 2], [base] * 4, 1),  # 3 is in the top 3 but not within delta
+        (True, 0.01, [2, 2, 2, 2], [base] * 4, 0),  # sampled rows never relax (p(2) ~ 0 at T = 0.01)
+        (False, 0.0, [6, 2, 2, 2], [think_start_top, base, base, base], 4),  # <think> accepted: relaxed after
+        (True, 0.0, [7, 2, 2, 2], [end_top, base, base, base], 1),  # </think> first: the rest strict
+        (True, 0.0, [7, 2, 2, 2], [base] * 4, 0),  # </think> outside the top 3 and below 0.4 - 0.2
+    ]
+    thinking = jnp.asarray([c[0] for c in cases])
+    sampling = SamplingState.from_params([SamplingParams(temperature=c[1]) for c in cases])
+    drafts = jnp.asarray([c[2] for c in cases], jnp.int32)
+    logits = jnp.asarray(np.stack([_log(np.stack(c[3] + [base])) for c in cases]))  # [B, K + 1, V]
+    n = len(cases)
+    num_accepted, token = jit_accept(_relaxed_spec())(logits, drafts, jnp.zeros((n, 4, 0)), sampling,
+                                                      jnp.full((n,), 10), thinking)
+    np.testing.assert_array_equal(num_accepted, [c[4] for c in cases])
+    np.testing.assert_array_equal(np.asarray(token)[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
+
+
+def _phases(tokens: list[int]) -> list[bool]:
+    """phase[i]: thinking after tokens[:i]."""
+    phase, out = False, []
+    for t in tokens:
+        out.append(phase)
+        phase = True if t == THINK else False if t == END_THINK else phase
+    return out + [phase]
+
+
+def near_tie() -> object:
+    """The scripted DeepSeek-style model with a near-tie after token 1: the main model puts p ~ 0.55 on its
+    successor 2 and p ~ 0.43 on 3 (head weight 0.9 beside 1), and MTP module 1 drafts 3 there (it acts on
+    2 where it stands for 1). Strict decoding continues 1 with 2; relaxed acceptance (top-3, delta 0.3)
+    takes the draft 3 inside a thinking phase."""
+    model = scripted(CFG, 2)
+    root = CFG.hidden_size**0.5
+    add(model.lm_head.kernel, (1, 3), 0.9)
+    add(model.mtp[0].eh_proj.kernel, (1, 1), -4 / root)
+    add(model.mtp[0].eh_proj.kernel, (1, 2), 4 / root)
+    return model
+
+
+def test_relaxed_generation_relaxes_only_thinking_positions():
+    """Rows in and out of the thinking phase in one batch (row 0 thinks throughout, row 1 never, row 2's
+    prompt closes its phase). Each generated token, checked against a no-cache recompute: where the row
+    was thinking it is among the top-3 and within delta of the top probability, elsewhere it is the
+    argmax; row 0 takes relaxed tokens (the near-tie is built in); rows that never think equal strict
+    greedy."""
+    model, sp = near_tie(), _relaxed_spec(0.3, k=2)
+    prompts = [[THINK, 1, 2], [3, 4], [THINK, 5, END_THINK, 2]]
+    result = generate(model, prompts, speculative=sp, max_new_tokens=30, max_length=S, stop_tokens=[])
+    strict = generate(model, prompts, max_new_tokens=30, max_length=S, stop_tokens=[])
+    seqs = np.zeros((3, W), np.int32)
+    for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
+        seqs[b, : len(prompt) + len(tokens)] = prompt + tokens
+    probs = np.asarray(jax.nn.softmax(_main_logits(model, jnp.asarray(seqs)), axis=-1))
+    relaxed_tokens = in_phase = out_of_phase = 0
+    for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens, strict=True)):
+        phases = _phases(prompt + tokens)
+        for i in range(len(prompt), len(prompt) + len(tokens)):
+            p, t = probs[b, i - 1], seqs[b, i]
+            if phases[i]:
+                assert t in np.argsort(-p)[:3] and p[t] >= p.max() - 0.3 - 1e-5, (b, i)
+                relaxed_tokens += int(t != p.argmax())
+            else:
+                assert t == p.argmax(), (b, i)
+        if not any(phases[len(prompt):]):
+            assert tokens == strict.tokens[b]
+        in_phase += sum(phases[len(prompt): len(prompt) + len(tokens)])
+        out_of_phase += len(tokens) - sum(phases[len(prompt): len(prompt) + len(tokens)])
+    assert relaxed_tokens > 0 and in_phase > 0 and out_of_phase > 0, (relaxed_tokens, in_phase, out_of_phase)
+    assert result.tokens[0][:5] == [3, 4, 5, 1, 3] and strict.tokens[0][:5] == [3, 4, 5, 1, 2]
