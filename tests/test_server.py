@@ -24,14 +24,15 @@ import openai  # the official client, a test dependency (pyproject's `test` extr
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from test_async_engine import wait_for
 
 from mtp_jax import generate
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import build_parser, main
 from mtp_jax.cli.serve import run_serve
 from mtp_jax.decode.speculative import SpeculativeConfig
-from mtp_jax.serving import RequestMetrics, RequestOutput, ServingEngine
-from mtp_jax.serving.async_engine import AsyncEngine, EngineError
+from mtp_jax.serving import RequestOutput, ServingEngine
+from mtp_jax.serving.async_engine import AsyncEngine
 from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt
 from mtp_jax.serving.prometheus import PrometheusMetrics
 from mtp_jax.serving.server import bind, build_app
@@ -146,11 +147,6 @@ def completion_result(response) -> tuple[str, str, int, int]:
     return choice.text, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
 
 
-def wait_for(condition, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 
@@ -460,107 +456,6 @@ def test_models_health_and_metrics(served):
     labels = (("engine", "0"), ("model_name", MODEL))
     assert values["vllm:request_success_total", tuple(sorted(labels + (("finished_reason", "length"),)))] >= 1
     assert values["vllm:spec_decode_num_drafts_total", labels] >= 1
-
-
-# ----------------------------------------------------------------------------------------------
-# AsyncEngine alone (a fake engine: no model)
-
-
-class FakeEngine:
-    """The ServingEngine calls AsyncEngine makes; each step hands every request one token, forever (an
-    aborted one gets its "abort" output at the next step, as ServingEngine's)."""
-
-    def __init__(self, fail_at_step: int | None = None):
-        self.running, self.aborting, self.aborted = set(), set(), []
-        self.steps, self.fail_at_step = 0, fail_at_step
-        self.lock = threading.Lock()
-
-    def add_request(self, prompt, *, request_id, max_tokens=None):
-        with self.lock:
-            self.running.add(request_id)
-
-    def abort(self, request_id):
-        with self.lock:
-            self.aborted.append(request_id)
-            if request_id not in self.running:
-                return False
-            self.aborting.add(request_id)
-            return True
-
-    def has_unfinished(self):
-        with self.lock:
-            return bool(self.running)
-
-    def step(self):
-        self.steps += 1
-        if self.steps == self.fail_at_step:
-            raise RuntimeError("device lost")
-        time.sleep(0.001)
-        with self.lock:
-            ids, self.running = [(i, i in self.aborting) for i in self.running], self.running - self.aborting
-            self.aborting = set()
-        return [RequestOutput(request_id=i, token_ids=[] if gone else [1], logprobs=[] if gone else [0.0],
-                              text="" if gone else "a", num_committed=1, num_accepted=0, prompt_tokens=1,
-                              completion_tokens=self.steps, finish_reason="abort" if gone else None,
-                              stop_reason=None, metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=0))
-                for i, gone in ids]
-
-
-def test_async_engine_idles_without_work_and_aborts_cancelled_consumers():
-    fake = FakeEngine()
-    engine = AsyncEngine(fake)
-    engine.start()
-    time.sleep(0.2)
-    assert fake.steps == 0 and engine.is_running  # waits on its condition, no busy loop
-
-    async def consume(n):
-        got = []
-        # aclosing: the generator is closed while this loop runs (left to the garbage collector, its
-        # finalizer would later schedule aclose() on a closed loop: "Event loop is closed")
-        async with contextlib.aclosing(engine.generate([1], request_id="r", max_tokens=None)) as stream:
-            async for out in stream:
-                got.append(out.text)
-                if len(got) == n:
-                    break  # leaving the loop aborts
-        return got
-
-    async def cancelled():
-        task = asyncio.ensure_future(consume(10**9))
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    assert asyncio.run(consume(3)) == ["a"] * 3
-    wait_for(lambda: not fake.has_unfinished())
-    assert fake.aborted == ["r"]
-    asyncio.run(cancelled())
-    wait_for(lambda: not fake.has_unfinished())
-    assert fake.aborted == ["r", "r"]
-    steps = fake.steps
-    time.sleep(0.1)
-    assert fake.steps == steps  # idle again
-    engine.shutdown()
-    assert not engine.is_running
-    with pytest.raises(EngineError, match="shut down"):
-        asyncio.run(consume(1))
-
-
-def test_async_engine_surfaces_engine_thread_errors():
-    engine = AsyncEngine(FakeEngine(fail_at_step=3))
-    engine.start()
-
-    async def consume():
-        async with contextlib.aclosing(engine.generate([1], request_id="r")) as stream:
-            async for _ in stream:
-                pass
-
-    with pytest.raises(EngineError, match="device lost"):
-        asyncio.run(consume())
-    assert not engine.is_running and isinstance(engine.error, RuntimeError)
-    with pytest.raises(EngineError, match="device lost"):
-        asyncio.run(consume())  # refused at once: the thread is gone
-    engine.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------
