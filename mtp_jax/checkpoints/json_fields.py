@@ -62,3 +62,8 @@ def read_token_ids(hf: Mapping[str, Any], name: str) -> int | tuple[int, ...] | 
 def read_kind(hf: Mapping[str, Any], name: str, kind: str, default: Any) -> Any:
     """`read_field`, with kind "positive" meaning an int >= 1 (`read_positive`)."""
     return read_positive(hf, name, default) if kind == "positive" else read_field(hf, name, kind, default)
+
+
+def or_default(value: Any, default: Any) -> Any:
+    """`value`, or `default` when it is None (a field absent or null)."""
+    return default if value is None else value

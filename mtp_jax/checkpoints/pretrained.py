@@ -86,7 +86,7 @@ def inference_dtype(path: str | os.PathLike | None = None,
     if stored == "float32" or jax.default_backend() != "cpu":
         return stored, None
     return "float32", (f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "
-                       f"{stored} matmuls are slower than float32 at batch 1 (docs/benchmarks.md: bfloat16 on the CPU); "
+                       f"{stored} matmuls are slower than float32 at batch 1 (docs/benchmarks.md); "
                        f"pass --dtype {stored} to keep them (half the memory, faster at batch 8)")
 
 

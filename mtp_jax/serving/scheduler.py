@@ -43,11 +43,9 @@ from tokenizers import Tokenizer
 
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.engine import compiled_counts as decode_compiled_counts
-from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
-from mtp_jax.decode.text import TextStream
 from mtp_jax.model import Transformer
 from mtp_jax.serving.outputs import FINISH_REASONS, RequestMetrics, RequestOutput
 from mtp_jax.serving.requests import ServedRequest
@@ -151,33 +149,10 @@ class ServingEngine:
         over max_length, too many stop tokens, stop strings without a tokenizer, a request_id in
         use, ...) and `QueueFull` when `max_queue` requests wait already.
         """
-        config = self.model.config
-        eos = [] if ignore_eos else list(config.eos_token_ids)
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
-            raise TypeError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
-        checked = check_request(config, [prompt], max_new_tokens=1 if max_tokens is None else max_tokens,
-                                sampling=sampling, max_length=self.max_length,
-                                stop_tokens=eos + list(stop_token_ids))
-        prompt = checked.prompts[0]
-        room = self.max_length - len(prompt)
-        max_tokens = room if max_tokens is None else checked.max_new_tokens[0]
-        if max_tokens > room:
-            raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens and a slot "
-                             f"holds max_length={self.max_length} (prompt + max_tokens <= {self.max_length})")
-        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
-            raise TypeError(f"stop must be a list of strings, got {stop!r}")
-        stop = tuple(s for s in stop)
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        if stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (ServingEngine(tokenizer=...))")
-        if self._oracle != (oracle_tokens is not None):
-            raise ValueError("oracle_tokens is required with speculative method 'oracle' and only there")
-        if self._oracle:
-            oracle_tokens = np.asarray(oracle_tokens)
-            if oracle_tokens.ndim != 1 or not np.issubdtype(oracle_tokens.dtype, np.integer) or len(
-                    oracle_tokens) > self.max_length:
-                raise ValueError(f"oracle_tokens must be at most max_length={self.max_length} int token ids")
+        request = ServedRequest.checked(
+            self.model.config, prompt, max_length=self.max_length, max_tokens=max_tokens, sampling=sampling,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stop=stop, tokenizer=self.tokenizer,
+            oracle=self._oracle, oracle_tokens=oracle_tokens, num_speculative_tokens=self.num_speculative_tokens)
         now = self.clock()
         with self._lock:
             if request_id is None:
@@ -187,12 +162,7 @@ class ServingEngine:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} requests waiting, max_queue="
                                 f"{self.max_queue}); retry later")
-            request = ServedRequest(
-                id=request_id, prompt=prompt, max_tokens=max_tokens, sampling=checked.sampling[0],
-                stop_token_ids=checked.stop_tokens, eos_ids=frozenset(eos), stop=stop,
-                oracle_tokens=oracle_tokens,
-                metrics=RequestMetrics(arrival_time=now, num_speculative_tokens=self.num_speculative_tokens),
-                text=None if self.tokenizer is None else TextStream(self.tokenizer))
+            request.id, request.metrics.arrival_time = request_id, now
             self._ids.add(request_id)
             self._waiting.append(request)
         return request_id

@@ -38,6 +38,7 @@ from mtp_jax.sharding import (
     trim_specs,
 )
 from mtp_jax.training import data
+from mtp_jax.training.batches import heldout_batches
 from mtp_jax.training.loss import compute_loss, label_mask
 
 
@@ -255,7 +256,7 @@ def _eval_step(params: nnx.State, tokens: jax.Array, segment_ids: jax.Array, tok
 def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.ndarray, *, batch_size: int,
              seq_len: int, mtp_lambda: float = 0.1, max_batches: int | None = None,
              mesh: Mesh | None = None) -> dict[str, float]:
-    """Held-out metrics over `split` (one pass, `data.heldout_batches`), pooled over tokens; with `mesh`,
+    """Held-out metrics over `split` (one pass, `batches.heldout_batches`), pooled over tokens; with `mesh`,
     the model's parameters placed on it by their logical axes and each batch's rows split over data x fsdp.
 
     Returns floats: "main_loss" (nats per predicted token), "bits_per_byte" (the main loss summed
@@ -278,7 +279,7 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
         token_bytes = place(token_bytes, NamedSharding(mesh, P()))
     sums: dict[str, float] = {}
     depths = range(1, model.config.num_nextn_predict_layers + 1)
-    for tokens, segment_ids in data.heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
+    for tokens, segment_ids in heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
         tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
         with on_mesh(mesh):
             m = to_host(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef,

@@ -17,7 +17,7 @@ A run lives in a run dir (`mtp_jax.training.run_dir`: its layout, the lock, the 
 and checkpoint fallback). A checkpoint holds {"train": TrainState, "frozen": the frozen state}
 and the JSON metadata {"tokens_per_step", "step"}.
 
-Resume is exact: the batch of step n is a pure function of (corpus, seed, n) (`data.PackedBatches`)
+Resume is exact: the batch of step n is a pure function of (corpus, seed, n) (`batches.PackedBatches`)
 and the checkpoint holds the whole optimizer state, so 2N steps in one go equal N steps, a restart
 and N more. Checkpoints are written every `checkpoint_every` steps, at the end, and when the run is
 stopped by SIGINT (Ctrl-C) or SIGTERM: the signal ends the loop after the current step (a second
@@ -41,11 +41,8 @@ import dataclasses
 import math
 import os
 import pathlib
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +58,13 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.sharding import on_mesh, place, resolve, to_host
 from mtp_jax.training import data
+from mtp_jax.training.batches import PackedBatches
+from mtp_jax.training.guards import (  # NonFiniteError re-exported
+    NonFiniteError,  # noqa: F401
+    all_finite,
+    non_finite_error,
+    stop_requests,
+)
 from mtp_jax.training.resume import check_compatible, record_resume, resume_settings
 from mtp_jax.training.run_checkpoints import (  # load_run re-exported: part of this module's interface
     abstract_train_state,
@@ -98,58 +102,6 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
     train_step,  # noqa: F401  (re-exported)
     trainable_filter,  # noqa: F401  (re-exported)
 )
-
-# ----------------------------------------------------------------------------------------------
-# Non-finite steps, interrupts.
-
-
-class NonFiniteError(FloatingPointError):
-    """A step's loss, gradient norm or updated state is not finite; the run stopped before saving it.
-
-    `step` is the step that went wrong; `last_checkpoint` the step of the latest checkpoint (all
-    finite), None if there is none.
-    """
-
-    def __init__(self, message: str, *, step: int, last_checkpoint: int | None):
-        super().__init__(message)
-        self.step, self.last_checkpoint = step, last_checkpoint
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
-
-
-def _non_finite(run_dir: pathlib.Path, manager: ocp.CheckpointManager, step: int, what: str) -> NonFiniteError:
-    last = manager.latest_step()
-    where = ("no checkpoint was written" if last is None
-             else f"the last checkpoint, step {last}, is finite and a resume continues from it")
-    return NonFiniteError(f"{what} not finite at step {step} in {run_dir}: stopped without saving it ({where})",
-                          step=step, last_checkpoint=last)
-
-
-@contextlib.contextmanager
-def _stop_requests() -> Iterator[threading.Event]:
-    """An event set by SIGTERM or a first SIGINT (a second SIGINT raises KeyboardInterrupt at once)."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def on_signal(signum, frame):
-        if signum == signal.SIGINT and stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        tqdm.write(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
-                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @dataclasses.dataclass
@@ -346,14 +298,14 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
     updated state) is not finite, before saving anything of it.
     """
     optimizer = StaticOptimizer(config)
-    batches = data.PackedBatches(corpus.train, config.batch_size, config.seq_len, config.seed)
+    batches = PackedBatches(corpus.train, config.batch_size, config.seq_len, config.seed)
     schedule = learning_rate_schedule(config)
     meta = {"tokens_per_step": config.tokens_per_step}
     train_metrics: dict[str, float] = {}
     eval_metrics = None
     step = int(to_host(state.step))
     bar = tqdm(total=config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
-    with _stop_requests() as stop, bar:
+    with stop_requests() as stop, bar:
         last_time, last_step = time.perf_counter(), step
         while step < end:
             tokens, segment_ids = place_batch(*batches.batch(step), mesh)
@@ -364,7 +316,8 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
             bar.update(1)
             loss, grad_norm = (float(x) for x in to_host((metrics["loss"], metrics["grad_norm"])))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise _non_finite(run_dir, manager, step, f"the loss ({loss}) or the gradient norm ({grad_norm}) is")
+                what = f"the loss ({loss}) or the gradient norm ({grad_norm}) is"
+                raise non_finite_error(run_dir, manager, step, what)
             if step % config.log_every == 0 or step == end:
                 train_metrics = {k: float(v) for k, v in to_host(metrics).items()}
                 now = time.perf_counter()
@@ -381,9 +334,9 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
             if step % config.checkpoint_every == 0 or step == end or stop.is_set():
                 with on_mesh(mesh):
-                    finite = bool(to_host(_all_finite((state.params, state.opt_state))))
+                    finite = bool(to_host(all_finite((state.params, state.opt_state))))
                 if not finite:
-                    raise _non_finite(run_dir, manager, step, "the updated parameters or optimizer state are")
+                    raise non_finite_error(run_dir, manager, step, "the updated parameters or optimizer state are")
                 save_train_state(manager, state, frozen, meta)
             if stop.is_set():
                 break
