@@ -33,6 +33,9 @@ MOE_SCORING_FUNCS = ("sigmoid", "softmax")
 # `ModelConfig.scan_layers`'s default: unrolled, by benchmarks/bench_compile.py's measurements (ModelConfig's
 # docstring gives them).
 SCAN_LAYERS_DEFAULT = False
+# Stop-token slots in the decode state (a fixed shape; unused slots hold -1): a request's stop tokens and
+# a checkpoint's EOS ids are at most this many (`mtp_jax.decode.request`, `mtp_jax.checkpoints.reading`).
+MAX_STOP_TOKENS = 16
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

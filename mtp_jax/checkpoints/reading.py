@@ -40,8 +40,7 @@ from mtp_jax.checkpoints.names import (
     tensor_axes,
     tensor_layout,
 )
-from mtp_jax.config import ModelConfig
-from mtp_jax.decode.request import MAX_STOP_TOKENS
+from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
 from mtp_jax.model import Transformer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
@@ -69,7 +68,7 @@ def _read_config(root: Path, shown: Path) -> ModelConfig:
         raise CheckpointError(f"{file}: {error}") from error
     if len(set(config.eos_token_ids)) > MAX_STOP_TOKENS:
         raise CheckpointError(f"{file}: eos_token_id lists {len(set(config.eos_token_ids))} distinct token ids; "
-                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.decode.request.MAX_STOP_TOKENS)")
+                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.config.MAX_STOP_TOKENS)")
     return config
 
 
@@ -179,7 +178,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
       CheckpointError (a ValueError) naming the file: config.json or an index that is not JSON
         (nesting too deep included); config.json that is not a JSON object, that `config_from_hf`
         refuses (an unsupported or ill-typed field), or whose eos_token_id lists more distinct ids
-        than generation can stop at (`mtp_jax.decode.request.MAX_STOP_TOKENS`); an index that has no
+        than generation can stop at (`mtp_jax.config.MAX_STOP_TOKENS`); an index that has no
         `weight_map`, or names a shard that is not a plain file name in `path` (`..`, absolute
         paths and subdirectories are refused); a safetensors file that is empty, truncated or not
         safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the

@@ -13,11 +13,10 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.validation import is_integer
 
-MAX_STOP_TOKENS = 16  # stop-token slots in the decode state (fixed shape); unused slots hold -1
 _TEXT = (str, bytes, bytearray, memoryview)  # sequences of characters or bytes, never of token ids
 
 

@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache
 from mtp_jax.cache import logical_axes as cache_axes
+from mtp_jax.config import MAX_STOP_TOKENS
 from mtp_jax.decode.acceptance import initial_phase
 from mtp_jax.decode.drafters import DraftState, init_draft_state
 from mtp_jax.decode.metrics import SpeculativeCounters, SpeculativeMetrics
-from mtp_jax.decode.request import MAX_STOP_TOKENS, check_request
+from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams, SamplingState
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import Transformer

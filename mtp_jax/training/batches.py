@@ -1,4 +1,5 @@
-"""Packed training rows: `PackedBatches` (shuffled, resumable) and `heldout_batches` (one pass).
+"""A split as token arrays (`TokenizedSplit`) and its packed training rows: `PackedBatches` (shuffled,
+resumable) and `heldout_batches` (one pass).
 
 Packing. Each document is its tokens followed by `<|endoftext|>`. Epoch e lays the training
 documents end to end in the order `permutation(seed, e)`; epochs follow each other as one endless
@@ -15,14 +16,33 @@ in a row 1, 2, ...; 0 marks padding, which only the held-out batches use, to fil
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 from jaxtyping import Int
 
-if TYPE_CHECKING:
-    from mtp_jax.training.data import TokenizedSplit
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSplit:
+    """Documents as one flat array: document i is `tokens[offsets[i]:offsets[i + 1]]`, EOS last.
+
+    tokens: int32 [N]; offsets: int64 [num_documents + 1], offsets[0] = 0, offsets[-1] = N.
+    """
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def document(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
 def segment_ids_from_documents(document_ids: Int[np.ndarray, "... T"]) -> Int[np.ndarray, "... T"]:

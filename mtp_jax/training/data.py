@@ -42,6 +42,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtp_jax.training.batches import (  # noqa: F401  (re-exported: packing is part of this module's interface)
     PackedBatches,
+    TokenizedSplit,
     heldout_batches,
     segment_ids_from_documents,
 )
@@ -160,28 +161,6 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------
 # Tokenized splits.
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedSplit:
-    """Documents as one flat array: document i is `tokens[offsets[i]:offsets[i + 1]]`, EOS last.
-
-    tokens: int32 [N]; offsets: int64 [num_documents + 1], offsets[0] = 0, offsets[-1] = N.
-    """
-
-    tokens: np.ndarray
-    offsets: np.ndarray
-
-    @property
-    def num_documents(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
-
-    def document(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
 def tokenize_documents(tokenizer: Tokenizer, texts: Iterable[str], eos_id: int) -> TokenizedSplit:
