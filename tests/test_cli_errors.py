@@ -1,7 +1,7 @@
 """Crash paths of the `mtp-jax` commands that end as one-line errors naming the flag (or the file, or the
 environment variable), exit status 2, no traceback and no hang: the jax.distributed flags and
 variables, serve's --port, a damaged run.json under `train --resume`, and an MLA model or --mtp-only
-without MTP modules under `train`."""
+without MTP modules under `train` (from a preset, --init-from DIR or --model DIR)."""
 
 import json
 import os
@@ -276,16 +276,18 @@ def mla_dir(tmp_path_factory):
     return path
 
 
-def test_train_init_from_an_mla_model_is_refused_before_the_corpus(tmp_path, capsys, monkeypatch, mla_dir, no_corpus):
+@pytest.mark.parametrize("flag", ["--init-from", "--model"])  # --model DIR: the same as --init-from DIR
+def test_train_init_from_an_mla_model_is_refused_before_the_corpus(tmp_path, capsys, monkeypatch, mla_dir, no_corpus,
+                                                                   flag):
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights were read before the refusal")
 
     monkeypatch.setattr("mtp_jax.cli.train.init_from_pretrained", no_weights)
     begin = time.perf_counter()
-    assert main(["train", str(tmp_path / "run"), "--init-from", str(mla_dir), "--mtp-only", "--no-progress"]) == 2
+    assert main(["train", str(tmp_path / "run"), flag, str(mla_dir), "--mtp-only", "--no-progress"]) == 2
     assert time.perf_counter() - begin < 10
     assert _one_line_error(capsys.readouterr().err, "train") == (
-        f"mtp-jax train: error: --init-from {mla_dir}: the model has attention_type='mla', and training packs "
+        f"mtp-jax train: error: {flag} {mla_dir}: the model has attention_type='mla', and training packs "
         "documents into rows (segment_ids), which MLA does not support yet; train a model with "
         "attention_type='gqa'\n")
     assert not (tmp_path / "run").exists()
@@ -304,6 +306,7 @@ def test_mtp_only_for_a_model_without_mtp_modules_is_refused_before_the_corpus(t
     config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_nextn_predict_layers=0)
     save_pretrained(init_model(config, seed=0), plain, tokenizer=tokenizer)
     for flags, source in ((["--init-from", str(plain)], f"--init-from {plain}"),
+                          (["--model", str(plain)], f"--model {plain}"),
                           (["--model", "tiny", "--mtp-layers", "0"], "--model tiny")):
         assert main(["train", str(tmp_path / "run"), *flags, "--mtp-only", "--no-progress"]) == 2
         assert _one_line_error(capsys.readouterr().err, "train") == (

@@ -1,6 +1,7 @@
 """`mtp-jax serve` and JAX's persistent compilation cache: the flags `generate` has
 (`--compilation-cache DIR`, `--no-compilation-cache`, default `$MTP_JAX_CACHE/jax_cache`), set up before
 the engine's warm-up, so that a second start loads the warm-up's programs instead of compiling them.
+And the model it serves: `--model DIR`, or the positional MODEL_DIR, not both.
 
 The server itself is not started: `mtp_jax.serving.server.serve` is replaced by a stand-in that
 returns at once (tests/test_server.py serves for real)."""
@@ -10,7 +11,7 @@ import jax.monitoring
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from mtp_jax.checkpoints.pretrained import save_pretrained
+from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained
 from mtp_jax.cli import main
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
@@ -46,11 +47,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def served(monkeypatch) -> list[dict]:
-    """What each `serve` call found: the compilation cache settings once the engine was warm."""
+    """What each `serve` call found: the compilation cache settings once the engine was warm, and (under
+    "served") the engine, tokenizer and model name it was given."""
     calls = []
 
     def stand_in(engine, tokenizer, name, *, sock, **kwargs):
-        calls.append({name: getattr(jax.config, name) for name in CACHE_SETTINGS})
+        calls.append({setting: getattr(jax.config, setting) for setting in CACHE_SETTINGS}
+                     | {"served": (engine, tokenizer, name)})
         sock.close()
 
     monkeypatch.setattr(server, "serve", stand_in)
@@ -58,7 +61,9 @@ def served(monkeypatch) -> list[dict]:
 
 
 def _argv(model_dir, *flags) -> list[str]:
-    return ["serve", str(model_dir), "--port", "0", "--speculative", "none", "--max-batch", "1", "--max-length",
+    """serve's argv for a small engine; `model_dir` None: none given as MODEL_DIR (--model in `flags`)."""
+    positional = [] if model_dir is None else [str(model_dir)]
+    return ["serve", *positional, "--port", "0", "--speculative", "none", "--max-batch", "1", "--max-length",
             "32", "--prefill-chunk", "8", "--log-level", "warning", *flags]
 
 
@@ -113,3 +118,33 @@ def test_compilation_cache_flags_exclude_each_other(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith("error: argument --no-compilation-cache: not allowed with argument "
                                             "--compilation-cache\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# The model: --model DIR, or the positional MODEL_DIR
+
+
+def test_serve_model_flag_serves_that_directory(model_dir, served):
+    assert main(_argv(None, "--model", str(model_dir), "--no-compilation-cache")) == 0
+    assert main(_argv(model_dir, "--no-compilation-cache")) == 0
+    (by_flag, tokenizer, name), (by_positional, _, positional_name) = served[0]["served"], served[1]["served"]
+    model, own_tokenizer = load_pretrained(model_dir)
+    assert name == positional_name == "tiny"  # the directory's name
+    assert by_flag.engine.model.config == by_positional.engine.model.config == model.config  # not the demo model's
+    assert model.config != load_pretrained(DEFAULT_MODEL_DIR)[0].config
+    assert tokenizer.get_vocab() == own_tokenizer.get_vocab()
+
+
+def test_serve_model_flag_and_model_dir_together_are_refused(model_dir, tmp_path, served, capsys):
+    assert main(_argv(model_dir, "--model", str(tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err == (f"mtp-jax serve: error: MODEL_DIR {model_dir} and --model {tmp_path} "
+                                              "both name the model: give one of them\n")
+    assert not served  # refused before the model was loaded
+
+
+def test_serve_model_flag_errors_name_it(tmp_path, served, capsys):
+    assert main(_argv(None, "--model", str(tmp_path / "missing"))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp-jax serve: error: --model: ") and err.count("\n") == 1 and "missing" in err
+    assert not served

@@ -62,13 +62,13 @@ sys.path.insert(0, str(HERE))
 import convert  # noqa: E402
 
 import mtp_jax  # noqa: E402
-from mtp_jax.training import data  # noqa: E402
 from mtp_jax.checkpoints import load_hf_checkpoint  # noqa: E402
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained  # noqa: E402
 from mtp_jax.config import ModelConfig  # noqa: E402
 from mtp_jax.decode.generation import generate  # noqa: E402
 from mtp_jax.decode.speculative import SpeculativeConfig  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402
+from mtp_jax.training import data  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 

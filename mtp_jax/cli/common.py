@@ -1,5 +1,6 @@
 """What the `mtp-jax` commands share: the cache directories (tokenized corpora, JAX's persistent
-compilation cache and its flags), bounded argparse types, and flag-naming of the library's errors."""
+compilation cache and its flags), bounded argparse types, flag-naming of the library's errors, and how
+`--model` names the model directory."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def name_flags(error: Exception, flags: Mapping[str, str], extra: Iterable[str] 
     if named:
         return ValueError(f"{', '.join(named)}: {message}")
     return error if isinstance(error, ValueError) else ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model a command works on: `--model DIR` in every command (and a preset name in `train`).
+
+MODEL_HELP = "a saved model directory (config.json, safetensors, tokenizer.json)"
+"""What `--model` names, in the help of every command that takes it (`train` adds ", or a preset name")."""
+
+
+class DefaultModelDir(str):
+    """The default of a positional model directory (`serve`'s MODEL_DIR): a str that says it was not given,
+    so that `--model DIR` next to it is no conflict. argparse hands the default object over as it is."""
+
+
+def pick_model(positional: str | None, option: str | None, metavar: str) -> tuple[str | None, str]:
+    """(the model directory, the spelling that named it: "--model" or `metavar`) of a command that takes
+    it as a positional argument (None or a `DefaultModelDir` when not given) and as `--model DIR` (None
+    when not given); ValueError naming both when both are given."""
+    given = positional is not None and not isinstance(positional, DefaultModelDir)
+    if given and option is not None:
+        raise ValueError(f"{metavar} {positional} and --model {option} both name the model: give one of them")
+    return (option, "--model") if option is not None else (positional, metavar)
 
 
 # ----------------------------------------------------------------------------------------------

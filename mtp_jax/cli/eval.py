@@ -7,7 +7,7 @@ import json
 import pathlib
 
 from mtp_jax.checkpoints import reading as checkpoint
-from mtp_jax.cli.common import bounded, corpus_of_run, default_data_dir
+from mtp_jax.cli.common import MODEL_HELP, bounded, corpus_of_run, default_data_dir, pick_model
 from mtp_jax.training import data
 from mtp_jax.training.step import evaluate
 from mtp_jax.training.trainer import load_run
@@ -19,9 +19,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model",
         description="Evaluate a model on the held-out split of the Python stdlib corpus: main loss (nats/token), "
                     "bits/byte, and per MTP depth its loss and agreement with the main model's argmax "
-                    "(teacher-forced). PATH is a run dir (its latest readable checkpoint, or --step) or a Hugging "
-                    "Face-format dir with tokenizer.json. Prints the metrics as JSON.")
-    p.add_argument("path", help="a run dir (latest checkpoint) or a Hugging Face-format dir with tokenizer.json")
+                    "(teacher-forced). --model DIR names the model: a saved model directory (config.json, "
+                    "safetensors, tokenizer.json). PATH is a run dir (its latest readable checkpoint, or --step) "
+                    "or a saved model directory; give PATH or --model. Prints the metrics as JSON.")
+    p.add_argument("path", metavar="PATH", nargs="?",
+                   help="a run dir (latest checkpoint, or --step) or a saved model directory")
+    p.add_argument("--model", metavar="DIR", help=MODEL_HELP)
     p.add_argument("--step", type=bounded(int, 0), help="checkpoint step of a run dir (default the latest)")
     p.add_argument("--data-dir", help="corpus cache (default: the run's, or one keyed by the tokenizer)")
     p.add_argument("--batch-size", type=bounded(int, 1), default=16, help="rows per batch (default 16)")
@@ -32,18 +35,38 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _load_model_dir(path: pathlib.Path, spelling: str):
+    """(model, tokenizer.json path) of a saved model directory; errors name `spelling` when it is --model."""
+    tokenizer_path = path / "tokenizer.json"
+    if spelling != "--model":
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"no run.json or tokenizer.json in {path}")
+        return checkpoint.load_hf_checkpoint(path), tokenizer_path
+    if not tokenizer_path.is_file():
+        run_dir = f"; {path} is a run dir: give it as PATH" if (path / "run.json").is_file() else ""
+        raise ValueError(f"--model: no tokenizer.json in {path} (a saved model directory holds config.json, "
+                         f"safetensors, tokenizer.json){run_dir}")
+    try:
+        return checkpoint.load_hf_checkpoint(path), tokenizer_path
+    except (OSError, ValueError) as error:  # missing config.json or weights, corrupt or mismatched checkpoints
+        raise ValueError(f"--model: {error}") from error
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    path = pathlib.Path(args.path)
+    given, spelling = pick_model(args.path, args.model, "PATH")
+    if given is None:
+        raise ValueError("name the model: PATH (a run dir or a saved model directory) or --model DIR")
+    if spelling == "--model" and args.step is not None:
+        raise ValueError(f"--step {args.step} picks a checkpoint of a run dir (PATH); --model {given} is a saved "
+                         "model directory")
+    path = pathlib.Path(given)
     seq_len = args.seq_len
-    if (path / "run.json").is_file():
+    if spelling == "PATH" and (path / "run.json").is_file():
         model, run = load_run(path, args.step)
         corpus = corpus_of_run(path, run, args.data_dir)
         seq_len = seq_len or run["train_config"]["seq_len"]
     else:
-        tokenizer_path = path / "tokenizer.json"
-        if not tokenizer_path.is_file():
-            raise FileNotFoundError(f"no run.json or tokenizer.json in {path}")
-        model = checkpoint.load_hf_checkpoint(path)
+        model, tokenizer_path = _load_model_dir(path, spelling)
         corpus = data.prepare_corpus(args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
                                      tokenizer_path=tokenizer_path, verbose=True)
     result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=args.batch_size,

@@ -7,19 +7,19 @@ import sys
 from pathlib import Path
 
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
-from mtp_jax.cli.common import add_compilation_cache_arguments, configure_compilation_cache, name_flags
+from mtp_jax.cli.common import MODEL_HELP, add_compilation_cache_arguments, configure_compilation_cache, name_flags
 from mtp_jax.cli.distributed import add_mesh_arguments, check_num_prompts, mesh_from_args
 
 GENERATE_DESCRIPTION = """\
 Generate continuations of text prompts, with plain decoding or MTP speculative decoding.
 
-The model directory holds config.json, safetensors weights and tokenizer.json (Hugging Face layout;
-default: the bundled demo model). stdout gets each prompt and its continuation (with --stream, the
-one prompt's text as it is committed). stderr gets one timing line and, when speculating, the
-acceptance metrics. The timing line keeps apart: load (reading the model directory), compile (a
-warm-up run of 1-2 tokens that compiles every jitted function; JAX's persistent compilation cache,
---compilation-cache, makes it short on later runs) and decode (the real run, compiled code only:
-tokens generated / wall time of prefill plus decode)."""
+--model DIR names the model: a saved model directory (config.json, safetensors, tokenizer.json;
+Hugging Face layout; default: the bundled demo model). stdout gets each prompt and its continuation
+(with --stream, the one prompt's text as it is committed). stderr gets one timing line and, when
+speculating, the acceptance metrics. The timing line keeps apart: load (reading the model
+directory), compile (a warm-up run of 1-2 tokens that compiles every jitted function; JAX's
+persistent compilation cache, --compilation-cache, makes it short on later runs) and decode (the
+real run, compiled code only: tokens generated / wall time of prefill plus decode)."""
 
 # Parameters of the library that a `generate` flag sets: errors naming them name the flag too.
 _GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b": "--max-length",
@@ -32,7 +32,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `generate` (plain or speculative decoding of text prompts) on an argparse subparsers."""
     p = subparsers.add_parser("generate", help="generate text from prompts with a model directory",
                               description=GENERATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the bundled demo model)")
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+                   help=f"{MODEL_HELP}; default: the bundled demo model")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")

@@ -1,4 +1,5 @@
-"""`mtp-jax serve`: the OpenAI-compatible HTTP server (`mtp_jax.serving.server`) over one model directory.
+"""`mtp-jax serve`: the OpenAI-compatible HTTP server (`mtp_jax.serving.server`) over one model directory
+(`--model DIR`, or the positional MODEL_DIR).
 
 Needs the `serve` extra (`pip install "mtp-jax[serve]"`: fastapi, uvicorn, prometheus-client, jinja2),
 imported only when the command runs.
@@ -11,14 +12,24 @@ import sys
 from pathlib import Path
 
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR
-from mtp_jax.cli.common import add_compilation_cache_arguments, bounded, configure_compilation_cache, name_flags
+from mtp_jax.cli.common import (
+    MODEL_HELP,
+    DefaultModelDir,
+    add_compilation_cache_arguments,
+    bounded,
+    configure_compilation_cache,
+    name_flags,
+    pick_model,
+)
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 
 SERVE_DESCRIPTION = """\
-Serve a model directory over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
-(JSON or streamed server-sent events), GET /v1/models, /health and /metrics (Prometheus). Requests
-are batched continuously over --max-batch slots of --max-length tokens each, with plain decoding or
-MTP speculative decoding. The engine is compiled (warmed up) before the server listens; the URL is
+Serve a model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions (JSON or
+streamed server-sent events), GET /v1/models, /health and /metrics (Prometheus). --model DIR names
+the model: a saved model directory (config.json, safetensors, tokenizer.json; default: the bundled
+demo model); the positional MODEL_DIR means the same, give one or the other. Requests are batched
+continuously over --max-batch slots of --max-length tokens each, with plain decoding or MTP
+speculative decoding. The engine is compiled (warmed up) before the server listens; the URL is
 printed once it does. Chat requests use the model's chat_template from tokenizer_config.json, else a
 plain "<|role|>" template (mtp_jax.serving.chat_template). Compiled programs go to JAX's persistent
 compilation cache (--compilation-cache), which makes the warm-up short after the first start."""
@@ -32,8 +43,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `serve` on an argparse subparsers."""
     p = subparsers.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
                               description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=str(DEFAULT_MODEL_DIR),
-                   help="model directory (default: the bundled demo model)")
+    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=DefaultModelDir(DEFAULT_MODEL_DIR),
+                   help="the same as --model DIR (give one of them)")
+    p.add_argument("--model", metavar="DIR", default=None, help=f"{MODEL_HELP}; default: the bundled demo model")
     p.add_argument("--speculative", default="eagle", choices=["none", "eagle", "vanilla", "parallel"],
                    help="MTP speculative decoding method (default eagle; none: plain decoding)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -68,7 +80,8 @@ def _build_engine(args: argparse.Namespace, mesh):
     from mtp_jax.serving.chat_template import ChatTemplate
     from mtp_jax.serving.prometheus import PrometheusMetrics
 
-    model_dir = Path(args.model_dir)
+    given, spelling = pick_model(args.model_dir, args.model, "MODEL_DIR")
+    model_dir = Path(given)
     try:
         dtype, why = inference_dtype(model_dir, args.dtype)
         if why:
@@ -76,7 +89,7 @@ def _build_engine(args: argparse.Namespace, mesh):
         model, tokenizer = load_pretrained(model_dir, dtype=dtype)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
-        raise ValueError(f"MODEL_DIR: {error}") from error
+        raise ValueError(f"{spelling}: {error}") from error
     name = args.served_model_name or model_dir.resolve().name
     try:
         speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
@@ -93,6 +106,7 @@ def _build_engine(args: argparse.Namespace, mesh):
 def run_serve(args: argparse.Namespace) -> int:
     """Binds the port, loads the model, builds the engine, warms it up (compiling into the persistent cache
     of --compilation-cache, or loading from it), then serves until interrupted."""
+    pick_model(args.model_dir, args.model, "MODEL_DIR")  # MODEL_DIR and --model together: refused at once
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
     import jax
 

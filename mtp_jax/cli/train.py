@@ -1,5 +1,6 @@
-"""`mtp-jax train`: train a model with MTP modules on the Python stdlib corpus (fresh, `--resume`, or
-`--init-from DIR`, e.g. `--mtp-only` heads on a pretrained model)."""
+"""`mtp-jax train`: train a model with MTP modules on the Python stdlib corpus (fresh from `--model PRESET`,
+`--resume`, or from a saved model directory with `--model DIR` (the same as `--init-from DIR`), e.g.
+`--mtp-only` heads on a pretrained model)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from tokenizers import Tokenizer
 
 from mtp_jax.checkpoints.hf_config import config_from_hf
 from mtp_jax.checkpoints.pretrained import init_from_pretrained
-from mtp_jax.cli.common import bounded, corpus_of_run, default_data_dir
+from mtp_jax.cli.common import MODEL_HELP, bounded, corpus_of_run, default_data_dir
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 from mtp_jax.config import PRESETS, ModelConfig
 from mtp_jax.training import data
+from mtp_jax.training.guards import NonFiniteError
 from mtp_jax.training.run_dir import RunDirInUseError, model_config_from_dict
 from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
-from mtp_jax.training.trainer import NonFiniteError, check_run_dir, train
+from mtp_jax.training.trainer import check_run_dir, train
 
 # (flag, TrainConfig field, argparse type) of `mtp-jax train`'s training settings.
 _TRAIN_FLAGS = (("--steps", "num_steps", bounded(int, 1)), ("--batch-size", "batch_size", bounded(int, 1)),
@@ -38,11 +40,13 @@ _FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only":
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Registers `train` (from scratch, `--resume`, `--mtp-only --init-from DIR`) on an argparse subparsers."""
+    """Registers `train` (from scratch, `--resume`, `--mtp-only --model DIR`) on an argparse subparsers."""
     p = subparsers.add_parser(
         "train", help="train a model with MTP modules on the Python stdlib corpus",
         description="Train a decoder with DeepSeek-V3-style MTP modules on the Python standard library's source "
-                    "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). run_dir gets "
+                    "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). --model names "
+                    "the model: a saved model directory (config.json, safetensors, tokenizer.json) to start from, "
+                    "or a preset name for a fresh model (default demo). run_dir gets "
                     "run.json, checkpoints/, log.jsonl and, at the end, export/ (a Hugging Face-format model). "
                     "--resume continues a run exactly (flags may only raise or lower --steps and change "
                     "bookkeeping); --overwrite restarts a run dir and never deletes any other folder; one trainer "
@@ -55,15 +59,18 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                       help="delete the run in run_dir and start again (only a run dir: one with its run.json)")
     mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
     mode.add_argument("--init-from", metavar="DIR",
-                      help="initialise from a Hugging Face-format dir (config.json, model.safetensors, "
-                           "tokenizer.json); its tokenizer is used for the corpus")
+                      help=f"{MODEL_HELP} to initialise from, the same as --model DIR (give one of them); its "
+                           "tokenizer is used for the corpus")
     model = p.add_argument_group("model")
-    model.add_argument("--model", help="preset name (config.PRESETS); default demo")
+    model.add_argument("--model", metavar="PRESET_OR_DIR",
+                       help=f"{MODEL_HELP}, or a preset name ({', '.join(sorted(PRESETS))}; default demo). A preset "
+                            "name wins over a directory of that name (write ./demo for the directory). A "
+                            "directory starts from that model, its tokenizer used for the corpus")
     model.add_argument("--mtp-layers", type=bounded(int, 0),
-                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with --init-from, "
-                            "the checkpoint's)")
+                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with a model "
+                            "directory, the checkpoint's)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"),
-                       help="compute dtype (a fresh model keeps float32 weights; with --init-from, both)")
+                       help="compute dtype (a fresh model keeps float32 weights; with a model directory, both)")
     corpus = p.add_argument_group("corpus")
     corpus.add_argument("--vocab-size", type=bounded(int, 1), help="BPE vocabulary to train (default 4096)")
     corpus.add_argument("--heldout-fraction", type=bounded(float, 0, 1),
@@ -99,8 +106,43 @@ def _train_config_from_args(args: argparse.Namespace, base: TrainConfig | None =
         raise ValueError(message) from None
 
 
-def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict) -> TrainConfig:
-    """The settings `--resume` continues with: the run's, with the flags given.
+@dataclasses.dataclass(frozen=True)
+class _ModelChoice:
+    """The model that --model and --init-from name: a preset, or a saved model directory."""
+
+    preset: str | None  # a PRESETS name given with --model; None when none was given or a directory was
+    directory: str | None  # the saved model directory to start from (--model DIR or --init-from DIR)
+    flag: str | None  # the flag that named the directory, for messages
+
+
+def _model_choice(args: argparse.Namespace) -> _ModelChoice:
+    """What --model (a preset name, or a saved model directory: one with config.json) and --init-from DIR
+    name; ValueError (one line, before any corpus work) for both given, or a --model that is neither a
+    preset nor a directory with config.json. A preset name wins over a directory of that name."""
+    name = args.model
+    if name is None:
+        return _ModelChoice(None, args.init_from, "--init-from" if args.init_from is not None else None)
+    if args.init_from is not None:
+        raise ValueError(f"--model {name} and --init-from {args.init_from} both name the model to train: give one "
+                         "of them (--model DIR means --init-from DIR)")
+    if name in PRESETS:
+        return _ModelChoice(name, None, None)
+    path = pathlib.Path(name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _ModelChoice(None, name, "--model")
+    if path.is_dir():
+        found = "a directory without config.json"
+    else:
+        found = "a file, not a directory" if path.exists() else "no such directory"
+    raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a saved model "
+                     f"directory ({found}; a model directory needs a config.json, safetensors weights and "
+                     "tokenizer.json)")
+
+
+def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict,
+                   choice: _ModelChoice | None = None) -> TrainConfig:
+    """The settings `--resume` continues with: the run's, with the flags given (`choice`: what --model and
+    --init-from name, `_model_choice(args)` by default).
 
     Raises ValueError naming each flag whose value differs from the run's (saved and given value)
     in a setting a resume cannot change (all but --steps and the bookkeeping flags).
@@ -116,16 +158,17 @@ def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict) -
     if saved_corpus.get("tokenizer_source") != "given":
         checks.append(("--vocab-size", args.vocab_size, saved_corpus.get("vocab_size")))
     differ += [f"{flag} (saved {old!r}, given {new!r})" for flag, new, old in checks if new is not None and new != old]
-    if args.model is not None:
+    choice = choice or _model_choice(args)
+    if choice.preset is not None:
         def as_run(preset):
             return preset.replace(vocab_size=saved_model.vocab_size, eos_token_id=saved_model.eos_token_id,
                                   num_nextn_predict_layers=saved_model.num_nextn_predict_layers,
                                   dtype=saved_model.dtype)
         old = next((name for name, preset in PRESETS.items() if as_run(preset) == saved_model), None)
-        if old != args.model:
-            differ.append(f"--model (saved {old or 'a model of no preset'!r}, given {args.model!r})")
-    if args.init_from is not None:
-        differ.append(f"--init-from (given {args.init_from!r}; a resume restores the model from the checkpoint)")
+        if old != choice.preset:
+            differ.append(f"--model (saved {old or 'a model of no preset'!r}, given {choice.preset!r})")
+    if choice.directory is not None:
+        differ.append(f"{choice.flag} (given {choice.directory!r}; a resume restores the model from the checkpoint)")
     if differ:
         raise ValueError(f"--resume: flags differ from the run in {run_dir} where a resume cannot change them: "
                          + "; ".join(differ) + ". Drop them to continue the run, or start a new one")
@@ -253,11 +296,12 @@ def _pretrained_config(path: pathlib.Path) -> ModelConfig | None:
 
 def _train_from_args(args: argparse.Namespace):
     mesh = mesh_from_args(args)  # first: jax.distributed must start before jax is used
+    choice = _model_choice(args)  # a --model that is neither a preset nor a model directory: refused at once
     run_dir = pathlib.Path(args.run_dir)
     check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)  # fail before preparing the corpus
     if args.resume:
         run = _read_run(run_dir)
-        train_config = _resume_config(args, run_dir, run)
+        train_config = _resume_config(args, run_dir, run, choice)
         _refuse_untrainable(_saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
         corpus = corpus_of_run(run_dir, run, args.data_dir)
         return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
@@ -266,27 +310,26 @@ def _train_from_args(args: argparse.Namespace):
     vocab_size = 4096 if args.vocab_size is None else args.vocab_size
     heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
     model, tokenizer_path, eos_token, base = None, None, data.EOS_TOKEN, None
-    if args.init_from:
-        tokenizer_path = pathlib.Path(args.init_from) / "tokenizer.json"
+    if choice.directory is not None:
+        source = f"{choice.flag} {choice.directory}"
+        tokenizer_path = pathlib.Path(choice.directory) / "tokenizer.json"
         if not tokenizer_path.is_file():
-            raise FileNotFoundError(f"--init-from: no tokenizer.json in {args.init_from}")
-        pretrained = _pretrained_config(pathlib.Path(args.init_from))
+            raise FileNotFoundError(f"{choice.flag}: no tokenizer.json in {choice.directory}")
+        pretrained = _pretrained_config(pathlib.Path(choice.directory))
         if pretrained is not None:  # before the weights are read
             if args.mtp_layers is not None:
                 pretrained = pretrained.replace(num_nextn_predict_layers=args.mtp_layers)
-            _refuse_untrainable(pretrained, train_config.mtp_only, f"--init-from {args.init_from}")
-        model = init_from_pretrained(args.init_from, num_nextn_predict_layers=args.mtp_layers,
+            _refuse_untrainable(pretrained, train_config.mtp_only, source)
+        model = init_from_pretrained(choice.directory, num_nextn_predict_layers=args.mtp_layers,
                                      seed=train_config.seed, dtype=args.dtype)
         model_config = model.config
-        _refuse_untrainable(model_config, train_config.mtp_only, f"--init-from {args.init_from}")
+        _refuse_untrainable(model_config, train_config.mtp_only, source)
         if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
             eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
     else:
-        base = PRESETS.get(args.model or "demo")
-        if base is None:
-            raise ValueError(f"unknown --model {args.model!r}; known presets: {sorted(PRESETS)}")
+        base = PRESETS[choice.preset or "demo"]
         layers = {} if args.mtp_layers is None else {"num_nextn_predict_layers": args.mtp_layers}
-        _refuse_untrainable(base.replace(**layers), train_config.mtp_only, f"--model {args.model or 'demo'}")
+        _refuse_untrainable(base.replace(**layers), train_config.mtp_only, f"--model {choice.preset or 'demo'}")
     data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
     corpus = data.prepare_corpus(data_dir, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
                                  tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
@@ -297,7 +340,8 @@ def _train_from_args(args: argparse.Namespace):
         if args.dtype is not None:
             changes["dtype"] = args.dtype
         model_config = base.replace(**changes)
-    if train_config.mtp_only and not args.init_from:
-        print("warning: --mtp-only without --init-from trains MTP modules on a random main model", file=sys.stderr)
+    if train_config.mtp_only and choice.directory is None:
+        print("warning: --mtp-only without a model directory (--model DIR) trains MTP modules on a random main "
+              "model", file=sys.stderr)
     return train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
                  overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export, mesh=mesh)
