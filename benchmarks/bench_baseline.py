@@ -54,7 +54,7 @@ def _time_hf(hf_model, prompts, new_tokens, repeats):
             start = time.perf_counter()
             out = hf_model.generate(ids, **kwargs)
             times.append(time.perf_counter() - start)
-    return float(np.median(times)), out[:, ids.shape[1]:].tolist()
+    return float(np.median(times)), out[:, ids.shape[1] :].tolist()
 
 
 def main() -> None:
@@ -86,28 +86,55 @@ def main() -> None:
                 hf_s, hf_tokens = _time_hf(hf_model, prompts, args.new_tokens, args.repeats)
                 same = ours.tokens[0] == hf_tokens[0]
                 generated = batch * args.new_tokens
-                rows.append(dict(preset=preset, num_params=int(num_params), batch=batch, new_tokens=args.new_tokens,
-                                 mtp_jax_s=ours_s, transformers_s=hf_s, mtp_jax_tok_s=generated / ours_s,
-                                 transformers_tok_s=generated / hf_s, speedup=hf_s / ours_s, first_row_identical=same))
-                print(f"{preset} batch {batch}: mtp_jax {generated / ours_s:.1f} tok/s, transformers "
-                      f"{generated / hf_s:.1f} tok/s, first row identical: {same}", flush=True)
+                rows.append(
+                    dict(
+                        preset=preset,
+                        num_params=int(num_params),
+                        batch=batch,
+                        new_tokens=args.new_tokens,
+                        mtp_jax_s=ours_s,
+                        transformers_s=hf_s,
+                        mtp_jax_tok_s=generated / ours_s,
+                        transformers_tok_s=generated / hf_s,
+                        speedup=hf_s / ours_s,
+                        first_row_identical=same,
+                    )
+                )
+                print(
+                    f"{preset} batch {batch}: mtp_jax {generated / ours_s:.1f} tok/s, transformers "
+                    f"{generated / hf_s:.1f} tok/s, first row identical: {same}",
+                    flush=True,
+                )
 
-    meta = dict(benchmark="baseline_greedy_decode", date=str(date.today()), presets=args.presets,
-                prompt_tokens=args.prompt_tokens, device=jax.devices()[0].device_kind,
-                platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax=jax.__version__, torch=torch.__version__, dtype="float32")
+    meta = dict(
+        benchmark="baseline_greedy_decode",
+        date=str(date.today()),
+        presets=args.presets,
+        prompt_tokens=args.prompt_tokens,
+        device=jax.devices()[0].device_kind,
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        jax=jax.__version__,
+        torch=torch.__version__,
+        dtype="float32",
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"baseline_{meta['device'].replace(' ', '_')}_{meta['date']}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    print(f"\nfp32, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, {meta['device']} "
-          f"({meta['cpu_count']} cores), median of {args.repeats}\n")
+    print(
+        f"\nfp32, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, {meta['device']} "
+        f"({meta['cpu_count']} cores), median of {args.repeats}\n"
+    )
     print("| model | params | batch | mtp_jax tok/s | transformers tok/s | speedup | same tokens |")
     print("|---|---:|---:|---:|---:|---:|:---:|")
     for r in rows:
-        print(f"| {r['preset']} | {r['num_params'] / 1e6:.1f}M | {r['batch']} | {r['mtp_jax_tok_s']:.1f} | "
-              f"{r['transformers_tok_s']:.1f} | {r['speedup']:.2f}x |"
-              f" {'yes' if r['first_row_identical'] else 'NO'} |")
+        print(
+            f"| {r['preset']} | {r['num_params'] / 1e6:.1f}M | {r['batch']} | {r['mtp_jax_tok_s']:.1f} | "
+            f"{r['transformers_tok_s']:.1f} | {r['speedup']:.2f}x |"
+            f" {'yes' if r['first_row_identical'] else 'NO'} |"
+        )
     print(f"\nwrote {path}")
 
 

@@ -42,27 +42,65 @@ from mtp_jax.decode.generation import generate  # noqa: E402
 from mtp_jax.decode.speculative import SpeculativeConfig  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402
 
-_DEEPSEEK = dict(attention_type="mla", ffn_type="moe", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
-                 num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+_DEEPSEEK = dict(
+    attention_type="mla",
+    ffn_type="moe",
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+)
 
 
 def tiny_deepseek(num_layers: int, scan_layers: bool) -> ModelConfig:
     """The compile benchmark's model: DeepSeek-V3's structure at width 64, vocab 256, one MTP module."""
-    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                       num_nextn_predict_layers=1, scan_layers=scan_layers, **_DEEPSEEK)
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        num_nextn_predict_layers=1,
+        scan_layers=scan_layers,
+        **_DEEPSEEK,
+    )
 
 
 def small_models(scan_layers: bool) -> dict[str, ModelConfig]:
     """The decode benchmark's models: Llama-shaped (preset "small") and DeepSeek-V3-shaped, 4 layers each."""
-    return {"llama_small": ModelConfig.from_name("small", scan_layers=scan_layers),
-            "deepseek_small": ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=704,
-                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                                          max_position_embeddings=2048, scan_layers=scan_layers,
-                                          **{**_DEEPSEEK, "kv_lora_rank": 128, "qk_nope_head_dim": 32,
-                                             "qk_rope_head_dim": 16, "v_head_dim": 32, "moe_intermediate_size": 128,
-                                             "n_routed_experts": 16})}
+    return {
+        "llama_small": ModelConfig.from_name("small", scan_layers=scan_layers),
+        "deepseek_small": ModelConfig(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=2048,
+            scan_layers=scan_layers,
+            **{
+                **_DEEPSEEK,
+                "kv_lora_rank": 128,
+                "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 16,
+                "v_head_dim": 32,
+                "moe_intermediate_size": 128,
+                "n_routed_experts": 16,
+            },
+        ),
+    }
 
 
 def _compile_case(num_layers: int, scan_layers: bool, new_tokens: int) -> dict:
@@ -75,22 +113,44 @@ def _compile_case(num_layers: int, scan_layers: bool, new_tokens: int) -> dict:
         start = time.perf_counter()
         result = generate(model, prompts, max_new_tokens=new_tokens, max_length=64, speculative=spec, stop_tokens=[])
         times.append(time.perf_counter() - start)
-    return dict(num_layers=num_layers, scan_layers=scan_layers, first_call_s=times[0], second_call_s=times[1],
-                compile_s=times[0] - times[1], tokens=result.tokens[0])
+    return dict(
+        num_layers=num_layers,
+        scan_layers=scan_layers,
+        first_call_s=times[0],
+        second_call_s=times[1],
+        compile_s=times[0] - times[1],
+        tokens=result.tokens[0],
+    )
 
 
 def _compile_in_subprocess(num_layers: int, scan_layers: bool, new_tokens: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--compile-case", str(num_layers), str(int(scan_layers)),
-                          "--new-tokens", str(new_tokens)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--compile-case",
+            str(num_layers),
+            str(int(scan_layers)),
+            "--new-tokens",
+            str(new_tokens),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
 def _decode_cases(new_tokens: int, capacity: int, repeats: int) -> list[dict]:
     """Greedy decode tok/s of every small model in both layouts at cache capacity `capacity`, interleaved."""
-    models = {(name, scan): init_model(config, seed=0) for scan in (False, True)
-              for name, config in small_models(scan).items()}
-    prompts = {key: np.random.default_rng(0).integers(0, m.config.vocab_size, (1, 32)).tolist()
-               for key, m in models.items()}
+    models = {
+        (name, scan): init_model(config, seed=0)
+        for scan in (False, True)
+        for name, config in small_models(scan).items()
+    }
+    prompts = {
+        key: np.random.default_rng(0).integers(0, m.config.vocab_size, (1, 32)).tolist() for key, m in models.items()
+    }
     kwargs = dict(max_new_tokens=new_tokens, max_length=capacity, stop_tokens=[])
     tokens = {key: generate(m, prompts[key], **kwargs).tokens[0] for key, m in models.items()}  # compile
     times: dict[tuple, list[float]] = {key: [] for key in models}
@@ -99,9 +159,19 @@ def _decode_cases(new_tokens: int, capacity: int, repeats: int) -> list[dict]:
             start = time.perf_counter()
             generate(m, prompts[key], **kwargs)
             times[key].append(time.perf_counter() - start)
-    return [dict(model=name, scan_layers=scan, batch=1, new_tokens=new_tokens, capacity=capacity,
-                 seconds=float(np.median(times[name, scan])), tok_s=new_tokens / float(np.median(times[name, scan])),
-                 tokens=tokens[name, scan]) for name, scan in models]
+    return [
+        dict(
+            model=name,
+            scan_layers=scan,
+            batch=1,
+            new_tokens=new_tokens,
+            capacity=capacity,
+            seconds=float(np.median(times[name, scan])),
+            tok_s=new_tokens / float(np.median(times[name, scan])),
+            tokens=tokens[name, scan],
+        )
+        for name, scan in models
+    ]
 
 
 def main() -> None:
@@ -132,26 +202,38 @@ def main() -> None:
         rows = _decode_cases(args.decode_tokens, capacity, args.repeats)
         decode_rows += rows
         for row in rows:
-            print(f"decode: {row['model']}, capacity {capacity}, scan_layers={row['scan_layers']}: "
-                  f"{row['tok_s']:.1f} tok/s", flush=True)
+            print(
+                f"decode: {row['model']}, capacity {capacity}, scan_layers={row['scan_layers']}: "
+                f"{row['tok_s']:.1f} tok/s",
+                flush=True,
+            )
         for name in small_models(False):  # the layouts generate the same tokens (same weights)
             same = {tuple(r["tokens"]) for r in rows if r["model"] == name}
             assert len(same) == 1, f"{name}: scanned and unrolled tokens differ"
 
-    meta = dict(benchmark="compile_time_and_decode_by_layer_layout", date=str(date.today()),
-                device=jax.devices()[0].device_kind, platform=platform.platform(),
-                processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(), jax=jax.__version__,
-                dtype="float32", compile_config=dataclasses.asdict(tiny_deepseek(min(args.depths), False)),
-                compile_config_varies=["num_hidden_layers", "scan_layers"],
-                compile_method="wall time of the first generate() call minus the second's, fresh process per case",
-                speculative="eagle, num_speculative_tokens=2")
+    meta = dict(
+        benchmark="compile_time_and_decode_by_layer_layout",
+        date=str(date.today()),
+        device=jax.devices()[0].device_kind,
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        jax=jax.__version__,
+        dtype="float32",
+        compile_config=dataclasses.asdict(tiny_deepseek(min(args.depths), False)),
+        compile_config_varies=["num_hidden_layers", "scan_layers"],
+        compile_method="wall time of the first generate() call minus the second's, fresh process per case",
+        speculative="eagle, num_speculative_tokens=2",
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"compile_{meta['device'].replace(' ', '_')}_{meta['date']}.json"
     path.write_text(json.dumps(dict(meta=meta, compile=compile_rows, decode=decode_rows), indent=2) + "\n")
 
-    print(f"\nCompile time (s) of prefill + eagle K=2 loop, tiny DeepSeek-V3-shaped model, {meta['device']} "
-          f"({meta['cpu_count']} cores)\n")
+    print(
+        f"\nCompile time (s) of prefill + eagle K=2 loop, tiny DeepSeek-V3-shaped model, {meta['device']} "
+        f"({meta['cpu_count']} cores)\n"
+    )
     print("| layers | unrolled | scan | scan / unrolled |")
     print("|---:|---:|---:|---:|")
     by = {(r["num_layers"], r["scan_layers"]): r["compile_s"] for r in compile_rows}

@@ -37,8 +37,9 @@ def models(preset: str) -> dict:
     config = mtp_jax.ModelConfig.from_name(preset, num_nextn_predict_layers=1)
     fp32 = mtp_jax.init_model(config, seed=0)
     bf16 = mtp_jax.init_model(config.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=0)
-    params = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16) if x.dtype == np.float32 else x,
-                          nnx.state(fp32, nnx.Param))
+    params = jax.tree.map(
+        lambda x: x.astype(jax.numpy.bfloat16) if x.dtype == np.float32 else x, nnx.state(fp32, nnx.Param)
+    )
     params = jax.tree.map(lambda new, old: new.astype(old.dtype), params, nnx.state(bf16, nnx.Param))  # routers stay
     nnx.update(bf16, params)
     return {"float32": fp32, "bfloat16": bf16}
@@ -73,25 +74,44 @@ def run_preset(preset: str, args) -> list[dict]:
             r_k[dtype] = (one, timer(args.k + 1, args.repeats) / one)
         for dtype in DTYPES:
             seconds = float(np.median(times[dtype]))
-            rows.append(dict(preset=preset, batch=batch, dtype=dtype, tok_s=batch * args.new_tokens / seconds,
-                             seconds=seconds, runs=len(times[dtype]), forward_1_ms=r_k[dtype][0] * 1e3,
-                             r_k=r_k[dtype][1], k=args.k))
+            rows.append(
+                dict(
+                    preset=preset,
+                    batch=batch,
+                    dtype=dtype,
+                    tok_s=batch * args.new_tokens / seconds,
+                    seconds=seconds,
+                    runs=len(times[dtype]),
+                    forward_1_ms=r_k[dtype][0] * 1e3,
+                    r_k=r_k[dtype][1],
+                    k=args.k,
+                )
+            )
         fp32, bf16 = rows[-2], rows[-1]
-        print(f"{preset} b{batch}: float32 {fp32['tok_s']:.1f} tok/s, bfloat16 {bf16['tok_s']:.1f} tok/s "
-              f"({bf16['tok_s'] / fp32['tok_s']:.2f}x); r_{args.k} {fp32['r_k']:.2f} / {bf16['r_k']:.2f}", flush=True)
+        print(
+            f"{preset} b{batch}: float32 {fp32['tok_s']:.1f} tok/s, bfloat16 {bf16['tok_s']:.1f} tok/s "
+            f"({bf16['tok_s'] / fp32['tok_s']:.2f}x); r_{args.k} {fp32['r_k']:.2f} / {bf16['r_k']:.2f}",
+            flush=True,
+        )
     return rows
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"bfloat16 against float32, {meta['device']} ({meta['cores']} cores), {meta['date']}, jax {meta['jax']}; "
-             f"greedy `generate`, prompt {meta['prompt_tokens']}, {meta['new_tokens']} new tokens, median of "
-             f"{meta['repeats']} interleaved rounds; r_K = (K+1)-token forward / 1-token forward, K = {meta['k']}.",
-             "", "| model | batch | float32 tok/s | bfloat16 tok/s | bf16 / fp32 | 1-token forward ms fp32 / bf16 | "
-             f"r_{meta['k']} fp32 / bf16 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"bfloat16 against float32, {meta['device']} ({meta['cores']} cores), {meta['date']}, jax {meta['jax']}; "
+        f"greedy `generate`, prompt {meta['prompt_tokens']}, {meta['new_tokens']} new tokens, median of "
+        f"{meta['repeats']} interleaved rounds; r_K = (K+1)-token forward / 1-token forward, K = {meta['k']}.",
+        "",
+        "| model | batch | float32 tok/s | bfloat16 tok/s | bf16 / fp32 | 1-token forward ms fp32 / bf16 | "
+        f"r_{meta['k']} fp32 / bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for fp32, bf16 in zip(rows[::2], rows[1::2], strict=True):
-        lines.append(f"| {fp32['preset']} | {fp32['batch']} | {fp32['tok_s']:.1f} | {bf16['tok_s']:.1f} | "
-                     f"{bf16['tok_s'] / fp32['tok_s']:.2f}x | {fp32['forward_1_ms']:.2f} / "
-                     f"{bf16['forward_1_ms']:.2f} | {fp32['r_k']:.2f} / {bf16['r_k']:.2f} |")
+        lines.append(
+            f"| {fp32['preset']} | {fp32['batch']} | {fp32['tok_s']:.1f} | {bf16['tok_s']:.1f} | "
+            f"{bf16['tok_s'] / fp32['tok_s']:.2f}x | {fp32['forward_1_ms']:.2f} / "
+            f"{bf16['forward_1_ms']:.2f} | {fp32['r_k']:.2f} / {bf16['r_k']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,8 +127,16 @@ def main() -> None:
     args = parser.parse_args()
     rows = [row for preset in args.presets for row in run_preset(preset, args)]
     device = jax.devices()[0].device_kind
-    meta = dict(date=str(date.today()), device=device, cores=os.cpu_count(), jax=jax.__version__,
-                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats, k=args.k)
+    meta = dict(
+        date=str(date.today()),
+        device=device,
+        cores=os.cpu_count(),
+        jax=jax.__version__,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        k=args.k,
+    )
     write_report(args.out, f"dtype_{device.replace(' ', '_')}_{date.today()}", meta, rows, markdown(meta, rows))
 
 

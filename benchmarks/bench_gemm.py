@@ -70,8 +70,7 @@ def measure(shapes, rows, seconds: float, with_torch: bool) -> list[dict]:
             for m in rows:
                 x = jnp.asarray(rng.standard_normal((m, fan_in), dtype=np.float32), dtype)
                 times[m] = _median_ms(lambda fn=fn, x=x, w=w: fn(x, w).block_until_ready(), seconds)
-            out.append(dict(shape=[fan_in, fan_out], path=path, ms=times,
-                            gb_s_one_row=w.nbytes / times[rows[0]] / 1e6))
+            out.append(dict(shape=[fan_in, fan_out], path=path, ms=times, gb_s_one_row=w.nbytes / times[rows[0]] / 1e6))
             print(f"{fan_in}x{fan_out} {path:15s} " + " ".join(f"{m}:{t:.2f}" for m, t in times.items()), flush=True)
         if with_torch:
             import torch
@@ -81,20 +80,30 @@ def measure(shapes, rows, seconds: float, with_torch: bool) -> list[dict]:
             for m in rows:
                 x = torch.from_numpy(rng.standard_normal((m, fan_in), dtype=np.float32))
                 times[m] = _median_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w), seconds)
-            out.append(dict(shape=[fan_in, fan_out], path=f"torch float32 ({torch.get_num_threads()} threads)",
-                            ms=times, gb_s_one_row=weight.nbytes / times[rows[0]] / 1e6))
-            print(f"{fan_in}x{fan_out} torch float32   " + " ".join(f"{m}:{t:.2f}" for m, t in times.items()),
-                  flush=True)
+            out.append(
+                dict(
+                    shape=[fan_in, fan_out],
+                    path=f"torch float32 ({torch.get_num_threads()} threads)",
+                    ms=times,
+                    gb_s_one_row=weight.nbytes / times[rows[0]] / 1e6,
+                )
+            )
+            print(
+                f"{fan_in}x{fan_out} torch float32   " + " ".join(f"{m}:{t:.2f}" for m, t in times.items()), flush=True
+            )
     return out
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     ms = rows[0]["ms"]
-    lines = [f"Matmul [M, in] x [in, out] on {meta['device']} ({meta['cores']} cores), {meta['date']}, "
-             f"jax {meta['jax']}, XLA_FLAGS={meta['xla_flags'] or '(none)'}: ms per call (median) at M rows, "
-             "and the weight's GB/s at one row.", "",
-             "| in x out | path | " + " | ".join(f"M={m}" for m in ms) + " | GB/s at 1 row |",
-             "|---|---|" + "---:|" * (len(ms) + 1)]
+    lines = [
+        f"Matmul [M, in] x [in, out] on {meta['device']} ({meta['cores']} cores), {meta['date']}, "
+        f"jax {meta['jax']}, XLA_FLAGS={meta['xla_flags'] or '(none)'}: ms per call (median) at M rows, "
+        "and the weight's GB/s at one row.",
+        "",
+        "| in x out | path | " + " | ".join(f"M={m}" for m in ms) + " | GB/s at 1 row |",
+        "|---|---|" + "---:|" * (len(ms) + 1),
+    ]
     for row in rows:
         cells = " | ".join(f"{row['ms'][m]:.2f}" for m in ms)
         lines.append(f"| {row['shape'][0]}x{row['shape'][1]} | {row['path']} | {cells} | {row['gb_s_one_row']:.1f} |")
@@ -110,8 +119,13 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure(SHAPES, args.rows, args.seconds, args.torch)
     device = jax.devices()[0].device_kind
-    meta = dict(date=str(date.today()), device=device, cores=os.cpu_count(), jax=jax.__version__,
-                xla_flags=os.environ.get("XLA_FLAGS", ""))
+    meta = dict(
+        date=str(date.today()),
+        device=device,
+        cores=os.cpu_count(),
+        jax=jax.__version__,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+    )
     write_report(args.out, f"gemm_{device.replace(' ', '_')}_{date.today()}", meta, rows, markdown(meta, rows))
 
 

@@ -54,12 +54,24 @@ from tokenizers import Tokenizer
 
 INPUT_LENGTHS = {"short": 32, "medium": 256, "long": 768}
 OUTPUT_LENGTHS = {"short": 32, "long": 256}
-SAMPLING = {"greedy": {"temperature": 0.0}, "low_temp": {"temperature": 0.3},
-            "top_p": {"temperature": 1.0, "top_p": 0.9}}
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "low_temp": {"temperature": 0.3},
+    "top_p": {"temperature": 1.0, "top_p": 0.9},
+}
 GAUGE_INTERVAL_S = 0.1  # /metrics polls while a cell runs (each costs the server a render)
-SMOKE = dict(inputs=["short"], outputs=["short"], concurrency=["1", "4"], sampling=["greedy"],
-             speculative=["none", "vanilla:2"], max_batch=4, max_length=128, prefill_chunk=32, output_short=16,
-             requests_per_cell=8)
+SMOKE = dict(
+    inputs=["short"],
+    outputs=["short"],
+    concurrency=["1", "4"],
+    sampling=["greedy"],
+    speculative=["none", "vanilla:2"],
+    max_batch=4,
+    max_length=128,
+    prefill_chunk=32,
+    output_short=16,
+    requests_per_cell=8,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,11 +89,11 @@ def heldout_tokens(tokenizer: Tokenizer) -> np.ndarray:
 def prompts_for(tokens: np.ndarray, length: int, count: int) -> list[list[int]]:
     """`count` distinct windows of `length` tokens, the same for every speculation setting."""
     span = len(tokens) - length
-    return [tokens[(i * 7919) % span: (i * 7919) % span + length].tolist() for i in range(count)]
+    return [tokens[(i * 7919) % span : (i * 7919) % span + length].tolist() for i in range(count)]
 
 
 def parse_speculative(spec: str) -> tuple[str, int]:
-    """"none" -> ("none", 0); "vanilla:2" -> ("vanilla", 2)."""
+    """ "none" -> ("none", 0); "vanilla:2" -> ("vanilla", 2)."""
     method, _, k = spec.partition(":")
     if method == "none":
         return "none", 0
@@ -94,10 +106,18 @@ def workloads(args) -> list[dict]:
     cells = []
     for sampling, inp, out, conc in itertools.product(args.sampling, args.inputs, args.outputs, args.concurrency):
         concurrency = 2 * args.max_batch if conc == "sat" else int(conc)
-        cells.append(dict(input=inp, output=out, concurrency_name=conc, concurrency=concurrency, sampling=sampling,
-                          input_tokens=INPUT_LENGTHS[inp],
-                          output_tokens=args.output_short if out == "short" else OUTPUT_LENGTHS[out],
-                          num_requests=max(args.requests_per_cell, 2 * concurrency)))
+        cells.append(
+            dict(
+                input=inp,
+                output=out,
+                concurrency_name=conc,
+                concurrency=concurrency,
+                sampling=sampling,
+                input_tokens=INPUT_LENGTHS[inp],
+                output_tokens=args.output_short if out == "short" else OUTPUT_LENGTHS[out],
+                num_requests=max(args.requests_per_cell, 2 * concurrency),
+            )
+        )
     fitting = [w for w in cells if w["input_tokens"] + w["output_tokens"] <= args.max_length]
     if len(fitting) < len(cells):
         print(f"{len(cells) - len(fitting)} workloads do not fit --max-length {args.max_length}: left out")
@@ -126,11 +146,30 @@ class Server:
         self.method, self.k, self.port = method, k, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server_{method}_{k}.log"
-        self.command = [sys.executable, "-m", "mtp_jax.cli", "serve", *([args.model] if args.model else []),
-                        "--speculative", method, *(["--num-speculative-tokens", str(k)] if k else []),
-                        "--max-batch", str(args.max_batch), "--max-length", str(args.max_length),
-                        "--prefill-chunk", str(args.prefill_chunk), "--max-queue", str(args.max_queue),
-                        "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", args.served_model_name]
+        self.command = [
+            sys.executable,
+            "-m",
+            "mtp_jax.cli",
+            "serve",
+            *([args.model] if args.model else []),
+            "--speculative",
+            method,
+            *(["--num-speculative-tokens", str(k)] if k else []),
+            "--max-batch",
+            str(args.max_batch),
+            "--max-length",
+            str(args.max_length),
+            "--prefill-chunk",
+            str(args.prefill_chunk),
+            "--max-queue",
+            str(args.max_queue),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            args.served_model_name,
+        ]
         self.timeout = args.server_timeout
         self.process = None
 
@@ -142,9 +181,13 @@ class Server:
             with contextlib.suppress(OSError):
                 http_get(self.url + "/health", timeout=2)
                 break
-            failed = (f"the server exited with {self.process.returncode}" if self.process.poll() is not None
-                      else f"no /health after {self.timeout} s" if time.perf_counter() - start > self.timeout
-                      else None)
+            failed = (
+                f"the server exited with {self.process.returncode}"
+                if self.process.poll() is not None
+                else f"no /health after {self.timeout} s"
+                if time.perf_counter() - start > self.timeout
+                else None
+            )
             if failed:
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"{failed} ({' '.join(self.command)}):\n{self.log_tail()}")
@@ -187,8 +230,15 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, sa
     """One streamed completion: its chunk arrival times (seconds since it was sent) and usage."""
     start = time.perf_counter()
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-        seed=seed, extra_body={"ignore_eos": True}, **sampling)
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        seed=seed,
+        extra_body={"ignore_eos": True},
+        **sampling,
+    )
     times, usage = [], None
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -197,17 +247,27 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, sa
             usage = chunk.usage
     latency = time.perf_counter() - start
     tokens = usage.completion_tokens if usage else None
-    return dict(latency=latency, ttft=times[0] if times else None, itl=np.diff(times).tolist(),
-                tpot=(times[-1] - times[0]) / (tokens - 1) if times and tokens and tokens > 1 else None,
-                completion_tokens=tokens, prompt_tokens=usage.prompt_tokens if usage else None)
+    return dict(
+        latency=latency,
+        ttft=times[0] if times else None,
+        itl=np.diff(times).tolist(),
+        tpot=(times[-1] - times[0]) / (tokens - 1) if times and tokens and tokens > 1 else None,
+        completion_tokens=tokens,
+        prompt_tokens=usage.prompt_tokens if usage else None,
+    )
 
 
 async def sample_gauges(server: Server, model: str, samples: list, stop: asyncio.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(OSError):
             m = await asyncio.to_thread(server.scrape, model)
-            samples.append((m.get("vllm:kv_cache_usage_perc", 0.0), m.get("vllm:num_requests_running", 0.0),
-                            m.get("vllm:num_requests_waiting", 0.0)))
+            samples.append(
+                (
+                    m.get("vllm:kv_cache_usage_perc", 0.0),
+                    m.get("vllm:num_requests_running", 0.0),
+                    m.get("vllm:num_requests_waiting", 0.0),
+                )
+            )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), GAUGE_INTERVAL_S)
 
@@ -244,8 +304,10 @@ def stats_ms(values) -> dict:
     values = [v for v in values if v is not None]
     if not values:
         return dict(mean=None, p50=None, p99=None)
-    return {name: float(f(values)) * 1e3 for name, f in
-            (("mean", np.mean), ("p50", np.median), ("p99", lambda v: np.percentile(v, 99)))}
+    return {
+        name: float(f(values)) * 1e3
+        for name, f in (("mean", np.mean), ("p50", np.median), ("p99", lambda v: np.percentile(v, 99)))
+    }
 
 
 def summarize(work, server, results, errors, wall, before, after, gauges) -> dict:
@@ -257,22 +319,38 @@ def summarize(work, server, results, errors, wall, before, after, gauges) -> dic
     ttft_count = delta.get("vllm:time_to_first_token_seconds_count", 0.0)
     kv = [g[0] for g in gauges]
     return dict(
-        **work, method=server.method, k=server.k, completed=len(results), errors=errors[:5],
-        num_errors=len(errors), wall_s=wall, completion_tokens_total=out_tokens,
+        **work,
+        method=server.method,
+        k=server.k,
+        completed=len(results),
+        errors=errors[:5],
+        num_errors=len(errors),
+        wall_s=wall,
+        completion_tokens_total=out_tokens,
         prompt_tokens_total=sum(r["prompt_tokens"] or 0 for r in results),
-        output_tok_s=out_tokens / wall if wall else None, requests_s=len(results) / wall if wall else None,
-        ttft_ms=stats_ms(r["ttft"] for r in results), tpot_ms=stats_ms(r["tpot"] for r in results),
+        output_tok_s=out_tokens / wall if wall else None,
+        requests_s=len(results) / wall if wall else None,
+        ttft_ms=stats_ms(r["ttft"] for r in results),
+        tpot_ms=stats_ms(r["tpot"] for r in results),
         itl_ms=stats_ms(itertools.chain.from_iterable(r["itl"] for r in results)),
         e2e_ms=stats_ms(r["latency"] for r in results),
         acceptance_length=1.0 + accepted / drafts if drafts else (1.0 if server.k == 0 else None),
         draft_acceptance_rate=accepted / (drafts * server.k) if drafts else None,
         acceptance_per_position=[p / drafts for p in per_pos] if drafts else None,
-        kv_cache_usage_max=max(kv, default=None), kv_cache_usage_mean=float(np.mean(kv)) if kv else None,
-        running_max=max((g[1] for g in gauges), default=None), waiting_max=max((g[2] for g in gauges), default=None),
-        server=dict(generation_tokens=delta.get("vllm:generation_tokens_total"),
-                    prompt_tokens=delta.get("vllm:prompt_tokens_total"),
-                    ttft_mean_ms=1e3 * delta.get("vllm:time_to_first_token_seconds_sum", 0.0) / ttft_count
-                    if ttft_count else None, drafts=drafts, accepted=accepted))
+        kv_cache_usage_max=max(kv, default=None),
+        kv_cache_usage_mean=float(np.mean(kv)) if kv else None,
+        running_max=max((g[1] for g in gauges), default=None),
+        waiting_max=max((g[2] for g in gauges), default=None),
+        server=dict(
+            generation_tokens=delta.get("vllm:generation_tokens_total"),
+            prompt_tokens=delta.get("vllm:prompt_tokens_total"),
+            ttft_mean_ms=1e3 * delta.get("vllm:time_to_first_token_seconds_sum", 0.0) / ttft_count
+            if ttft_count
+            else None,
+            drafts=drafts,
+            accepted=accepted,
+        ),
+    )
 
 
 async def warm_up(server: Server, args, grid: list[dict], tokens: np.ndarray) -> None:
@@ -311,14 +389,17 @@ def fmt(value, digits=1, suffix=""):
 
 def markdown(result: dict) -> str:
     env, server = result["environment"], result["server"]
-    lines = [f"Serving benchmark, {env['device']} ({env['cpus']} CPUs), {result['date']}, jax {env['jax']}; "
-             f"model {result['model']}; server max_batch {server['max_batch']}, max_length {server['max_length']}, "
-             f"prefill_chunk {server['prefill_chunk']}; streamed /v1/completions over loopback, ignore_eos, "
-             f"closed loop at each concurrency. TTFT, TPOT, ITL client-side (ms); tau = mean acceptance length "
-             f"(/metrics deltas); KV = peak vllm:kv_cache_usage_perc; speedup = tokens/s against off.", "",
-             "| input | output | conc | sampling | speculation | requests | TTFT mean | TTFT p50 | TTFT p99 "
-             "| TPOT mean | ITL mean | tok/s | speedup | tau | acceptance per position | KV peak | errors |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = [
+        f"Serving benchmark, {env['device']} ({env['cpus']} CPUs), {result['date']}, jax {env['jax']}; "
+        f"model {result['model']}; server max_batch {server['max_batch']}, max_length {server['max_length']}, "
+        f"prefill_chunk {server['prefill_chunk']}; streamed /v1/completions over loopback, ignore_eos, "
+        f"closed loop at each concurrency. TTFT, TPOT, ITL client-side (ms); tau = mean acceptance length "
+        f"(/metrics deltas); KV = peak vllm:kv_cache_usage_perc; speedup = tokens/s against off.",
+        "",
+        "| input | output | conc | sampling | speculation | requests | TTFT mean | TTFT p50 | TTFT p99 "
+        "| TPOT mean | ITL mean | tok/s | speedup | tau | acceptance per position | KV peak | errors |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for c in result["cells"]:
         per_pos = ", ".join(f"{p:.2f}" for p in c["acceptance_per_position"]) if c["acceptance_per_position"] else "-"
         lines.append(
@@ -327,7 +408,8 @@ def markdown(result: dict) -> str:
             f"| {fmt(c['ttft_ms']['p99'])} | {fmt(c['tpot_ms']['mean'], 2)} | {fmt(c['itl_ms']['mean'], 2)} "
             f"| {fmt(c['output_tok_s'])} | {fmt(c['speedup'], 2, 'x')} | {fmt(c['acceptance_length'], 2)} | {per_pos} "
             f"| {fmt(None if c['kv_cache_usage_max'] is None else 100 * c['kv_cache_usage_max'], 1, '%')} "
-            f"| {c['num_errors']} |")
+            f"| {c['num_errors']} |"
+        )
     if result["skipped"]:
         lines += ["", f"Skipped (time budget or --max-cells): {len(result['skipped'])} cells."]
     return "\n".join(lines) + "\n"
@@ -370,8 +452,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     p.add_argument("--served-model-name", default="demo")
-    p.add_argument("--speculative", nargs="+", default=["none", "vanilla:1", "vanilla:2", "vanilla:3"],
-                   help="settings: none or METHOD:K (vanilla, eagle, parallel)")
+    p.add_argument(
+        "--speculative",
+        nargs="+",
+        default=["none", "vanilla:1", "vanilla:2", "vanilla:3"],
+        help="settings: none or METHOD:K (vanilla, eagle, parallel)",
+    )
     p.add_argument("--inputs", nargs="+", choices=list(INPUT_LENGTHS), default=list(INPUT_LENGTHS))
     p.add_argument("--outputs", nargs="+", choices=list(OUTPUT_LENGTHS), default=list(OUTPUT_LENGTHS))
     p.add_argument("--concurrency", nargs="+", default=["1", "4", "sat"], help="ints or sat (2 x --max-batch)")
@@ -386,8 +472,9 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--device-name", default=None,
-                   help="for the file name (default: gpu when nvidia-smi runs, else cpu)")
+    p.add_argument(
+        "--device-name", default=None, help="for the file name (default: gpu when nvidia-smi runs, else cpu)"
+    )
     p.add_argument("--smoke", action="store_true", help="4 tiny cells (off and vanilla K=2) in under 2 minutes")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
@@ -421,8 +508,14 @@ def main(argv=None):
     per_setting = len(grid) if args.max_cells is None else max(0, args.max_cells // len(args.settings))
     chosen, skipped = grid[:per_setting], []
     skipped += [dict(**w, method=m, k=k, reason="max_cells") for w in grid[per_setting:] for m, k in args.settings]
-    prompts = {length: prompts_for(tokens, length, max(w["num_requests"] for w in chosen))
-               for length in {w["input_tokens"] for w in chosen}} if chosen else {}
+    prompts = (
+        {
+            length: prompts_for(tokens, length, max(w["num_requests"] for w in chosen))
+            for length in {w["input_tokens"] for w in chosen}
+        }
+        if chosen
+        else {}
+    )
     cells, servers = [], []
     with tempfile.TemporaryDirectory() as logs:
         for index, (method, k) in enumerate(args.settings):
@@ -439,21 +532,44 @@ def main(argv=None):
                         continue
                     cell = asyncio.run(run_cell(server, args, work, prompts[work["input_tokens"]]))
                     cells.append(cell)
-                    print(f"{label(cell)} | {setting(cell)}: {fmt(cell['output_tok_s'])} tok/s, TTFT "
-                          f"{fmt(cell['ttft_ms']['mean'])} ms, tau {fmt(cell['acceptance_length'], 2)}, "
-                          f"{cell['num_errors']} errors", flush=True)
+                    print(
+                        f"{label(cell)} | {setting(cell)}: {fmt(cell['output_tok_s'])} tok/s, TTFT "
+                        f"{fmt(cell['ttft_ms']['mean'])} ms, tau {fmt(cell['acceptance_length'], 2)}, "
+                        f"{cell['num_errors']} errors",
+                        flush=True,
+                    )
     add_speedups(cells)
     device = device_name(args)
     result = dict(
-        date=date.today().isoformat(), model=str(args.model or "demo (bundled)"), smoke=args.smoke,
-        environment=dict(device=device, cpus=os.cpu_count(), platform=platform.platform(),
-                         python=platform.python_version(), jax=importlib.metadata.version("jax")),
-        server=dict(max_batch=args.max_batch, max_length=args.max_length, prefill_chunk=args.prefill_chunk,
-                    max_queue=args.max_queue, servers=servers),
-        grid=dict(inputs={n: INPUT_LENGTHS[n] for n in args.inputs}, outputs=args.outputs,
-                  output_short=args.output_short, concurrency=args.concurrency, sampling=SAMPLING,
-                  speculative=args.speculative),
-        wall_s=time.perf_counter() - started, cells=cells, skipped=skipped)
+        date=date.today().isoformat(),
+        model=str(args.model or "demo (bundled)"),
+        smoke=args.smoke,
+        environment=dict(
+            device=device,
+            cpus=os.cpu_count(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            jax=importlib.metadata.version("jax"),
+        ),
+        server=dict(
+            max_batch=args.max_batch,
+            max_length=args.max_length,
+            prefill_chunk=args.prefill_chunk,
+            max_queue=args.max_queue,
+            servers=servers,
+        ),
+        grid=dict(
+            inputs={n: INPUT_LENGTHS[n] for n in args.inputs},
+            outputs=args.outputs,
+            output_short=args.output_short,
+            concurrency=args.concurrency,
+            sampling=SAMPLING,
+            speculative=args.speculative,
+        ),
+        wall_s=time.perf_counter() - started,
+        cells=cells,
+        skipped=skipped,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"serving_{device}_{result['date']}{'_smoke' if args.smoke else ''}"

@@ -51,30 +51,68 @@ from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.sharding import make_mesh
 
-COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "ragged-all-to-all", "reduce-scatter",
-               "collective-permute", "collective-broadcast")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "all-to-all",
+    "ragged-all-to-all",
+    "reduce-scatter",
+    "collective-permute",
+    "collective-broadcast",
+)
 CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-SMOKE_OVERRIDES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
-                       qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=64, n_routed_experts=8,
-                       num_experts_per_tok=2, vocab_size=1024)
-FAKE_DEVICES_NOTE = ("CPU devices faked by --xla_force_host_platform_device_count share one machine's cores and "
-                     "run collectives as thread rendezvous: a smoke check that each mesh compiles and runs, "
-                     "not a measurement of parallel speed or of collective cost")
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
+SMOKE_OVERRIDES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=1024,
+)
+FAKE_DEVICES_NOTE = (
+    "CPU devices faked by --xla_force_host_platform_device_count share one machine's cores and "
+    "run collectives as thread rendezvous: a smoke check that each mesh compiles and runs, "
+    "not a measurement of parallel speed or of collective cost"
+)
 
 
 def collective_kind(opcode: str) -> str | None:
-    """"all-reduce" for "all-reduce", "all-reduce-start", "all-reduce-done"; None for other opcodes."""
+    """ "all-reduce" for "all-reduce", "all-reduce-start", "all-reduce-done"; None for other opcodes."""
     base = re.sub(r"-(start|done|update)$", "", opcode)
     return base if base in COLLECTIVES else None
 
 
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?)\b([a-z][a-z\-]*)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")  # unindented: a computation's header
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)"
-                     r"=\{?(%?[\w.\-]+(?:, ?%?[\w.\-]+)*)")
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)"
+    r"=\{?(%?[\w.\-]+(?:, ?%?[\w.\-]+)*)"
+)
 
 
 def parse_hlo(hlo_text: str) -> tuple[dict[str, str], dict[str, list[tuple[str, str, str]]], str]:
@@ -102,8 +140,9 @@ def _result_bytes(line: str, opcode: str) -> int:
     arrays = re.findall(r"\b([a-z0-9]+)\[([\d,]*)\]", shape)
     if opcode.endswith("-start") and arrays:
         arrays = arrays[-1:]
-    return sum(DTYPE_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for t, dims in arrays)
+    return sum(
+        DTYPE_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for t, dims in arrays
+    )
 
 
 def loop_body_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -153,9 +192,14 @@ def profile_collectives(engine: DecodeEngine, state, opcodes: dict[str, str]) ->
                 if kind:
                     by_kind[kind] += event.duration_ns / 1e3
     collective = sum(by_kind.values())
-    return dict(op_events=events, ops_us=total, collective_us=collective, collective_by_kind_us=dict(by_kind),
-                collective_share=collective / total if total else float("nan"),
-                source="device planes' XLA Ops lines" if device_planes else "host:CPU plane (XLA:CPU thunks)")
+    return dict(
+        op_events=events,
+        ops_us=total,
+        collective_us=collective,
+        collective_by_kind_us=dict(by_kind),
+        collective_share=collective / total if total else float("nan"),
+        source="device planes' XLA Ops lines" if device_planes else "host:CPU plane (XLA:CPU thunks)",
+    )
 
 
 def decode_once(engine: DecodeEngine, prompts, new_tokens: int, capacity: int):
@@ -185,11 +229,22 @@ def bench_config(model, mesh_spec: str, k: int, prompts, args) -> dict:
     opcodes, _, _ = parse_hlo(hlo)
     profile = profile_collectives(engine, profile_state, opcodes)
     metrics = engine.result(state, seconds).metrics
-    return dict(mesh=mesh_spec, mesh_shape=dict(mesh.shape), method="plain" if k == 0 else "eagle", k=k,
-                batch=len(prompts), decode_s=seconds, tokens=tokens, steps=steps, tok_s=tokens / seconds,
-                step_ms=seconds / steps * 1e3, mean_acceptance_length=None if metrics is None else
-                metrics.mean_acceptance_length, profile=profile, hlo_collectives_per_step=loop_body_collectives(hlo),
-                first_row=tokens_out[0])
+    return dict(
+        mesh=mesh_spec,
+        mesh_shape=dict(mesh.shape),
+        method="plain" if k == 0 else "eagle",
+        k=k,
+        batch=len(prompts),
+        decode_s=seconds,
+        tokens=tokens,
+        steps=steps,
+        tok_s=tokens / seconds,
+        step_ms=seconds / steps * 1e3,
+        mean_acceptance_length=None if metrics is None else metrics.mean_acceptance_length,
+        profile=profile,
+        hlo_collectives_per_step=loop_body_collectives(hlo),
+        first_row=tokens_out[0],
+    )
 
 
 def default_meshes(n: int) -> list[str]:
@@ -211,8 +266,13 @@ def _value(text: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="deepseek-v3-small")
-    parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
-                        help="a ModelConfig field, e.g. num_hidden_layers=8 (repeatable)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a ModelConfig field, e.g. num_hidden_layers=8 (repeatable)",
+    )
     parser.add_argument("--meshes", nargs="+", default=None, help="mesh specs (default: by the device count)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--batch", type=int, default=None, help="rows (default: the device count)")
@@ -250,41 +310,73 @@ def main() -> None:
         for k in [0, *args.num_speculative_tokens]:
             row = bench_config(model, mesh_spec, k, prompts, args)
             rows.append(row)
-            print(f"{mesh_spec:20s} {row['method']} K={k}: {row['tok_s']:8.1f} tok/s, {row['step_ms']:7.2f} ms/step, "
-                  f"collectives {row['profile']['collective_share']:.1%} of op time", flush=True)
+            print(
+                f"{mesh_spec:20s} {row['method']} K={k}: {row['tok_s']:8.1f} tok/s, {row['step_ms']:7.2f} ms/step, "
+                f"collectives {row['profile']['collective_share']:.1%} of op time",
+                flush=True,
+            )
     reference = rows[0]["first_row"]
     for row in rows:
         row["first_row_same_as_first_config"] = row.pop("first_row") == reference
 
     device = jax.devices()[0].device_kind
-    meta = dict(benchmark="sharded_decode", date=str(date.today()), smoke=args.smoke, fake_devices=fake,
-                note=FAKE_DEVICES_NOTE if fake else None, preset=args.preset, overrides=overrides,
-                num_params=int(num_params), device=device, device_count=n, process_count=jax.process_count(),
-                platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpu_count=os.cpu_count(), jax=jax.__version__, dtype=str(config.dtype), batch=batch,
-                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, profile_tokens=args.profile_tokens,
-                repeats=args.repeats, timing="decode loop only (prefill excluded), median of repeats",
-                collective_share="collective ops' device time / all ops' device time in a profiled run "
-                                 "(jax.profiler.ProfileData), summed over devices")
+    meta = dict(
+        benchmark="sharded_decode",
+        date=str(date.today()),
+        smoke=args.smoke,
+        fake_devices=fake,
+        note=FAKE_DEVICES_NOTE if fake else None,
+        preset=args.preset,
+        overrides=overrides,
+        num_params=int(num_params),
+        device=device,
+        device_count=n,
+        process_count=jax.process_count(),
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        jax=jax.__version__,
+        dtype=str(config.dtype),
+        batch=batch,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        profile_tokens=args.profile_tokens,
+        repeats=args.repeats,
+        timing="decode loop only (prefill excluded), median of repeats",
+        collective_share="collective ops' device time / all ops' device time in a profiled run "
+        "(jax.profiler.ProfileData), summed over devices",
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"sharded_{device.replace(' ', '_')}_{meta['date']}{'_smoke' if args.smoke else ''}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
 
-    print(f"\n{args.preset} ({num_params / 1e6:.1f}M params{', ' + str(overrides) if overrides else ''}), "
-          f"batch {batch}, {args.new_tokens} new tokens, {n} x {device}, {jax.process_count()} process(es)"
-          + (" -- SMOKE CHECK ONLY (fake CPU devices)" if fake else "") + "\n")
-    print("| mesh | decoding | tok/s | ms/step | accept len | collective share | collectives/step (ops, KiB) |"
-          " same tokens |")
+    print(
+        f"\n{args.preset} ({num_params / 1e6:.1f}M params{', ' + str(overrides) if overrides else ''}), "
+        f"batch {batch}, {args.new_tokens} new tokens, {n} x {device}, {jax.process_count()} process(es)"
+        + (" -- SMOKE CHECK ONLY (fake CPU devices)" if fake else "")
+        + "\n"
+    )
+    print(
+        "| mesh | decoding | tok/s | ms/step | accept len | collective share | collectives/step (ops, KiB) |"
+        " same tokens |"
+    )
     print("|---|---|---:|---:|---:|---:|---|:---:|")
     for r in rows:
-        counted = ", ".join(f"{kind} {v['ops']} ({v['bytes'] / 1024:.0f})"
-                            for kind, v in sorted(r["hlo_collectives_per_step"].items())) or "none"
+        counted = (
+            ", ".join(
+                f"{kind} {v['ops']} ({v['bytes'] / 1024:.0f})"
+                for kind, v in sorted(r["hlo_collectives_per_step"].items())
+            )
+            or "none"
+        )
         accept = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
         label = "plain" if r["k"] == 0 else f"eagle K={r['k']}"
-        print(f"| {r['mesh']} | {label} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {accept} | "
-              f"{r['profile']['collective_share']:.1%} | {counted} | "
-              f"{'yes' if r['first_row_same_as_first_config'] else 'NO'} |")
+        print(
+            f"| {r['mesh']} | {label} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {accept} | "
+            f"{r['profile']['collective_share']:.1%} | {counted} | "
+            f"{'yes' if r['first_row_same_as_first_config'] else 'NO'} |"
+        )
     if fake:
         print(f"\nNOTE: {FAKE_DEVICES_NOTE}.")
     print(f"\nwrote {path}")

@@ -59,8 +59,6 @@ def _median_time(fn, repeats):
     return float(np.median(times)), out
 
 
-
-
 def methods_for(model, eagle_max: int) -> list[tuple[str, int]]:
     depth = model.config.num_nextn_predict_layers
     style = model.config.mtp_style
@@ -85,12 +83,25 @@ def bench_demo(model, tokenizer, args) -> list[dict]:
                 raise AssertionError(f"{method} K={k} batch {batch}: speculative output differs from plain greedy")
             m = result.metrics
             generated = plain.num_generated
-            rows.append(dict(batch=batch, method=method, k=k, plain_tok_s=generated / plain_s,
-                             spec_tok_s=generated / spec_s, speedup=plain_s / spec_s, tau=m.mean_acceptance_length,
-                             acceptance_per_position=m.acceptance_rate_per_position,
-                             accepted_length_histogram=m.accepted_length_histogram, verify_steps=m.num_steps))
-            print(f"demo batch {batch} {method:8s} K={k}: tau {m.mean_acceptance_length:.2f}, "
-                  f"speedup {plain_s / spec_s:.2f}x", flush=True)
+            rows.append(
+                dict(
+                    batch=batch,
+                    method=method,
+                    k=k,
+                    plain_tok_s=generated / plain_s,
+                    spec_tok_s=generated / spec_s,
+                    speedup=plain_s / spec_s,
+                    tau=m.mean_acceptance_length,
+                    acceptance_per_position=m.acceptance_rate_per_position,
+                    accepted_length_histogram=m.accepted_length_histogram,
+                    verify_steps=m.num_steps,
+                )
+            )
+            print(
+                f"demo batch {batch} {method:8s} K={k}: tau {m.mean_acceptance_length:.2f}, "
+                f"speedup {plain_s / spec_s:.2f}x",
+                flush=True,
+            )
     return rows
 
 
@@ -144,8 +155,9 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
 
     def body(params, carry):
         draft_state, acc = carry
-        draft_state = drafters.draft(nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden,
-                                        start, lengths)
+        draft_state = drafters.draft(
+            nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden, start, lengths
+        )
         return draft_state, acc + draft_state.tokens.sum()
 
     return lambda repeats: _looped_time(body, params, (draft_state, jnp.int32(0)), steps, repeats)
@@ -186,6 +198,7 @@ def _timed_phases(prefill, loop, repeats: int) -> tuple[float, float, object]:
 
 def prefill_of(engine: DecodeEngine, prompts, new_tokens: int, capacity: int, **request):
     """A function returning a fresh state after `engine`'s prefill (for `engine.run`)."""
+
     def prefill():
         state, padded = engine.init_state(prompts, max_new_tokens=new_tokens, max_length=capacity, **request)
         return engine.prefill(state, padded)
@@ -205,8 +218,7 @@ def oracle_engine(model, k: int, prompts, plain_tokens, new_tokens: int, capacit
     return engine, prefill_of(engine, prompts, new_tokens, capacity, oracle_tokens=reference)
 
 
-def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int, capacity: int,
-                repeats: int) -> float:
+def _step_timer(model, spec: SpeculativeConfig | None, prompts, new_tokens: int, capacity: int, repeats: int) -> float:
     """Median seconds of one decode step (plain or speculative) inside the on-device loop.
 
     The prefill runs outside the timed region; the loop's time is divided by its steps.
@@ -238,13 +250,30 @@ def bench_cost(model, tokenizer, args, demo_rows) -> list[dict]:
         tau = demo["tau"] if demo else float("nan")
         bound = tau / (r_k + k * c)
         decode_speedup = tau * plain_step / step  # tokens per second of the decode loops, prefill excluded
-        rows.append(dict(method=method, k=k, one_token_ms=one * 1e3, plain_step_ms=plain_step * 1e3,
-                         verify_ms=verify * 1e3, draft_ms=drafting * 1e3, step_ms=step * 1e3, r_k=r_k, c=c,
-                         overhead=step / (verify + drafting) - 1, tau=tau, bound=bound, decode_speedup=decode_speedup,
-                         fraction_of_bound=decode_speedup / bound,
-                         end_to_end_speedup=demo["speedup"] if demo else None))
-        print(f"cost {method:8s} K={k}: r_K {r_k:.2f}, c {c:.2f}, step {step * 1e3:.2f} ms vs parts "
-              f"{(verify + drafting) * 1e3:.2f} ms (plain step {plain_step * 1e3:.2f} ms)", flush=True)
+        rows.append(
+            dict(
+                method=method,
+                k=k,
+                one_token_ms=one * 1e3,
+                plain_step_ms=plain_step * 1e3,
+                verify_ms=verify * 1e3,
+                draft_ms=drafting * 1e3,
+                step_ms=step * 1e3,
+                r_k=r_k,
+                c=c,
+                overhead=step / (verify + drafting) - 1,
+                tau=tau,
+                bound=bound,
+                decode_speedup=decode_speedup,
+                fraction_of_bound=decode_speedup / bound,
+                end_to_end_speedup=demo["speedup"] if demo else None,
+            )
+        )
+        print(
+            f"cost {method:8s} K={k}: r_K {r_k:.2f}, c {c:.2f}, step {step * 1e3:.2f} ms vs parts "
+            f"{(verify + drafting) * 1e3:.2f} ms (plain step {plain_step * 1e3:.2f} ms)",
+            flush=True,
+        )
     return rows
 
 
@@ -265,7 +294,8 @@ def bench_large(args, preset: str) -> list[dict]:
     plain = generate(model, prompts, max_new_tokens=new_tokens, max_length=capacity)
     plain_engine = DecodeEngine(model)
     plain_prefill_s, plain_loop_s, plain_state = _timed_phases(
-        prefill_of(plain_engine, prompts, new_tokens, capacity), plain_engine.run, args.repeats)
+        prefill_of(plain_engine, prompts, new_tokens, capacity), plain_engine.run, args.repeats
+    )
     plain_steps = plain_state.metrics.num_steps.max()
     time_tokens = _forward_timer(model, batch, args.prompt_tokens + new_tokens // 2, capacity)
     one = time_tokens(1, args.repeats)
@@ -273,21 +303,37 @@ def bench_large(args, preset: str) -> list[dict]:
     for k in args.large_k:
         engine, prefill = oracle_engine(model, k, prompts, plain.tokens, new_tokens, capacity)
         prefill_s, loop_s, state = _timed_phases(prefill, engine.run, args.repeats)
-        tokens = np.asarray(state.tokens)[0, args.prompt_tokens: int(state.lengths[0])].tolist()
+        tokens = np.asarray(state.tokens)[0, args.prompt_tokens : int(state.lengths[0])].tolist()
         if tokens != plain.tokens[0]:
             raise AssertionError(f"oracle K={k}: output differs from plain greedy")
         metrics = SpeculativeMetrics.from_counters(state.metrics)
         r_k = time_tokens(k + 1, args.repeats) / one
         speedup = plain_loop_s / loop_s
-        rows.append(dict(preset=preset, k=k, params=int(params_count), r_k=r_k, tau=metrics.mean_acceptance_length,
-                         one_token_ms=one * 1e3, plain_step_ms=plain_loop_s / int(plain_steps) * 1e3,
-                         spec_step_ms=loop_s / metrics.num_steps * 1e3, verify_ms=r_k * one * 1e3,
-                         plain_prefill_ms=plain_prefill_s * 1e3, spec_prefill_ms=prefill_s * 1e3,
-                         speedup=speedup, bound=(k + 1) / r_k, fraction_of_bound=speedup / ((k + 1) / r_k),
-                         end_to_end_speedup=(plain_prefill_s + plain_loop_s) / (prefill_s + loop_s)))
-        print(f"large {preset} K={k}: r_K {r_k:.2f}, tau {metrics.mean_acceptance_length:.2f}, decode speedup "
-              f"{speedup:.2f}x (bound {(k + 1) / r_k:.2f}x), end to end "
-              f"{rows[-1]['end_to_end_speedup']:.2f}x", flush=True)
+        rows.append(
+            dict(
+                preset=preset,
+                k=k,
+                params=int(params_count),
+                r_k=r_k,
+                tau=metrics.mean_acceptance_length,
+                one_token_ms=one * 1e3,
+                plain_step_ms=plain_loop_s / int(plain_steps) * 1e3,
+                spec_step_ms=loop_s / metrics.num_steps * 1e3,
+                verify_ms=r_k * one * 1e3,
+                plain_prefill_ms=plain_prefill_s * 1e3,
+                spec_prefill_ms=prefill_s * 1e3,
+                speedup=speedup,
+                bound=(k + 1) / r_k,
+                fraction_of_bound=speedup / ((k + 1) / r_k),
+                end_to_end_speedup=(plain_prefill_s + plain_loop_s) / (prefill_s + loop_s),
+            )
+        )
+        print(
+            f"large {preset} K={k}: r_K {r_k:.2f}, tau {metrics.mean_acceptance_length:.2f}, decode speedup "
+            f"{speedup:.2f}x (bound {(k + 1) / r_k:.2f}x), end to end "
+            f"{rows[-1]['end_to_end_speedup']:.2f}x",
+            flush=True,
+        )
     return rows
 
 
@@ -296,42 +342,62 @@ def _fmt(value, spec: str) -> str:
 
 
 def _markdown(meta, demo, cost, large) -> str:
-    lines = [f"MTP speculative decoding, greedy, {meta['device']} ({meta['cpu_count']} cores), {meta['date']}, "
-             f"jax {meta['jax']}; prompt {meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens; "
-             "outputs identical to plain greedy in every row.", ""]
+    lines = [
+        f"MTP speculative decoding, greedy, {meta['device']} ({meta['cpu_count']} cores), {meta['date']}, "
+        f"jax {meta['jax']}; prompt {meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens; "
+        "outputs identical to plain greedy in every row.",
+        "",
+    ]
     if demo:
-        lines += ["Demo model, held-out prompts:", "",
-                  "| batch | method | K | plain tok/s | MTP tok/s | speedup | tau | acceptance per position |",
-                  "|---:|---|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['batch']} | {r['method']} | {r['k']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['tau']:.2f} | "
-                  f"{', '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} |"
-                  for r in demo]
+        lines += [
+            "Demo model, held-out prompts:",
+            "",
+            "| batch | method | K | plain tok/s | MTP tok/s | speedup | tau | acceptance per position |",
+            "|---:|---|---:|---:|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['batch']} | {r['method']} | {r['k']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['tau']:.2f} | "
+            f"{', '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} |"
+            for r in demo
+        ]
         lines.append("")
     if cost:
-        lines += ["Cost model of a step (demo model, batch 1): r_K = (K+1)-token forward / 1-token forward, "
-                  "c = one draft forward / 1-token forward; bound = tau / (r_K + K c); decode speedup = "
-                  "tau x plain step / speculative step (prefill excluded); end to end = the demo table's speedup.", "",
-                  "| method | K | r_K | c | plain step ms | verify ms | draft ms | step ms | step vs parts | bound | "
-                  "decode speedup | of bound | end to end |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['method']} | {r['k']} | {r['r_k']:.2f} | {r['c']:.2f} | {r['plain_step_ms']:.2f} | "
-                  f"{r['verify_ms']:.2f} | "
-                  f"{r['draft_ms']:.2f} | {r['step_ms']:.2f} | {r['overhead']:+.0%} | {_fmt(r['bound'], '.2f')}x | "
-                  f"{_fmt(r['decode_speedup'], '.2f')}x | {_fmt(r['fraction_of_bound'], '.0%')} | "
-                  f"{_fmt(r['end_to_end_speedup'], '.2f')}x |" for r in cost]
+        lines += [
+            "Cost model of a step (demo model, batch 1): r_K = (K+1)-token forward / 1-token forward, "
+            "c = one draft forward / 1-token forward; bound = tau / (r_K + K c); decode speedup = "
+            "tau x plain step / speculative step (prefill excluded); end to end = the demo table's speedup.",
+            "",
+            "| method | K | r_K | c | plain step ms | verify ms | draft ms | step ms | step vs parts | bound | "
+            "decode speedup | of bound | end to end |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['method']} | {r['k']} | {r['r_k']:.2f} | {r['c']:.2f} | {r['plain_step_ms']:.2f} | "
+            f"{r['verify_ms']:.2f} | "
+            f"{r['draft_ms']:.2f} | {r['step_ms']:.2f} | {r['overhead']:+.0%} | {_fmt(r['bound'], '.2f')}x | "
+            f"{_fmt(r['decode_speedup'], '.2f')}x | {_fmt(r['fraction_of_bound'], '.0%')} | "
+            f"{_fmt(r['end_to_end_speedup'], '.2f')}x |"
+            for r in cost
+        ]
         lines.append("")
     for preset in dict.fromkeys(r["preset"] for r in large):
         rows = [r for r in large if r["preset"] == preset]
-        lines += [f"Random model {preset!r} ({rows[0]['params'] / 1e6:.0f}M parameters, fp32), oracle drafts "
-                  "(every draft accepted), batch 1. Decode phase (prefill excluded): speedup = plain decode time / "
-                  "speculative decode time, bound = (K+1) / r_K; end to end includes the prefill (plain "
-                  f"{rows[0]['plain_prefill_ms']:.0f} ms, one plain step {rows[0]['plain_step_ms']:.1f} ms).", "",
-                  "| K | r_K | tau | step ms | verify forward ms | decode speedup | bound | of bound | end to end |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['k']} | {r['r_k']:.2f} | {r['tau']:.2f} | {r['spec_step_ms']:.1f} | {r['verify_ms']:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {r['fraction_of_bound']:.0%} | "
-                  f"{r['end_to_end_speedup']:.2f}x |" for r in rows]
+        lines += [
+            f"Random model {preset!r} ({rows[0]['params'] / 1e6:.0f}M parameters, fp32), oracle drafts "
+            "(every draft accepted), batch 1. Decode phase (prefill excluded): speedup = plain decode time / "
+            "speculative decode time, bound = (K+1) / r_K; end to end includes the prefill (plain "
+            f"{rows[0]['plain_prefill_ms']:.0f} ms, one plain step {rows[0]['plain_step_ms']:.1f} ms).",
+            "",
+            "| K | r_K | tau | step ms | verify forward ms | decode speedup | bound | of bound | end to end |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['k']} | {r['r_k']:.2f} | {r['tau']:.2f} | {r['spec_step_ms']:.1f} | {r['verify_ms']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {r['fraction_of_bound']:.0%} | "
+            f"{r['end_to_end_speedup']:.2f}x |"
+            for r in rows
+        ]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -381,9 +447,17 @@ def main() -> None:
     if "large" in args.parts:
         large = [row for preset in args.large_presets for row in bench_large(args, preset)]
     device = jax.devices()[0].device_kind
-    meta = dict(benchmark="speculative", date=str(date.today()), device=device, cpu_count=os.cpu_count(),
-                platform=platform.platform(), jax=jax.__version__, prompt_tokens=args.prompt_tokens,
-                new_tokens=args.new_tokens, repeats=args.repeats)
+    meta = dict(
+        benchmark="speculative",
+        date=str(date.today()),
+        device=device,
+        cpu_count=os.cpu_count(),
+        platform=platform.platform(),
+        jax=jax.__version__,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"speculative_{'_'.join(args.parts)}_{device.replace(' ', '_')}_{meta['date']}"

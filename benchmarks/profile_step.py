@@ -81,12 +81,25 @@ def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
             count[phase] += 1
             matmul_us += event.get("dur", 0) if event["name"] in matmuls else 0
     total = sum(time_us.values())
-    row = dict(label=label, steps=steps, step_ms_untraced=untraced * 1e3, ops_ms_per_step=total / steps / 1e3,
-               matmul_ms_per_step=matmul_us / steps / 1e3,
-               phases={p: dict(ms_per_step=time_us[p] / steps / 1e3, ops_per_step=count[p] / steps,
-                               share=time_us[p] / total if total else float("nan")) for p in time_us})
-    print(f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} "
-          f"ms/step, of which matmuls {matmul_us / steps / 1e3:.2f} ms ({matmul_us / max(total, 1):.0%})")
+    row = dict(
+        label=label,
+        steps=steps,
+        step_ms_untraced=untraced * 1e3,
+        ops_ms_per_step=total / steps / 1e3,
+        matmul_ms_per_step=matmul_us / steps / 1e3,
+        phases={
+            p: dict(
+                ms_per_step=time_us[p] / steps / 1e3,
+                ops_per_step=count[p] / steps,
+                share=time_us[p] / total if total else float("nan"),
+            )
+            for p in time_us
+        },
+    )
+    print(
+        f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} "
+        f"ms/step, of which matmuls {matmul_us / steps / 1e3:.2f} ms ({matmul_us / max(total, 1):.0%})"
+    )
     for p, v in sorted(row["phases"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
         print(f"  {p:15s} {v['ms_per_step']:8.3f} ms/step  {v['share']:6.1%}  {v['ops_per_step']:7.1f} ops/step")
     return row
@@ -128,8 +141,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"profile_{args.preset or 'demo'}_{method}{k}_b{args.batch}_{device}_{date.today()}.json"
-    meta = dict(date=str(date.today()), device=device, jax=jax.__version__, model=args.preset or args.model or "demo",
-                batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    meta = dict(
+        date=str(date.today()),
+        device=device,
+        jax=jax.__version__,
+        model=args.preset or args.model or "demo",
+        batch=args.batch,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+    )
     (out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
 
 

@@ -1,6 +1,6 @@
 """Plain greedy decoding with the bundled demo model (or any model directory).
 
-    python examples/plain_decode.py --prompt "def fibonacci(n):" --max-new-tokens 48
+python examples/plain_decode.py --prompt "def fibonacci(n):" --max-new-tokens 48
 """
 
 import argparse

@@ -58,9 +58,15 @@ def _pmapped(devices: tuple[jax.Device, ...]):
     return jax.pmap(_decode, in_axes=(None, None, None, 0, 0), static_broadcasted_argnums=(0, 2), devices=devices)
 
 
-def pmap_decode(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
-                max_length: int | None = None, speculative: SpeculativeConfig | None = None,
-                devices: Sequence[jax.Device] | None = None) -> list[GenerationResult]:
+def pmap_decode(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    max_length: int | None = None,
+    speculative: SpeculativeConfig | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> list[GenerationResult]:
     """Greedy decoding of `prompts` (B lists of int token ids), one sub-batch per device, under `jax.pmap`.
 
     `devices` defaults to `jax.local_devices()` (N of them); each gets ceil(B / N) rows. Returns one
@@ -73,9 +79,19 @@ def pmap_decode(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new
     prompts = [list(p) for p in prompts]
     rows = -(-len(prompts) // len(devices))
     prompts = prompts + [prompts[-1]] * (rows * len(devices) - len(prompts))
-    states, padded = zip(*[init_state(model, prompts[d * rows:(d + 1) * rows], max_new_tokens=max_new_tokens,
-                                      max_length=max_length, speculative=speculative)
-                           for d in range(len(devices))], strict=True)
+    states, padded = zip(
+        *[
+            init_state(
+                model,
+                prompts[d * rows : (d + 1) * rows],
+                max_new_tokens=max_new_tokens,
+                max_length=max_length,
+                speculative=speculative,
+            )
+            for d in range(len(devices))
+        ],
+        strict=True,
+    )
     bucket = max(p.shape[1] for p in padded)  # the same prompt bucket on every device
     padded = jnp.stack([jnp.pad(p, ((0, 0), (0, bucket - p.shape[1]))) for p in padded])  # [N, rows, P]
     state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)  # every array gets a leading axis [N, ...]
@@ -84,8 +100,10 @@ def pmap_decode(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new
     out = _pmapped(tuple(devices))(graph, params, speculative, state, padded)
     jax.block_until_ready(out.lengths)
     seconds = time.perf_counter() - start
-    return [results_from_state(jax.tree.map(lambda x, d=d: x[d], out), seconds, speculating=speculative is not None)
-            for d in range(len(devices))]
+    return [
+        results_from_state(jax.tree.map(lambda x, d=d: x[d], out), seconds, speculating=speculative is not None)
+        for d in range(len(devices))
+    ]
 
 
 def pmap_generate(model: Transformer, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
@@ -105,8 +123,11 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = mtp_jax.load_pretrained(args.model)
-    spec = None if args.method == "none" else SpeculativeConfig(method=args.method,
-                                                                num_speculative_tokens=args.num_speculative_tokens)
+    spec = (
+        None
+        if args.method == "none"
+        else SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens)
+    )
     starts = ["def parse_args(argv):\n", "class Stack:\n", "import os\n", "    def __repr__(self):\n"]
     texts = [starts[i % len(starts)] for i in range(args.rows_per_device * jax.local_device_count())]
     prompts = [tokenizer.encode(t).ids for t in texts]
@@ -117,9 +138,11 @@ def main() -> None:
     tokens = [t for r in results for t in r.tokens][: len(prompts)]
     single = mtp_jax.generate(model, prompts, **kwargs)
     generated = sum(len(t) for t in tokens)
-    print(f"{jax.local_device_count()} devices x {args.rows_per_device} rows ({jax.devices()[0].platform}), "
-          f"{args.method}: {generated} tokens in {results[0].seconds:.3f} s, {generated / results[0].seconds:.1f} "
-          f"tokens/s")
+    print(
+        f"{jax.local_device_count()} devices x {args.rows_per_device} rows ({jax.devices()[0].platform}), "
+        f"{args.method}: {generated} tokens in {results[0].seconds:.3f} s, {generated / results[0].seconds:.1f} "
+        f"tokens/s"
+    )
     print(f"identical to single-device generate: {tokens == single.tokens}")
     for text, row in list(zip(texts, tokens, strict=True))[:2]:
         print("---\n" + text + tokenizer.decode(row))

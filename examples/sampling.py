@@ -1,6 +1,6 @@
 """Sampling (temperature, top-k, top-p, per-row seeds), plain and speculative (lossless rejection sampling).
 
-    python examples/sampling.py --temperature 0.8 --top-p 0.95
+python examples/sampling.py --temperature 0.8 --top-p 0.95
 """
 
 import argparse
@@ -19,8 +19,10 @@ args = parser.parse_args()
 
 model, tokenizer = mtp_jax.load_pretrained(args.model)
 prompts = [tokenizer.encode(args.prompt).ids] * args.rows
-sampling = [mtp_jax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
-            for seed in range(args.rows)]
+sampling = [
+    mtp_jax.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+    for seed in range(args.rows)
+]
 spec = mtp_jax.SpeculativeConfig(method="eagle", num_speculative_tokens=2)
 result = mtp_jax.generate(model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, speculative=spec)
 for row, tokens in enumerate(result.tokens):

@@ -30,10 +30,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     model, tokenizer = mtp_jax.load_pretrained()
-    spec = None if args.speculative == "none" else mtp_jax.SpeculativeConfig(
-        method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
-    engine = ServingEngine(model, spec, tokenizer=tokenizer, max_batch=args.max_batch, max_length=256,
-                           prefill_chunk=32)
+    spec = (
+        None
+        if args.speculative == "none"
+        else mtp_jax.SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    )
+    engine = ServingEngine(model, spec, tokenizer=tokenizer, max_batch=args.max_batch, max_length=256, prefill_chunk=32)
     engine.warm_up()
 
     ids, texts, tokens, last = {}, {}, {}, {}
@@ -52,10 +54,13 @@ def main(argv=None) -> None:
 
     for rid, prompt in ids.items():
         m = last[rid].metrics
-        print(f"\n{rid} ({last[rid].finish_reason}, {len(tokens[rid])} tokens, TTFT {m.ttft * 1e3:.1f} ms, "
-              f"mean acceptance length {m.mean_acceptance_length:.2f}):\n{prompt}{texts[rid]}")
-        alone = mtp_jax.generate(model, [tokenizer.encode(prompt).ids], max_new_tokens=args.max_tokens,
-                                 max_length=256, speculative=spec).tokens[0]
+        print(
+            f"\n{rid} ({last[rid].finish_reason}, {len(tokens[rid])} tokens, TTFT {m.ttft * 1e3:.1f} ms, "
+            f"mean acceptance length {m.mean_acceptance_length:.2f}):\n{prompt}{texts[rid]}"
+        )
+        alone = mtp_jax.generate(
+            model, [tokenizer.encode(prompt).ids], max_new_tokens=args.max_tokens, max_length=256, speculative=spec
+        ).tokens[0]
         assert tokens[rid] == alone, f"{rid}: served tokens differ from generate alone"
     print("\nevery request got exactly what generate gives it alone")
 

@@ -76,8 +76,10 @@ def main() -> int:
     model, make_prompts = load(args.model)
     prompts = make_prompts(args.batch or mtp_jax.sharding.batch_rows(mesh))
     spec = mtp_jax.SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens)
-    say(f"{args.model}: {jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
-        f"process(es), mesh {dict(mesh.shape)}, batch {len(prompts)}, {args.max_new_tokens} new tokens")
+    say(
+        f"{args.model}: {jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} "
+        f"process(es), mesh {dict(mesh.shape)}, batch {len(prompts)}, {args.max_new_tokens} new tokens"
+    )
 
     if jax.devices()[0].platform == "cpu" and jax.device_count() > jax.process_count():
         say("(fake CPU devices share this machine's cores: the timings check the mechanics, not parallel speed)")
@@ -92,9 +94,11 @@ def main() -> int:
         all_equal &= equal
         metrics = timed["mesh"].metrics
         extra = "" if metrics is None else f", mean acceptance length {metrics.mean_acceptance_length:.2f}"
-        say(f"{label:12s} 1 device {timed['1 device'].tokens_per_second:8.1f} tokens/s | mesh "
+        say(
+            f"{label:12s} 1 device {timed['1 device'].tokens_per_second:8.1f} tokens/s | mesh "
             f"{timed['mesh'].tokens_per_second:8.1f} tokens/s{extra} | same tokens as 1 device: "
-            + ("yes" if equal else f"NO (first at {first_difference(timed['mesh'].tokens, timed['1 device'].tokens)})"))
+            + ("yes" if equal else f"NO (first at {first_difference(timed['mesh'].tokens, timed['1 device'].tokens)})")
+        )
     return 0 if all_equal else 1
 
 

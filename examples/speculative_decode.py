@@ -1,6 +1,6 @@
 """MTP speculative decoding, checked against plain greedy decoding, with the acceptance metrics.
 
-    python examples/speculative_decode.py --method eagle --num-speculative-tokens 3
+python examples/speculative_decode.py --method eagle --num-speculative-tokens 3
 """
 
 import argparse

@@ -29,7 +29,23 @@ _moved.install()  # the 0.1 module paths, for one release (`mtp_jax._moved`)
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL_DIR", "DecodeEngine", "DecodeState", "GenerationResult", "KVCache", "ModelConfig",
-    "RopeScaling", "SamplingParams", "SpeculativeConfig", "SpeculativeMetrics", "TextStream", "Transformer",
-    "generate", "init_model", "load_pretrained", "make_mesh", "save_pretrained", "stream", "stream_text",
+    "DEFAULT_MODEL_DIR",
+    "DecodeEngine",
+    "DecodeState",
+    "GenerationResult",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "SpeculativeMetrics",
+    "TextStream",
+    "Transformer",
+    "generate",
+    "init_model",
+    "load_pretrained",
+    "make_mesh",
+    "save_pretrained",
+    "stream",
+    "stream_text",
 ]

@@ -46,8 +46,11 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; the old path goes away in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {MOVED[spec.name]}; the old path goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         module = importlib.import_module(MOVED[spec.name])
         self._specs[module.__name__] = module.__spec__
         return module

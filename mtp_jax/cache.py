@@ -40,8 +40,10 @@ class KVCache:
     v: jax.Array
 
     # `mtp_jax.sharding` names of each array's axes (see `logical_axes`).
-    LOGICAL_AXES: ClassVar[dict[str, P]] = {"k": P("batch", "cache_sequence", "kv_heads", "head_dim"),
-                                             "v": P("batch", "cache_sequence", "kv_heads", "head_dim")}
+    LOGICAL_AXES: ClassVar[dict[str, P]] = {
+        "k": P("batch", "cache_sequence", "kv_heads", "head_dim"),
+        "v": P("batch", "cache_sequence", "kv_heads", "head_dim"),
+    }
 
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:

@@ -39,8 +39,6 @@ MAX_STOP_TOKENS = 16
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """RoPE frequency scaling, as Hugging Face's `rope_scaling` / `rope_parameters` define it.
@@ -174,17 +172,26 @@ class ModelConfig:
     mtp_chain_after_shared_head_norm: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             _check_int(self, name, 1)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}) unless head_dim is given")
+                f"({self.num_attention_heads}) unless head_dim is given"
+            )
         if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         if self.head_dim is None and self.resolved_head_dim % 2:
@@ -203,8 +210,9 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
         if self.rotary_dim % 2:
-            raise ValueError(f"the rotary part of a head (partial_rotary_factor x head_dim = {self.rotary_dim}) "
-                             "must be even")
+            raise ValueError(
+                f"the rotary part of a head (partial_rotary_factor x head_dim = {self.rotary_dim}) must be even"
+            )
         for name in ("use_qk_norm", "rope_interleave", "norm_topk_prob", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -247,14 +255,17 @@ class ModelConfig:
         for name in ("n_shared_experts", "first_k_dense_replace"):
             _check_int(self, name, 0)
         if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
-                             f"({self.n_group})")
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})"
+            )
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
         per_group = self.n_routed_experts // self.n_group
         if self.num_experts_per_tok > self.topk_group * per_group:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {self.topk_group} x "
-                             f"{per_group} experts of the topk_group best groups")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {self.topk_group} x "
+                f"{per_group} experts of the topk_group best groups"
+            )
         if self.scoring_func not in MOE_SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {MOE_SCORING_FUNCS}, got {self.scoring_func!r}")
         if not is_finite_positive(self.routed_scaling_factor):
@@ -323,7 +334,6 @@ class ModelConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-
 def _check_int(config: ModelConfig, name: str, minimum: int) -> None:
     """`validation.check_int` on a field, which then holds a Python int (a NumPy int is accepted)."""
     object.__setattr__(config, name, check_int(name, getattr(config, name), minimum))
@@ -332,29 +342,84 @@ def _check_int(config: ModelConfig, name: str, minimum: int) -> None:
 PRESETS: dict[str, ModelConfig] = {
     # The bundled demo model (`mtp_jax/assets/demo`): 6 layers of width 192, 3 heads of 64, vocab 4096
     # (the stdlib BPE tokenizer), D = 3 MTP modules; about 5.8M parameters.
-    "demo": ModelConfig(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=6,
-                        num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=1024,
-                        num_nextn_predict_layers=3),
+    "demo": ModelConfig(
+        vocab_size=4096,
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        max_position_embeddings=1024,
+        num_nextn_predict_layers=3,
+    ),
     # For tests: every code path, in milliseconds.
-    "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "tiny": ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
     # Qwen2-style tiny: q/k/v bias, tied embeddings.
-    "tiny-qwen2": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                              attention_bias=True, tie_word_embeddings=True, rope_theta=1e6),
+    "tiny-qwen2": ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
     # The benchmark's small model: a few layers of width 512.
-    "small": ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+    "small": ModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
     # About 200M parameters (0.8 GB in fp32): far larger than CPU caches.
-    "medium": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096),
+    "medium": ModelConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    ),
     # DeepSeek-V3's shape at the benchmark's small scale: MLA (q/kv low-rank, rope/nope split), one dense
     # layer then MoE layers (sigmoid routing, 4 groups, 16 routed experts of which 4 per token, 1 shared);
     # about 28M parameters.
     "deepseek-v3-small": ModelConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=8, max_position_embeddings=2048, attention_type="mla", q_lora_rank=256,
-        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, ffn_type="moe",
-        moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4,
-        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1),
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        attention_type="mla",
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        ffn_type="moe",
+        moe_intermediate_size=256,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+    ),
 }

@@ -56,12 +56,13 @@ class Transformer(nnx.Module):
         )
         layers = [DecoderLayer(config, rngs, i) for i in range(config.num_hidden_layers)]
         if config.scan_layers:  # built per layer, then stacked: the same weights as the unrolled layout
-            self.layer_groups = nnx.List([DecoderStack(layers[g.start:g.stop], g.start) for g in config.layer_groups])
+            self.layer_groups = nnx.List([DecoderStack(layers[g.start : g.stop], g.start) for g in config.layer_groups])
         else:
             self.layers = nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None
+            if config.tie_word_embeddings
             else linear(config, config.hidden_size, config.vocab_size, rngs, axes=("embed", "vocab"))
         )
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
@@ -91,8 +92,13 @@ class Transformer(nnx.Module):
         return tuple(block.init_cache(batch_size, max_length) for block in self.blocks)
 
     def __call__(
-        self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: tuple[Cache, ...],
-        segment_ids: Int[Array, "B T"] | None = None, *, logits_at: Int[Array, " B"] | None = None,
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: tuple[Cache, ...],
+        segment_ids: Int[Array, "B T"] | None = None,
+        *,
+        logits_at: Int[Array, " B"] | None = None,
         with_logits: bool = True,
     ) -> tuple[jax.Array | None, jax.Array, tuple[Cache, ...]]:
         """Forward of T new tokens per row at the positions the caller gives (the model contract).
@@ -176,8 +182,9 @@ class StaticGraph:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef)
+        return self is other or (
+            isinstance(other, StaticGraph) and self._hash == other._hash and self.graphdef == other.graphdef
+        )
 
     def merge(self, params: nnx.State) -> Transformer:
         """The model rebuilt from this graph and `params` (inside jit: `nnx.merge`)."""

@@ -71,9 +71,15 @@ class _MTPBlock(DecoderLayer):
         super().__init__(config, rngs, layer_index)
         self.shared_head = SharedHead(config)
 
-    def _block_and_head(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: KVCache, head: Head,
-                        segment_ids: Int[Array, "B T"] | None,
-                        logits_at: Int[Array, " B"] | None) -> tuple[jax.Array, jax.Array, KVCache]:
+    def _block_and_head(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        head: Head,
+        segment_ids: Int[Array, "B T"] | None,
+        logits_at: Int[Array, " B"] | None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
         out, cache = DecoderLayer.__call__(self, x, positions, cache, segment_ids)
         normed = self.shared_head.norm(out)
         chained = normed if self.config.mtp_chain_after_shared_head_norm else out
@@ -94,9 +100,18 @@ class MTPModule(_MTPBlock):
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs, axes=(None, "embed"))
 
-    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                 cache: KVCache, *, embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
-                 logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    def __call__(
+        self,
+        hidden: Float[Array, "B T E"],
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        *,
+        embed: Embed,
+        head: Head,
+        segment_ids: Int[Array, "B T"] | None = None,
+        logits_at: Int[Array, " B"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
         """One depth over T rows per batch row.
 
         Args:
@@ -124,9 +139,18 @@ class MTPModule(_MTPBlock):
 class ParallelMTPHead(_MTPBlock):
     """Gloeckle et al. 2024 head: one transformer block over the trunk's h^0, then `shared_head.norm`."""
 
-    def __call__(self, hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                 cache: KVCache, *, embed: Embed, head: Head, segment_ids: Int[Array, "B T"] | None = None,
-                 logits_at: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    def __call__(
+        self,
+        hidden: Float[Array, "B T E"],
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        *,
+        embed: Embed,
+        head: Head,
+        segment_ids: Int[Array, "B T"] | None = None,
+        logits_at: Int[Array, " B"] | None = None,
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
         """Same interface as `MTPModule.__call__`; `hidden` is always h^0 and `tokens`, `embed` are unused.
 
         Returns logits float32 [B, T, V] (head k's row i predicts t_{i+1+k}), the head's hidden
@@ -143,8 +167,9 @@ def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     return nnx.List([cls(config, rngs, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)])
 
 
-def initial_hidden(model: nnx.Module, main_hidden: Float[Array, "B T E"],
-                   normed: Float[Array, "B T E"] | None = None) -> Float[Array, "B T E"]:
+def initial_hidden(
+    model: nnx.Module, main_hidden: Float[Array, "B T E"], normed: Float[Array, "B T E"] | None = None
+) -> Float[Array, "B T E"]:
     """h^0 from the main model's hidden state (as `Transformer.__call__` returns it, before the final
     norm): `model.norm(main_hidden)` when `config.mtp_hidden_after_norm`, else unchanged. `normed`:
     `model.norm(main_hidden)` where the caller has it already (the verify pass, which needs it for
@@ -161,8 +186,12 @@ def shift_left(tokens: Int[Array, "B T"], n: int, fill: int = 0) -> Int[Array, "
     return jnp.concatenate([tokens[:, n:], jnp.full((tokens.shape[0], n), fill, tokens.dtype)], axis=1)
 
 
-def mtp_forward_full(model: nnx.Module, main_hidden: Float[Array, "B T E"], tokens: Int[Array, "B T"],
-                     segment_ids: Int[Array, "B T"] | None = None) -> list[Float[Array, "B T V"]]:
+def mtp_forward_full(
+    model: nnx.Module,
+    main_hidden: Float[Array, "B T E"],
+    tokens: Int[Array, "B T"],
+    segment_ids: Int[Array, "B T"] | None = None,
+) -> list[Float[Array, "B T V"]]:
     """All D depths over whole sequences from position 0, no prior cache (training; the decoding oracle).
 
     Args:
@@ -182,7 +211,14 @@ def mtp_forward_full(model: nnx.Module, main_hidden: Float[Array, "B T E"], toke
     positions = sequence_positions(batch, num)
     for k, module in enumerate(model.mtp, start=1):
         source = h0 if model.config.mtp_style == "parallel" else hidden
-        logits, hidden, _ = module(source, shift_left(tokens, k), positions, module.init_cache(batch, num),
-                                   embed=model.embed, head=model.head, segment_ids=segment_ids)
+        logits, hidden, _ = module(
+            source,
+            shift_left(tokens, k),
+            positions,
+            module.init_cache(batch, num),
+            embed=model.embed,
+            head=model.head,
+            segment_ids=segment_ids,
+        )
         all_logits.append(logits)
     return all_logits

@@ -110,8 +110,10 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[jax.Device] | Non
             sizes[name] = len(devices) // known
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if math.prod(shape) != len(devices):
-        raise ValueError(f"mesh {spec!r} has {math.prod(shape)} devices but {len(devices)} are given "
-                         f"(jax.devices(): {jax.device_count()})")
+        raise ValueError(
+            f"mesh {spec!r} has {math.prod(shape)} devices but {len(devices)} are given "
+            f"(jax.devices(): {jax.device_count()})"
+        )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
@@ -156,8 +158,10 @@ def resolve(logical: P, shape: Sequence[int], mesh) -> P:
         size = math.prod(sizes[a] for a in axes)
         if dim % (size * block):
             if name == "batch":
-                raise ValueError(f"batch size {dim} is not a multiple of the mesh's batch axes {axes} "
-                                 f"({size} devices); use a batch of a multiple of {size} rows")
+                raise ValueError(
+                    f"batch size {dim} is not a multiple of the mesh's batch axes {axes} "
+                    f"({size} devices); use a batch of a multiple of {size} rows"
+                )
             axes = ()
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -289,9 +293,14 @@ def argmax_last(x: jax.Array, logical: P) -> jax.Array:
     return jax.shard_map(local, in_specs=pspec, out_specs=lead, check_vma=False)(x)
 
 
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, initialization_timeout: int | None = None,
-                           on_connect=None) -> bool:
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    initialization_timeout: int | None = None,
+    on_connect=None,
+) -> bool:
     """`jax.distributed.initialize` from the arguments or the environment; True when it ran.
 
     Arguments left None are read from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
@@ -315,8 +324,11 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     import socket
 
     env = os.environ
-    names = {"coordinator_address": "coordinator_address", "num_processes": "num_processes",
-             "process_id": "process_id"}  # what errors call each setting: the argument, or its variable
+    names = {
+        "coordinator_address": "coordinator_address",
+        "num_processes": "num_processes",
+        "process_id": "process_id",
+    }  # what errors call each setting: the argument, or its variable
 
     def from_env(name: str, variable: str, low: int) -> int:
         names[name] = variable
@@ -346,15 +358,19 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
             return True
         return False
     if not all(given):
-        raise ValueError("multi-process runs need all of coordinator_address, num_processes and process_id "
-                         f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); got "
-                         f"coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
-                         f"process_id={process_id!r}")
+        raise ValueError(
+            "multi-process runs need all of coordinator_address, num_processes and process_id "
+            f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); got "
+            f"coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
+            f"process_id={process_id!r}"
+        )
     if not (is_int(num_processes) and num_processes >= 1):
         raise ValueError(f"{names['num_processes']} must be an integer >= 1, got {num_processes!r}")
     if not (is_int(process_id) and 0 <= process_id < num_processes):
-        raise ValueError(f"{names['process_id']} must be an integer in [0, {names['num_processes']}) = "
-                         f"[0, {num_processes}), got {process_id!r}")
+        raise ValueError(
+            f"{names['process_id']} must be an integer in [0, {names['num_processes']}) = "
+            f"[0, {num_processes}), got {process_id!r}"
+        )
     # Checked here: jax takes the port unchecked (one that is not a number crashes its runtime).
     host, colon, port = coordinator_address.rpartition(":") if isinstance(coordinator_address, str) else ("", "", "")
     problem = None
@@ -370,8 +386,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     elif not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
         problem = f"has host {host!r}, not a host name or an IP address"
     if problem:
-        raise ValueError(f"{names['coordinator_address']} {coordinator_address!r} {problem} (expected HOST:PORT "
-                         "with PORT in 1..65535, e.g. 10.0.0.1:1234 or [::1]:1234)")
+        raise ValueError(
+            f"{names['coordinator_address']} {coordinator_address!r} {problem} (expected HOST:PORT "
+            "with PORT in 1..65535, e.g. 10.0.0.1:1234 or [::1]:1234)"
+        )
     if process_id == 0 and not env.get("JAX_COORDINATOR_BIND_ADDRESS"):
         # Process 0's coordinator listens on [::]:PORT (jax's default); on a port taken, jax's runtime fails,
         # at times with a segmentation fault.
@@ -381,8 +399,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                 probe.bind(("::", int(port)))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise ValueError(f"{names['coordinator_address']} {coordinator_address!r}: port {port} is in use "
-                                 "on this host, where process 0 runs the coordinator") from None
+                raise ValueError(
+                    f"{names['coordinator_address']} {coordinator_address!r}: port {port} is in use "
+                    "on this host, where process 0 runs the coordinator"
+                ) from None
     if on_connect is not None:
         on_connect(coordinator_address, int(num_processes), int(process_id))
     jax.distributed.initialize(coordinator_address, int(num_processes), int(process_id), **timeout)

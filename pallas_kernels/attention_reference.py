@@ -55,8 +55,13 @@ def verify_attention_reference(
     return masked_attention(q, k, jnp.where(valid, v, 0), mask, scale)
 
 
-def masked_attention(q: Float[Array, "B T H D"], k: Float[Array, "B S G D"], v: Float[Array, "B S G D"],
-                      mask: Bool[Array, "B T S"], scale: float | None) -> Float[Array, "B T H D"]:
+def masked_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G D"],
+    mask: Bool[Array, "B T S"],
+    scale: float | None,
+) -> Float[Array, "B T H D"]:
     """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]

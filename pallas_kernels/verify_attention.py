@@ -77,10 +77,14 @@ class VerifyAttentionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.min_split_len, int) or self.min_split_len < self.block_s \
-                or self.min_split_len % self.block_s:
-            raise ValueError(f"min_split_len must be a positive multiple of block_s={self.block_s}, "
-                             f"got {self.min_split_len!r}")
+        if (
+            not isinstance(self.min_split_len, int)
+            or self.min_split_len < self.block_s
+            or self.min_split_len % self.block_s
+        ):
+            raise ValueError(
+                f"min_split_len must be a positive multiple of block_s={self.block_s}, got {self.min_split_len!r}"
+            )
         if not isinstance(self.num_warps, int) or not _is_power_of_two(self.num_warps) or self.num_warps > 32:
             raise ValueError(f"num_warps must be a power of two in [1, 32], got {self.num_warps!r}")
 
@@ -107,17 +111,21 @@ PRESETS: dict[str, VerifyAttentionConfig] = {
     # Any recent NVIDIA GPU: 2 x 16 KiB K/V blocks in flight per stage at D = 128, bf16.
     "default": VerifyAttentionConfig(),
     # Hopper (H100/H200, 132 SMs, 227 KiB shared memory): a deeper pipeline, 8 x 132 programs.
-    "hopper": VerifyAttentionConfig(block_s=64, max_splits=64, target_programs=1056, min_split_len=256,
-                                    num_warps=4, num_stages=3),
+    "hopper": VerifyAttentionConfig(
+        block_s=64, max_splits=64, target_programs=1056, min_split_len=256, num_warps=4, num_stages=3
+    ),
     # Bigger blocks, 8 warps: fewer loop trips on long caches.
-    "large_blocks": VerifyAttentionConfig(block_s=128, max_splits=32, target_programs=528, min_split_len=512,
-                                          num_warps=8, num_stages=2),
+    "large_blocks": VerifyAttentionConfig(
+        block_s=128, max_splits=32, target_programs=528, min_split_len=512, num_warps=8, num_stages=2
+    ),
     # Smaller blocks and more programs: short caches or large D.
-    "small_blocks": VerifyAttentionConfig(block_s=32, max_splits=128, target_programs=2048, min_split_len=128,
-                                          num_warps=4, num_stages=3),
+    "small_blocks": VerifyAttentionConfig(
+        block_s=32, max_splits=128, target_programs=2048, min_split_len=128, num_warps=4, num_stages=3
+    ),
     # CPU tests in interpret mode: tiny blocks so that short caches still take several blocks and splits.
-    "interpret": VerifyAttentionConfig(block_s=16, max_splits=4, target_programs=8, min_split_len=16,
-                                       num_warps=4, num_stages=1),
+    "interpret": VerifyAttentionConfig(
+        block_s=16, max_splits=4, target_programs=8, min_split_len=16, num_warps=4, num_stages=1
+    ),
 }
 
 
@@ -133,8 +141,10 @@ def unsupported_reason(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
     if not _is_power_of_two(head_dim) or not 16 <= head_dim <= MAX_HEAD_DIM:
         return f"D = {head_dim} is not a power of two in [16, {MAX_HEAD_DIM}]"
     if q.shape[1] * (heads // k.shape[2]) > MAX_QUERY_ROWS:
-        return (f"T x H/G = {q.shape[1]} x {heads // k.shape[2]} query rows exceed the {MAX_QUERY_ROWS} "
-                "one program holds (a long prefill: use the reference)")
+        return (
+            f"T x H/G = {q.shape[1]} x {heads // k.shape[2]} query rows exceed the {MAX_QUERY_ROWS} "
+            "one program holds (a long prefill: use the reference)"
+        )
     if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
         return f"q, k, v must share one dtype among bfloat16, float16, float32, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
@@ -208,9 +218,19 @@ def verify_attention(
     q_tiles = q_tiles.reshape(batch, kv_heads, num_queries * group, head_dim)  # [B, G, T*H/G, D]
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - num_queries * group), (0, 0)))  # [B, G, M, D]
     acc, row_max, row_sum = BACKENDS[backend](
-        q_tiles, k, v, lengths.astype(jnp.int32), num_queries=num_queries, group=group,
-        scale=float(scale), block_s=config.block_s, num_splits=config.num_splits(batch, kv_heads, cache_len),
-        num_warps=config.num_warps, num_stages=config.pipeline_stages(head_dim, q.dtype.itemsize), interpret=interpret)
+        q_tiles,
+        k,
+        v,
+        lengths.astype(jnp.int32),
+        num_queries=num_queries,
+        group=group,
+        scale=float(scale),
+        block_s=config.block_s,
+        num_splits=config.num_splits(batch, kv_heads, cache_len),
+        num_warps=config.num_warps,
+        num_stages=config.pipeline_stages(head_dim, q.dtype.itemsize),
+        interpret=interpret,
+    )
     out = _combine(acc, row_max, row_sum)[:, :, : num_queries * group]  # [B, G, T*H/G, D]
     out = out.reshape(batch, kv_heads, num_queries, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B, T, G, H/G, D]
     return out.reshape(batch, num_queries, heads, head_dim).astype(q.dtype)  # [B, T, H, D]

@@ -23,8 +23,22 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, scale: float, block_s: int,
-            num_queries: int, group: int, num_splits: int, precision):
+def _kernel(
+    lengths_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    acc_ref,
+    max_ref,
+    sum_ref,
+    *,
+    scale: float,
+    block_s: int,
+    num_queries: int,
+    group: int,
+    num_splits: int,
+    precision,
+):
     """Refs: lengths [] int32, q [M, D], k and v [S, D]; outputs acc [M, D], max [M], sum [M] float32.
 
     Query row r of the tile is new token t = r // group; it sees cache positions
@@ -62,8 +76,11 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, scal
         acc = correction[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
         return acc, next_max, row_sum
 
-    init = (jnp.zeros(acc_ref.shape, jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (
+        jnp.zeros(acc_ref.shape, jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
     acc, row_max, row_sum = lax.fori_loop(first, last, body, init)
     acc_ref[...] = acc
     max_ref[...] = row_max
@@ -96,8 +113,14 @@ def partials(
     batch, kv_heads, rows, head_dim = q_tiles.shape
     cache_len = k.shape[1]
     kernel = functools.partial(
-        _kernel, scale=scale, block_s=block_s, num_queries=num_queries, group=group, num_splits=num_splits,
-        precision=lax.Precision.HIGHEST if q_tiles.dtype == jnp.float32 else None)
+        _kernel,
+        scale=scale,
+        block_s=block_s,
+        num_queries=num_queries,
+        group=group,
+        num_splits=num_splits,
+        precision=lax.Precision.HIGHEST if q_tiles.dtype == jnp.float32 else None,
+    )
     f32 = jnp.float32
     return pl.pallas_call(
         kernel,

@@ -34,8 +34,11 @@ def main() -> None:
     run = json.loads((run_dir / "run.json").read_text())
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     model, tokenizer = load_pretrained(export)
-    corpus = data.prepare_corpus(run["corpus"]["work_dir"], vocab_size=run["corpus"]["vocab_size"],
-                                 heldout_fraction=run["corpus"]["heldout_fraction"])
+    corpus = data.prepare_corpus(
+        run["corpus"]["work_dir"],
+        vocab_size=run["corpus"]["vocab_size"],
+        heldout_fraction=run["corpus"]["heldout_fraction"],
+    )
     seq_len = run["train_config"]["seq_len"]
     heldout = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=16, seq_len=seq_len)
     train_hours = ((export / "config.json").stat().st_mtime - (run_dir / "run.json").stat().st_mtime) / 3600
@@ -55,20 +58,20 @@ write correct programs, and greedy continuations soon fall into repetition loops
 {c.resolved_head_dim}, SwiGLU {c.intermediate_size}, RoPE, untied head, vocabulary {c.vocab_size} (byte-level BPE);
   {c.num_nextn_predict_layers} MTP modules (`enorm`, `hnorm`, `eh_proj`, one block, `shared_head.norm`), sharing
   the embedding and the output head. {params / 1e6:.2f}M parameters, float32.
-- Corpus: CPython {meta['python_version'].split()[0]} standard library `*.py` files (tests, generated tables and
-  `pydoc_data` excluded), split by file: {meta['num_train_files']} train files \
-({meta['num_train_tokens']:,} tokens), {meta['num_heldout_files']} held-out files \
-({meta['num_heldout_tokens']:,} tokens).
-- Training: {steps} steps of {t['batch_size']} x {t['seq_len']} tokens ({steps * t['batch_size'] * t['seq_len']:,} \
-tokens), AdamW lr {t['learning_rate']} (warm-up {t['warmup_steps']}, cosine to {t['min_lr_ratio']}x), weight decay \
-{t['weight_decay']}, clip {t['grad_clip_norm']}, MTP weight lambda {t['mtp_lambda']}; {train_hours:.2f} hours on \
+- Corpus: CPython {meta["python_version"].split()[0]} standard library `*.py` files (tests, generated tables and
+  `pydoc_data` excluded), split by file: {meta["num_train_files"]} train files \
+({meta["num_train_tokens"]:,} tokens), {meta["num_heldout_files"]} held-out files \
+({meta["num_heldout_tokens"]:,} tokens).
+- Training: {steps} steps of {t["batch_size"]} x {t["seq_len"]} tokens ({steps * t["batch_size"] * t["seq_len"]:,} \
+tokens), AdamW lr {t["learning_rate"]} (warm-up {t["warmup_steps"]}, cosine to {t["min_lr_ratio"]}x), weight decay \
+{t["weight_decay"]}, clip {t["grad_clip_norm"]}, MTP weight lambda {t["mtp_lambda"]}; {train_hours:.2f} hours on \
 2 CPU cores.
 - Regenerate: `{COMMAND}` (then `mtp-jax eval mtp_jax/assets/demo` prints the numbers below).
 
 ## Held-out evaluation
 
-Main model: **{heldout['main_loss']:.3f} nats/token, {heldout['bits_per_byte']:.3f} bits/byte** over \
-{int(heldout['num_tokens']):,} tokens.
+Main model: **{heldout["main_loss"]:.3f} nats/token, {heldout["bits_per_byte"]:.3f} bits/byte** over \
+{int(heldout["num_tokens"]):,} tokens.
 
 | MTP depth k | loss (nats/token, predicting t+k+1) | top-1 agreement with the main model's argmax at the same target |
 |---:|---:|---:|
@@ -83,8 +86,17 @@ acceptance of strict-greedy speculative decoding with MTP Vanilla.
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         shutil.copyfile(export / name, out / name)
     (out / "README.md").write_text(card)
-    (out / "eval.json").write_text(json.dumps({"heldout": heldout, "python_version": meta["python_version"],
-                                               "date": datetime.now(UTC).date().isoformat()}, indent=1) + "\n")
+    (out / "eval.json").write_text(
+        json.dumps(
+            {
+                "heldout": heldout,
+                "python_version": meta["python_version"],
+                "date": datetime.now(UTC).date().isoformat(),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(card)
 
 

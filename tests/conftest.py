@@ -40,8 +40,10 @@ def models():
     from speculative_helpers import CFG, make_model, scripted
 
     parallel = CFG.replace(mtp_style="parallel")
-    return {"deepseek": {"random": make_model(CFG, 1, 0.3), "scripted": scripted(CFG, 2)},
-            "parallel": {"random": make_model(parallel, 3, 0.3), "scripted": scripted(parallel, 4)}}
+    return {
+        "deepseek": {"random": make_model(CFG, 1, 0.3), "scripted": scripted(CFG, 2)},
+        "parallel": {"random": make_model(parallel, 3, 0.3), "scripted": scripted(parallel, 4)},
+    }
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,9 @@ def hf_config(class_name: str, **fields):
     return config
 
 
-def random_hf_model(config, seed: int, std: float, *, stds: dict[str, float] | None = None,
-                    buffer_stds: dict[str, float] | None = None):
+def random_hf_model(
+    config, seed: int, std: float, *, stds: dict[str, float] | None = None, buffer_stds: dict[str, float] | None = None
+):
     """A random float32 HF causal LM of `config` (eager attention, eval mode) with every parameter perturbed:
     norm weights ~ 1 + N(0, 0.2^2), any other parameter ~ N(0, s^2) with s the first of `stds` whose name
     suffix it has, else `std`; buffers with a suffix in `buffer_stds` ~ N(0, s^2). Seeded by `seed`."""
@@ -51,8 +52,9 @@ def random_hf_model(config, seed: int, std: float, *, stds: dict[str, float] | N
 
 def load_hf_model(path):
     """A checkpoint directory (ours exported, or `save_pretrained`'s) loaded into transformers."""
-    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
 
 
 def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
@@ -63,9 +65,15 @@ def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
 def hf_greedy(hf_model, prompts: np.ndarray, steps: int):
     """transformers' greedy `generate` of `steps` tokens after prompts [B, T], with the scores of each step."""
     with torch.no_grad():
-        return hf_model.generate(torch.from_numpy(prompts.astype(np.int64)), attention_mask=torch.ones(prompts.shape),
-                                 max_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
-                                 return_dict_in_generate=True)
+        return hf_model.generate(
+            torch.from_numpy(prompts.astype(np.int64)),
+            attention_mask=torch.ones(prompts.shape),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -56,10 +56,16 @@ def main(coordinator_address: str, num_processes: int, process_id: int, out: str
     # weights that already span both processes (tensor=8): the engine moves them device to device
     shard_model(m, make_mesh(f"tensor={jax.device_count()}"))
     eagle = generate(m, prompts(), speculative=speculative(), **kwargs)
-    result = dict(process_index=jax.process_index(), process_count=jax.process_count(),
-                  local_devices=jax.local_device_count(), global_devices=jax.device_count(),
-                  plain=plain.tokens, eagle=eagle.tokens, eagle_steps=eagle.num_steps,
-                  seconds=time.perf_counter() - start)
+    result = dict(
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_devices=jax.local_device_count(),
+        global_devices=jax.device_count(),
+        plain=plain.tokens,
+        eagle=eagle.tokens,
+        eagle_steps=eagle.num_steps,
+        seconds=time.perf_counter() - start,
+    )
     with open(out, "w") as f:
         json.dump(result, f)
     jax.distributed.shutdown()

@@ -27,8 +27,17 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import init_model, sequence_positions
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full
 
-CFG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, max_position_embeddings=64, num_nextn_predict_layers=3)
+CFG = ModelConfig(
+    vocab_size=8,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    num_nextn_predict_layers=3,
+)
 D, V = CFG.num_nextn_predict_layers, CFG.vocab_size
 S = 40  # the cache capacity of every generation here
 W = S + 4  # oracle sequence width: committed tokens plus up to 4 drafts
@@ -44,8 +53,9 @@ IMPLS = ["reference", "pallas_interpret"]
 def spec(method: str, k: int, **kwargs) -> SpeculativeConfig:
     """Every config names the think tokens (relaxed acceptance stays off unless asked): with the feature
     off, naming them must change nothing."""
-    return SpeculativeConfig(method=method, num_speculative_tokens=k, think_start_token_id=THINK,
-                             think_end_token_id=END_THINK, **kwargs)
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=k, think_start_token_id=THINK, think_end_token_id=END_THINK, **kwargs
+    )
 
 
 def style(method: str) -> str:
@@ -154,8 +164,14 @@ def _main_h0(model, tokens):
 def _module_full(model, hidden, tokens):
     """MTP module 1 over whole sequences from position 0 with an empty cache: (logits, chained hidden)."""
     module, batch, num = model.mtp[0], *tokens.shape
-    logits, chained, _ = module(hidden, tokens, sequence_positions(batch, num), module.init_cache(batch, num),
-                                embed=model.embed, head=model.head)
+    logits, chained, _ = module(
+        hidden,
+        tokens,
+        sequence_positions(batch, num),
+        module.init_cache(batch, num),
+        embed=model.embed,
+        head=model.head,
+    )
     return logits, chained
 
 
@@ -172,7 +188,7 @@ def oracle_drafts(model, method: str, tokens: np.ndarray, lengths: np.ndarray, d
     seq = np.zeros((batch, W), np.int32)
     seq[:, :S] = tokens
     for b in rows:
-        seq[b, lengths[b]: lengths[b] + k_max] = drafts[b]
+        seq[b, lengths[b] : lengths[b] + k_max] = drafts[b]
     if method != "eagle":
         logits = _depth_logits(model, jnp.asarray(seq))
         return np.stack([np.asarray(logits[j])[rows, lengths - 2].argmax(-1) for j in range(k_max)], axis=1)
@@ -180,7 +196,7 @@ def oracle_drafts(model, method: str, tokens: np.ndarray, lengths: np.ndarray, d
     hidden, module_tokens = np.zeros_like(h0), np.zeros_like(seq)
     for b in rows:
         hidden[b, : lengths[b] - 1] = h0[b, : lengths[b] - 1]
-        module_tokens[b, : lengths[b] - 1] = seq[b, 1: lengths[b]]  # position i reads t_{i+1}
+        module_tokens[b, : lengths[b] - 1] = seq[b, 1 : lengths[b]]  # position i reads t_{i+1}
     out = []
     for j in range(k_max):
         logits, chained = (np.asarray(x) for x in _module_full(model, jnp.asarray(hidden), jnp.asarray(module_tokens)))
@@ -201,14 +217,20 @@ def _poison(state, margin: int = 0):
     0 .. L - 2 - margin), and in the entries of vanilla's hidden window that stand for positions before 0."""
     draft, window = state.draft, state.draft.hidden_window.shape[1]
     positions = state.lengths[:, None] - 1 - window + jnp.arange(window)[None, :]  # [B, W]
-    draft = draft.replace(caches=fill_stale(draft.caches, state.lengths - 1 - margin, jnp.nan),
-                          hidden_window=jnp.where((positions < 0)[..., None], jnp.nan, draft.hidden_window))
+    draft = draft.replace(
+        caches=fill_stale(draft.caches, state.lengths - 1 - margin, jnp.nan),
+        hidden_window=jnp.where((positions < 0)[..., None], jnp.nan, draft.hidden_window),
+    )
     return state.replace(cache=fill_stale(state.cache, state.lengths - 1, jnp.nan), draft=draft)
 
 
 def _snapshot(state) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in jax.device_get(dict(
-        tokens=state.tokens, lengths=state.lengths, done=state.done, drafts=state.draft.tokens)).items()}
+    return {
+        k: np.array(v)
+        for k, v in jax.device_get(
+            dict(tokens=state.tokens, lengths=state.lengths, done=state.done, drafts=state.draft.tokens)
+        ).items()
+    }
 
 
 def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = False, stop_tokens=()):
@@ -232,4 +254,4 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
 
 def generated(state, prompts) -> list[list[int]]:
     tokens, lengths = jax.device_get((state.tokens, state.lengths))
-    return [tokens[b, len(p): lengths[b]].tolist() for b, p in enumerate(prompts)]
+    return [tokens[b, len(p) : lengths[b]].tolist() for b, p in enumerate(prompts)]

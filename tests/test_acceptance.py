@@ -67,15 +67,21 @@ def emitted(num_accepted: np.ndarray, token: np.ndarray, drafts: np.ndarray) -> 
 @functools.cache
 def jit_accept(sp: SpeculativeConfig):
     """`accept` jitted once per config (and shapes)."""
-    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
-                                                                      q, sampling, *rest))
+    return jax.jit(
+        lambda logits, drafts, q, sampling, *rest: accept(
+            sp, Target.from_logits(logits, sampling), drafts, q, sampling, *rest
+        )
+    )
 
 
 def with_uniform(monkeypatch, value: float, sp: SpeculativeConfig):
     """`accept` under a fresh jit with every uniform draw of the acceptance test forced to `value`."""
     monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), value, jnp.float32))
-    return jax.jit(lambda logits, drafts, q, sampling, *rest: accept(sp, Target.from_logits(logits, sampling), drafts,
-                                                                      q, sampling, *rest))
+    return jax.jit(
+        lambda logits, drafts, q, sampling, *rest: accept(
+            sp, Target.from_logits(logits, sampling), drafts, q, sampling, *rest
+        )
+    )
 
 
 N_ROWS, SAMPLE_SPEC = 20000, spec("eagle", 2, draft_sampling="sample")  # one compile of `accept` for both tests
@@ -108,8 +114,16 @@ def test_accept_emits_the_target_distribution(draft_sampling):
         drafts = np.where(np.arange(N_ROWS)[:, None] % 2, np.int32([0, 2]), np.int32([0, 1]))
         q, sp = jnp.zeros((N_ROWS, 2, 0), jnp.float32), spec("eagle", 2)
         rate = P[0, 0]
-    num_accepted, token = jax.device_get(jit_accept(sp)(logits, jnp.asarray(drafts), q, _rows(temperature=1.0),
-                                                        jnp.full((N_ROWS,), 5, jnp.int32), jnp.zeros((N_ROWS,), bool)))
+    num_accepted, token = jax.device_get(
+        jit_accept(sp)(
+            logits,
+            jnp.asarray(drafts),
+            q,
+            _rows(temperature=1.0),
+            jnp.full((N_ROWS,), 5, jnp.int32),
+            jnp.zeros((N_ROWS,), bool),
+        )
+    )
     out = emitted(num_accepted, token, drafts)
     for j, rows in enumerate([num_accepted >= 0, num_accepted >= 1, num_accepted == 2]):
         ok, message = chi_square_ok(np.bincount(out[rows, j], minlength=5), P[j])
@@ -125,12 +139,18 @@ def test_zero_probability_draft_is_never_accepted_even_for_a_zero_uniform(monkey
     probability 0 (outside top-k, not the greedy argmax) are rejected whatever q(d), a draft with
     probability ~1e-6 is accepted."""
     logits = jnp.asarray(np.tile(np.float32([4.0, 3.0, 2.0, 1.0, -10.0]), (4, 2, 1)))  # [B, K + 1, V]
-    sampling = SamplingState.from_params([SamplingParams(temperature=1.0, top_k=2), SamplingParams(),
-                                          SamplingParams(temperature=1.0, top_k=4),
-                                          SamplingParams(temperature=1.0)])
+    sampling = SamplingState.from_params(
+        [
+            SamplingParams(temperature=1.0, top_k=2),
+            SamplingParams(),
+            SamplingParams(temperature=1.0, top_k=4),
+            SamplingParams(temperature=1.0),
+        ]
+    )
     drafts = jnp.int32([[2], [1], [4], [4]])  # outside top-2; not the argmax; outside top-4; p ~ 1e-6
-    q = jnp.asarray(np.float32([[0, 0, 1, 0, 0], [0, 0.5, 0, 0, 0.5], [0.1, 0.1, 0.1, 0.4, 0.3],
-                                [0, 0, 0, 0, 1]])[:, None, :])
+    q = jnp.asarray(
+        np.float32([[0, 0, 1, 0, 0], [0, 0.5, 0, 0, 0.5], [0.1, 0.1, 0.1, 0.4, 0.3], [0, 0, 0, 0, 1]])[:, None, :]
+    )
     accept_zero = with_uniform(monkeypatch, 0.0, spec("eagle", 1, draft_sampling="sample"))
     num_accepted, token = accept_zero(logits, drafts, q, sampling, jnp.full((4,), 3), jnp.zeros((4,), bool))
     np.testing.assert_array_equal(num_accepted, [0, 0, 0, 1])
@@ -147,8 +167,14 @@ def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
     sampling = _rows(temperature=0.7, top_k=3)
     p = np.asarray(jax.jit(target_probs)(logits, sampling), np.float64)  # [B, K + 1, V]
     drafts = np.stack([_draw(p[:, j], rng) for j in range(2)], axis=1)
-    args = (logits, jnp.asarray(drafts), jnp.asarray(p[:, :2], jnp.float32), sampling, jnp.zeros((N_ROWS,), jnp.int32),
-            jnp.zeros((N_ROWS,), bool))
+    args = (
+        logits,
+        jnp.asarray(drafts),
+        jnp.asarray(p[:, :2], jnp.float32),
+        sampling,
+        jnp.zeros((N_ROWS,), jnp.int32),
+        jnp.zeros((N_ROWS,), bool),
+    )
     for forced, expected_accepted in [(None, 2), (1.0, 0)]:
         fn = jit_accept(SAMPLE_SPEC) if forced is None else with_uniform(monkeypatch, forced, SAMPLE_SPEC)
         num_accepted, token = (np.asarray(x) for x in fn(*args))
@@ -162,8 +188,9 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
     speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy."""
     prompt = [3, 1, 4]
     sampling = [SamplingParams()] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s) for s in range(n - 2)]
-    result = generate(model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[],
-                                  sampling=sampling)
+    result = generate(
+        model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[], sampling=sampling
+    )
     tokens = np.asarray(result.tokens)  # [n, 3]
     assert 0 < result.metrics.num_accepted < result.metrics.num_drafts
 
@@ -176,7 +203,7 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
     seqs = np.zeros((V * V + 2, W), np.int32)  # every (t_1, t_2) after the prompt, 3 rows per oracle call
     for i in range(V * V):
         seqs[i, : len(prompt) + 2] = prompt + [i // V, i % V]
-    logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i: i + 3]))) for i in range(0, V * V, 3)])
+    logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i : i + 3]))) for i in range(0, V * V, 3)])
     at1, at2, at3 = logits[0, len(prompt) - 1], logits[::V][:V, len(prompt)], logits[: V * V, len(prompt) + 1]
     greedy1 = at1.argmax()
     greedy2 = at2[greedy1].argmax()
@@ -186,8 +213,9 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
     sampled = tokens[2:]
     ok, message = chi_square_ok(np.bincount(sampled[:, 0] * V + sampled[:, 1], minlength=V * V), joint12)
     assert ok, f"(t_1, t_2): {message}"
-    ok, message = chi_square_ok(np.bincount((sampled[:, 0] * V + sampled[:, 1]) * V + sampled[:, 2],
-                                            minlength=V ** 3), joint123)
+    ok, message = chi_square_ok(
+        np.bincount((sampled[:, 0] * V + sampled[:, 1]) * V + sampled[:, 2], minlength=V**3), joint123
+    )
     assert ok, f"(t_1, t_2, t_3): {message}"
 
 
@@ -226,8 +254,9 @@ def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
     drafts = jnp.asarray([c[2] for c in cases], jnp.int32)
     logits = jnp.asarray(np.stack([_log(np.stack(c[3] + [base])) for c in cases]))  # [B, K + 1, V]
     n = len(cases)
-    num_accepted, token = jit_accept(_relaxed_spec())(logits, drafts, jnp.zeros((n, 4, 0)), sampling,
-                                                      jnp.full((n,), 10), thinking)
+    num_accepted, token = jit_accept(_relaxed_spec())(
+        logits, drafts, jnp.zeros((n, 4, 0)), sampling, jnp.full((n,), 10), thinking
+    )
     np.testing.assert_array_equal(num_accepted, [c[4] for c in cases])
     np.testing.assert_array_equal(np.asarray(token)[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
 
@@ -278,9 +307,9 @@ def test_relaxed_generation_relaxes_only_thinking_positions():
                 relaxed_tokens += int(t != p.argmax())
             else:
                 assert t == p.argmax(), (b, i)
-        if not any(phases[len(prompt):]):
+        if not any(phases[len(prompt) :]):
             assert tokens == strict.tokens[b]
-        in_phase += sum(phases[len(prompt): len(prompt) + len(tokens)])
-        out_of_phase += len(tokens) - sum(phases[len(prompt): len(prompt) + len(tokens)])
+        in_phase += sum(phases[len(prompt) : len(prompt) + len(tokens)])
+        out_of_phase += len(tokens) - sum(phases[len(prompt) : len(prompt) + len(tokens)])
     assert relaxed_tokens > 0 and in_phase > 0 and out_of_phase > 0, (relaxed_tokens, in_phase, out_of_phase)
     assert result.tokens[0][:5] == [3, 4, 5, 1, 3] and strict.tokens[0][:5] == [3, 4, 5, 1, 2]

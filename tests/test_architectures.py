@@ -23,16 +23,45 @@ from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.moe import MoE
 from mtp_jax.model import init_model, sequence_positions
 
-_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-               max_position_embeddings=128, num_nextn_predict_layers=2, ffn_type="moe", moe_intermediate_size=16,
-               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-               initializer_range=0.2)
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    num_nextn_predict_layers=2,
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    initializer_range=0.2,
+)
 CONFIGS = {
-    "deepseek_v3": ModelConfig(**_COMMON, num_key_value_heads=4, attention_type="mla", q_lora_rank=24,
-                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=4,
-                               topk_group=2, routed_scaling_factor=2.5),
-    "glm4_moe": ModelConfig(**_COMMON, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-                            use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.0),
+    "deepseek_v3": ModelConfig(
+        **_COMMON,
+        num_key_value_heads=4,
+        attention_type="mla",
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    ),
+    "glm4_moe": ModelConfig(
+        **_COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        routed_scaling_factor=1.0,
+    ),
 }
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2]]  # mixed lengths, one prompt bucket
 S = 40
@@ -43,8 +72,9 @@ def model(request):
     model = init_model(CONFIGS[request.param], seed=1)
     for path, var in nnx.iter_graph(model):  # a nonzero score-correction bias: it must change selections
         if isinstance(var, nnx.Param) and path[-1] == "e_score_correction_bias":
-            var.set_value(jnp.asarray(np.random.default_rng(len(path)).normal(0, 0.1, var.get_value().shape),
-                                      jnp.float32))
+            var.set_value(
+                jnp.asarray(np.random.default_rng(len(path)).normal(0, 0.1, var.get_value().shape), jnp.float32)
+            )
     return model
 
 
@@ -74,11 +104,11 @@ def test_cached_decode_equals_full_forward_and_stale_nan_changes_nothing(model, 
     lengths = np.array([3, 7, 1])
     for _ in range(2):
         cache = fill_stale(cache, jnp.asarray(lengths), jnp.nan)
-        chunk = jnp.stack([seqs[b, lengths[b]: lengths[b] + step] for b in range(3)])
+        chunk = jnp.stack([seqs[b, lengths[b] : lengths[b] + step] for b in range(3)])
         logits, _, cache = _step(model, chunk, jnp.asarray(lengths), cache)
         assert np.isfinite(np.asarray(logits)).all()
         for b in range(3):
-            np.testing.assert_allclose(logits[b], full[b, lengths[b]: lengths[b] + step], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(logits[b], full[b, lengths[b] : lengths[b] + step], rtol=2e-4, atol=2e-4)
         lengths = lengths + step
 
 
@@ -108,8 +138,10 @@ def test_cached_drafts_equal_the_no_cache_oracle_and_nothing_recompiles(model, m
     generate(model, PROMPTS, max_new_tokens=4, **kwargs)  # warm-up
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, _duration, **_: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda name, _duration, **_: (
+            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     try:
         generate(model, [[5, 4], [1] * 9, [7]], max_new_tokens=[3, 11, 6], **kwargs)
     finally:

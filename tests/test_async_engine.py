@@ -54,11 +54,22 @@ class FakeEngine:
         with self.lock:
             ids, self.running = [(i, i in self.aborting) for i in self.running], self.running - self.aborting
             self.aborting = set()
-        return [RequestOutput(request_id=i, token_ids=[] if gone else [1], logprobs=[] if gone else [0.0],
-                              text="" if gone else "a", num_committed=1, num_accepted=0, prompt_tokens=1,
-                              completion_tokens=self.steps, finish_reason="abort" if gone else None,
-                              stop_reason=None, metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=0))
-                for i, gone in ids]
+        return [
+            RequestOutput(
+                request_id=i,
+                token_ids=[] if gone else [1],
+                logprobs=[] if gone else [0.0],
+                text="" if gone else "a",
+                num_committed=1,
+                num_accepted=0,
+                prompt_tokens=1,
+                completion_tokens=self.steps,
+                finish_reason="abort" if gone else None,
+                stop_reason=None,
+                metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=0),
+            )
+            for i, gone in ids
+        ]
 
 
 def test_async_engine_idles_without_work_and_aborts_cancelled_consumers():

@@ -93,8 +93,14 @@ def test_a_real_error_is_raised_at_once(tmp_path):
 def test_only_siblings_in_the_savers_token_format_are_debris(tmp_path):
     path = tmp_path / "model"
     _write(path, "old")
-    theirs = [".model.tmp-abc", ".model.old-abc", f".model.tmp-{TOKEN}0", f".model.tmp-{TOKEN.upper()}",
-              f".model.old-{TOKEN[:-1]}", f".model.tmp-{TOKEN}.bak"]
+    theirs = [
+        ".model.tmp-abc",
+        ".model.old-abc",
+        f".model.tmp-{TOKEN}0",
+        f".model.tmp-{TOKEN.upper()}",
+        f".model.old-{TOKEN[:-1]}",
+        f".model.tmp-{TOKEN}.bak",
+    ]
     for name in theirs:
         (tmp_path / name).mkdir()
         (tmp_path / name / "precious").write_text(name)

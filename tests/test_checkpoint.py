@@ -29,8 +29,10 @@ def _random_model(config: ModelConfig, seed: int = 0) -> Transformer:
     """A model with N(0, 1) weights drawn in numpy (no eager init compiles), in config.param_dtype."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     rng = np.random.RandomState(seed)
-    flat = [(path, v.replace(jnp.asarray(rng.standard_normal(v.get_value().shape), v.get_value().dtype)))
-            for path, v in nnx.to_flat_state(params)]
+    flat = [
+        (path, v.replace(jnp.asarray(rng.standard_normal(v.get_value().shape), v.get_value().dtype)))
+        for path, v in nnx.to_flat_state(params)
+    ]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -157,11 +159,14 @@ def test_unexpected_tensor_is_named(saved_tiny):
     assert info.value.unexpected == ["model.layers.0.mlp.extra_proj.weight"] and not info.value.missing
 
 
-@pytest.mark.parametrize("name,shape", [
-    ("model.layers.0.self_attn.k_proj.weight", (16, 64)),  # expected [32, 64]
-    ("model.layers.1.mlp.gate_proj.weight", (64, 128)),  # stored [in, out]: not transposed to torch layout
-    ("model.norm.weight", (65,)),
-])
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("model.layers.0.self_attn.k_proj.weight", (16, 64)),  # expected [32, 64]
+        ("model.layers.1.mlp.gate_proj.weight", (64, 128)),  # stored [in, out]: not transposed to torch layout
+        ("model.norm.weight", (65,)),
+    ],
+)
 def test_wrong_shape_names_tensor_and_shapes(saved_tiny, name, shape):
     _, path = saved_tiny
     expected = list(load_file(path / "model.safetensors")[name].shape)
@@ -245,28 +250,55 @@ def test_hf_names():
     config = TINY.replace(num_nextn_predict_layers=1)
     assert hf_name(("embed_tokens", "embedding"), config) == ("model.embed_tokens.weight", False)
     assert hf_name(("layers", 1, "self_attn", "q_proj", "kernel"), config) == (
-        "model.layers.1.self_attn.q_proj.weight", True)
-    assert hf_name(("layers", 0, "self_attn", "k_proj", "bias"), config) == ("model.layers.0.self_attn.k_proj.bias",
-                                                                             False)
+        "model.layers.1.self_attn.q_proj.weight",
+        True,
+    )
+    assert hf_name(("layers", 0, "self_attn", "k_proj", "bias"), config) == (
+        "model.layers.0.self_attn.k_proj.bias",
+        False,
+    )
     assert hf_name(("norm", "weight"), config) == ("model.norm.weight", False)
     assert hf_name(("lm_head", "kernel"), config) == ("lm_head.weight", True)
     # DeepSeek-V3's MTP names: module j is layer L + j.
     assert hf_name(("mtp", 0, "eh_proj", "kernel"), config) == ("model.layers.2.eh_proj.weight", True)
-    assert hf_name(("mtp", 0, "shared_head", "norm", "weight"), config) == ("model.layers.2.shared_head.norm.weight",
-                                                                            False)
+    assert hf_name(("mtp", 0, "shared_head", "norm", "weight"), config) == (
+        "model.layers.2.shared_head.norm.weight",
+        False,
+    )
 
 
 # Fused projections: GQA's qkv_proj (with biases), the MLPs' and the stacked experts' gate_up_proj (main
 # layers, shared experts, MTP blocks), MLA's fused_qkv_a_proj (with biases).
-_FUSED_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=128, num_nextn_predict_layers=1, ffn_type="moe",
-                     moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                     first_k_dense_replace=1, attention_bias=True)
+_FUSED_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    num_nextn_predict_layers=1,
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    attention_bias=True,
+)
 FUSED_CONFIGS = {
-    "glm4_moe": ModelConfig(**_FUSED_COMMON, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-                            use_qk_norm=True),
-    "deepseek_v3": ModelConfig(**_FUSED_COMMON, num_key_value_heads=4, attention_type="mla", q_lora_rank=24,
-                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "glm4_moe": ModelConfig(
+        **_FUSED_COMMON, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True
+    ),
+    "deepseek_v3": ModelConfig(
+        **_FUSED_COMMON,
+        num_key_value_heads=4,
+        attention_type="mla",
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 
 
@@ -278,9 +310,15 @@ def _fused(files: dict, prefix: str, modules: tuple[str, ...], config: ModelConf
     if modules == ("q_proj", "k_proj", "v_proj"):
         q, k, v = parts
         h, g, d = config.num_attention_heads, config.num_key_value_heads, config.resolved_head_dim
-        head = lambda x, n: x[..., n * d:(n + 1) * d]  # noqa: E731  # head n's D columns
-        return np.concatenate([column for kv in range(g) for column in (
-            *(head(q, kv * (h // g) + j) for j in range(h // g)), head(k, kv), head(v, kv))], axis=-1)
+        head = lambda x, n: x[..., n * d : (n + 1) * d]  # noqa: E731  # head n's D columns
+        return np.concatenate(
+            [
+                column
+                for kv in range(g)
+                for column in (*(head(q, kv * (h // g) + j) for j in range(h // g)), head(k, kv), head(v, kv))
+            ],
+            axis=-1,
+        )
     if modules == ("gate_proj", "up_proj"):
         gate, up = parts
         return np.concatenate([np.stack([gate[..., i], up[..., i]], axis=-1) for i in range(gate.shape[-1])], axis=-1)
@@ -310,29 +348,36 @@ def test_fused_params_are_their_hf_tensors_in_the_fused_layout(tmp_path, name):
         else:
             joined, modules = attn.qkv_proj, ("q_proj", "k_proj", "v_proj")
         np.testing.assert_array_equal(joined.kernel[...], _fused(files, f"{prefix}.self_attn", modules, config))
-        np.testing.assert_array_equal(joined.bias[...], _fused(files, f"{prefix}.self_attn", modules, config,
-                                                                     "bias"))
-        mlps = [(f"{prefix}.mlp", block.mlp)] if i < config.first_k_dense_replace else [
-            (f"{prefix}.mlp.shared_experts", block.mlp.shared_experts)]
+        np.testing.assert_array_equal(joined.bias[...], _fused(files, f"{prefix}.self_attn", modules, config, "bias"))
+        mlps = (
+            [(f"{prefix}.mlp", block.mlp)]
+            if i < config.first_k_dense_replace
+            else [(f"{prefix}.mlp.shared_experts", block.mlp.shared_experts)]
+        )
         for mlp_prefix, mlp in mlps:
-            np.testing.assert_array_equal(mlp.gate_up_proj.kernel[...],
-                                          _fused(files, mlp_prefix, ("gate_proj", "up_proj"), config))
+            np.testing.assert_array_equal(
+                mlp.gate_up_proj.kernel[...], _fused(files, mlp_prefix, ("gate_proj", "up_proj"), config)
+            )
         if i >= config.first_k_dense_replace:
             gate_up = np.asarray(block.mlp.experts.gate_up_proj[...])  # [R, E, 2I]
             for r in range(config.n_routed_experts):
                 np.testing.assert_array_equal(
-                    gate_up[r], _fused(files, f"{prefix}.mlp.experts.{r}", ("gate_proj", "up_proj"), config))
+                    gate_up[r], _fused(files, f"{prefix}.mlp.experts.{r}", ("gate_proj", "up_proj"), config)
+                )
     for scan_layers in (False, True):
         exported = hf_tensors(load_hf_checkpoint(tmp_path, scan_layers=scan_layers))
         assert sorted(exported) == sorted(files)
         assert all(_same_bits(exported[n], files[n]) for n in files)
 
 
-@pytest.mark.parametrize("name,piece", [
-    ("glm4_moe", "model.layers.1.self_attn.v_proj.bias"),
-    ("glm4_moe", "model.layers.2.mlp.experts.3.up_proj.weight"),
-    ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
-])
+@pytest.mark.parametrize(
+    "name,piece",
+    [
+        ("glm4_moe", "model.layers.1.self_attn.v_proj.bias"),
+        ("glm4_moe", "model.layers.2.mlp.experts.3.up_proj.weight"),
+        ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+    ],
+)
 def test_a_fused_params_pieces_are_accounted_for_one_by_one(tmp_path, name, piece):
     """A fused param's HF tensors are checked each on its own: one missing, or mis-shaped, is named."""
     save_hf_checkpoint(_random_model(FUSED_CONFIGS[name], seed=5), tmp_path)
@@ -357,21 +402,42 @@ ROUND_TRIP_CONFIGS = {
     "tiny-qwen2": ModelConfig.from_name("tiny-qwen2"),
     "head_dim+tokens": TINY.replace(head_dim=32, bos_token_id=1, eos_token_id=(2, 5), rms_norm_eps=1e-5),
     "linear": TINY.replace(rope_scaling=RopeScaling(rope_type="linear", factor=2.0)),
-    "llama3": TINY.replace(rope_theta=5e5, rope_scaling=RopeScaling(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64)),
+    "llama3": TINY.replace(
+        rope_theta=5e5,
+        rope_scaling=RopeScaling(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
     "yarn": TINY.replace(rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
-    "yarn-deepseek": TINY.replace(rope_scaling=RopeScaling(
-        rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=16.0, beta_slow=2.0,
-        mscale=1.0, mscale_all_dim=0.8, truncate=False)),
-    "yarn-attention-factor": TINY.replace(rope_scaling=RopeScaling(
-        rope_type="yarn", factor=2.0, original_max_position_embeddings=128, attention_factor=1.25)),
+    "yarn-deepseek": TINY.replace(
+        rope_scaling=RopeScaling(
+            rope_type="yarn",
+            factor=40.0,
+            original_max_position_embeddings=64,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+            truncate=False,
+        )
+    ),
+    "yarn-attention-factor": TINY.replace(
+        rope_scaling=RopeScaling(
+            rope_type="yarn", factor=2.0, original_max_position_embeddings=128, attention_factor=1.25
+        )
+    ),
     "bfloat16": TINY.replace(dtype="bfloat16", param_dtype="bfloat16"),
 }
 
 
-@pytest.mark.parametrize("name,model_type", [(name, None) for name in sorted(ROUND_TRIP_CONFIGS)]
-                         + [("tiny", "mistral"), ("yarn", "mistral")])
+@pytest.mark.parametrize(
+    "name,model_type",
+    [(name, None) for name in sorted(ROUND_TRIP_CONFIGS)] + [("tiny", "mistral"), ("yarn", "mistral")],
+)
 def test_config_round_trip(name, model_type):
     config = ROUND_TRIP_CONFIGS[name]
     hf = json.loads(json.dumps(config_to_hf(config, model_type=model_type)))  # through JSON, as on disk
@@ -400,54 +466,79 @@ def test_config_reads_both_rope_spellings():
 
 def test_config_ignores_harmless_fields():
     hf = config_to_hf(TINY)
-    assert config_from_hf({**hf, "use_cache": False, "attention_dropout": 0.1, "pad_token_id": 0,
-                           "pretraining_tp": 2, "transformers_version": "4.45.0", "torch_dtype": "float32"}) == TINY
+    assert (
+        config_from_hf(
+            {
+                **hf,
+                "use_cache": False,
+                "attention_dropout": 0.1,
+                "pad_token_id": 0,
+                "pretraining_tp": 2,
+                "transformers_version": "4.45.0",
+                "torch_dtype": "float32",
+            }
+        )
+        == TINY
+    )
     qwen2 = config_to_hf(ModelConfig.from_name("tiny-qwen2"))
     # Qwen2.5 ships a window that is switched off (use_sliding_window false).
     assert config_from_hf({**qwen2, "sliding_window": 32, "max_window_layers": 0}) == ModelConfig.from_name(
-        "tiny-qwen2")
+        "tiny-qwen2"
+    )
     mistral = config_to_hf(TINY, model_type="mistral")
     assert config_from_hf({**mistral, "sliding_window": TINY.max_position_embeddings}) == TINY  # never binds
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"vocab_size": None}, "vocab_size"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_scaling.rope_type"),
-    ({"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "foo": 1}},
-     "rope_parameters.foo"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
-     "use_sliding_window"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
-    ({"num_nextn_predict_layers": 1, "mtp_style": "medusa"}, "mtp_style"),
-    ({"dtype": "float64"}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"vocab_size": None}, "vocab_size"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        (
+            {"rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_parameters.rope_type",
+        ),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_scaling.rope_type"),
+        (
+            {"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "foo": 1}},
+            "rope_parameters.foo",
+        ),
+        ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+            "use_sliding_window",
+        ),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+        ({"num_nextn_predict_layers": 1, "mtp_style": "medusa"}, "mtp_style"),
+        ({"dtype": "float64"}, "dtype"),
+    ],
+)
 def test_invalid_config_fields_are_named(changes, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         config_from_hf({**config_to_hf(TINY), **changes})
 
 
-@pytest.mark.parametrize("config,model_type,field", [
-    (TINY, "qwen2", "attention_bias"),
-    (ModelConfig.from_name("tiny-qwen2"), "llama", "attention_bias"),
-    (TINY, "gpt2", "model_type"),
-])
+@pytest.mark.parametrize(
+    "config,model_type,field",
+    [
+        (TINY, "qwen2", "attention_bias"),
+        (ModelConfig.from_name("tiny-qwen2"), "llama", "attention_bias"),
+        (TINY, "gpt2", "model_type"),
+    ],
+)
 def test_unexportable_configs_raise(tmp_path, config, model_type, field):
     with pytest.raises(ValueError, match=field):
         config_to_hf(config, model_type=model_type)
     with pytest.raises(ValueError, match=field):
         save_hf_checkpoint(_random_model(config), tmp_path, model_type=model_type)
     assert not any(tmp_path.iterdir())  # nothing written
-
 
 
 MTP_TINY = TINY.replace(num_nextn_predict_layers=2, mtp_concat_order="hidden_first", mtp_hidden_after_norm=False)
@@ -459,9 +550,14 @@ def test_mtp_round_trip_in_deepseek_layout(tmp_path):
     save_hf_checkpoint(model, tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
     layer = f"model.layers.{TINY.num_hidden_layers + 1}"
-    assert {f"{layer}.enorm.weight", f"{layer}.hnorm.weight", f"{layer}.eh_proj.weight",
-            f"{layer}.shared_head.norm.weight", f"{layer}.self_attn.q_proj.weight",
-            f"{layer}.mlp.up_proj.weight"} <= names
+    assert {
+        f"{layer}.enorm.weight",
+        f"{layer}.hnorm.weight",
+        f"{layer}.eh_proj.weight",
+        f"{layer}.shared_head.norm.weight",
+        f"{layer}.self_attn.q_proj.weight",
+        f"{layer}.mlp.up_proj.weight",
+    } <= names
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["num_nextn_predict_layers"] == 2 and hf["mtp_concat_order"] == "hidden_first"
     loaded = load_hf_checkpoint(tmp_path)

@@ -58,9 +58,18 @@ def _tokenizer(size: int) -> Tokenizer:
 # Kill -9 during an overwriting save
 
 # Every filesystem step of a save, as (owner, attribute): wrapped so that a hook runs first.
-STEP_FUNCTIONS = [(os, "mkdir"), (os, "rename"), (os, "unlink"), (os, "rmdir"), (shutil, "copyfile"),
-                  (shutil, "copy2"), (pathlib.Path, "write_text"), (checkpoint, "save_file"),
-                  (atomic_dir, "_fsync"), (atomic_dir, "_exchange")]
+STEP_FUNCTIONS = [
+    (os, "mkdir"),
+    (os, "rename"),
+    (os, "unlink"),
+    (os, "rmdir"),
+    (shutil, "copyfile"),
+    (shutil, "copy2"),
+    (pathlib.Path, "write_text"),
+    (checkpoint, "save_file"),
+    (atomic_dir, "_fsync"),
+    (atomic_dir, "_exchange"),
+]
 
 
 def _install_step_hooks(on_step, setattr_=setattr):
@@ -112,26 +121,35 @@ def test_kill_at_every_step_of_an_overwriting_save_leaves_old_or_new(tmp_path, m
         save_pretrained(new_model, tmp_path / "dry" / "model", tokenizer=src / "tokenizer.json", overwrite=True)
     swap = steps.index("_exchange" if exchange else "rename") + 1  # 1-based: the first step that moves `path`
     if not exchange:
-        assert steps[swap - 1:swap + 2] == ["rename", "_fsync", "rename"]
+        assert steps[swap - 1 : swap + 2] == ["rename", "_fsync", "rename"]
     assert steps[0] == "mkdir" and len(steps) < 30
 
     # Kill before step n, two children at a time (a child imports jax: ~2 s each): for every n that
     # starts or ends a run of like steps (six fsyncs in a row are one kind of point); for the
     # two-rename scheme only from the swap on (before it, both schemes run the same steps).
-    points = [n for n in range(1, len(steps) + 1)
-              if n in (1, len(steps)) or steps[n - 2] != steps[n - 1] or steps[n] != steps[n - 1]]
+    points = [
+        n
+        for n in range(1, len(steps) + 1)
+        if n in (1, len(steps)) or steps[n - 2] != steps[n - 1] or steps[n] != steps[n - 1]
+    ]
     cases = {n: tmp_path / f"kill{n}" / "model" for n in points if exchange or n >= swap - 1}
     for target in cases.values():
         _save_old(target, old_model)
-    code = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_checkpoint_safety as t; "
-            "t._child_save(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')")
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_checkpoint_safety as t; "
+        "t._child_save(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')"
+    )
     results = {}
     pending = list(cases.items())
     while pending:
         batch, pending = pending[:2], pending[2:]
-        children = {n: subprocess.Popen([sys.executable, "-c", code, str(src), str(target), str(n),
-                                         "1" if exchange else "0"], stderr=subprocess.PIPE)
-                    for n, target in batch}
+        children = {
+            n: subprocess.Popen(
+                [sys.executable, "-c", code, str(src), str(target), str(n), "1" if exchange else "0"],
+                stderr=subprocess.PIPE,
+            )
+            for n, target in batch
+        }
         for n, child in children.items():
             _, err = child.communicate(timeout=120)
             results[n] = child.returncode
@@ -147,8 +165,12 @@ def test_kill_at_every_step_of_an_overwriting_save_leaves_old_or_new(tmp_path, m
         # The next save cleans up whatever the kill left.
         save_pretrained(new_model, target, tokenizer=_tokenizer(120), overwrite=True)
         assert [p.name for p in target.parent.iterdir()] == ["model"], n
-        assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "model.safetensors",
-                                                            "tokenizer.json"]
+        assert sorted(p.name for p in target.iterdir()) == [
+            "README.md",
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+        ]
 
 
 def test_interrupted_two_rename_swap_is_recovered_on_load(tmp_path):
@@ -240,10 +262,13 @@ def test_loads_during_overwriting_saves_return_one_save_whole(tmp_path):
     process overwrites the directory back to back (before `atomic_dir.read_dir`, a third were mixed)."""
     target = tmp_path / "model"
     models = {tokenizer.get_vocab_size(): model for model, tokenizer in _race_pairs()}  # 100 and 120 tokens
-    code = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_checkpoint_safety as t; "
-            "t._child_save_loop(sys.argv[1], float(sys.argv[2]))")
-    child = subprocess.Popen([sys.executable, "-c", code, str(target), "8"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_checkpoint_safety as t; "
+        "t._child_save_loop(sys.argv[1], float(sys.argv[2]))"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(target), "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline() == "ready\n", child.stderr.read()
         seen = []
@@ -305,30 +330,39 @@ def _first_shard(path) -> str:
 
 def _truncate(path, file):
     data = (path / file).read_bytes()
-    (path / file).write_bytes(data[:len(data) // 2])
+    (path / file).write_bytes(data[: len(data) // 2])
 
 
 CORRUPTIONS = {
     "empty shard": (lambda p: (p / _first_shard(p)).write_bytes(b""), "model-00001-of"),
     "truncated shard": (lambda p: _truncate(p, _first_shard(p)), "model-00001-of"),
     "garbage shard": (lambda p: (p / _first_shard(p)).write_bytes(os.urandom(1000)), "model-00001-of"),
-    "shard cut by one byte": (lambda p: (p / _first_shard(p)).write_bytes((p / _first_shard(p)).read_bytes()[:-1]),
-                              "model-00001-of"),
-    "index not JSON": (lambda p: (p / "model.safetensors.index.json").write_text("{\"weight_map\": "),
-                       "model.safetensors.index.json"),
-    "index without weight_map": (lambda p: (p / "model.safetensors.index.json").write_text('{"metadata": {}}'),
-                                 "model.safetensors.index.json"),
-    "index weight_map a list": (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": []}'),
-                                "model.safetensors.index.json"),
+    "shard cut by one byte": (
+        lambda p: (p / _first_shard(p)).write_bytes((p / _first_shard(p)).read_bytes()[:-1]),
+        "model-00001-of",
+    ),
+    "index not JSON": (
+        lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": '),
+        "model.safetensors.index.json",
+    ),
+    "index without weight_map": (
+        lambda p: (p / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+        "model.safetensors.index.json",
+    ),
+    "index weight_map a list": (
+        lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": []}'),
+        "model.safetensors.index.json",
+    ),
     "index a list": (lambda p: (p / "model.safetensors.index.json").write_text("[]"), "model.safetensors.index.json"),
     "config not JSON": (lambda p: (p / "config.json").write_text("{'model_type': 'llama'}"), "config.json"),
     "config empty": (lambda p: (p / "config.json").write_bytes(b""), "config.json"),
     "config a list": (lambda p: (p / "config.json").write_text("[1, 2]"), "config.json"),
     "config bytes": (lambda p: (p / "config.json").write_bytes(b"\xff\x00\xfe"), "config.json"),
     "config nested too deeply": (lambda p: (p / "config.json").write_text("[" * 100_000), "config.json"),
-    "index nested too deeply": (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": '
-                                                                                          + "[" * 100_000),
-                                "model.safetensors.index.json"),
+    "index nested too deeply": (
+        lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000),
+        "model.safetensors.index.json",
+    ),
     "tokenizer not JSON": (lambda p: (p / "tokenizer.json").write_text("{"), "tokenizer.json"),
     "tokenizer a list": (lambda p: (p / "tokenizer.json").write_text("[]"), "tokenizer.json"),
 }
@@ -355,8 +389,11 @@ def test_single_file_and_index_of_another_model_load_the_single_file_with_a_warn
     save_hf_checkpoint(sharded, tmp_path, max_shard_size_bytes=40_000)
     save_hf_checkpoint(single, tmp_path / "single")
     (tmp_path / "single" / "model.safetensors").rename(tmp_path / "model.safetensors")
-    with pytest.warns(UserWarning, match=r"both model\.safetensors and model\.safetensors\.index\.json: "
-                                         r"loading model\.safetensors"):
+    with pytest.warns(
+        UserWarning,
+        match=r"both model\.safetensors and model\.safetensors\.index\.json: "
+        r"loading model\.safetensors",
+    ):
         loaded = load_hf_checkpoint(tmp_path)
     assert _same(loaded, single) and not _same(loaded, sharded)
 
@@ -365,8 +402,11 @@ def test_more_eos_ids_than_stop_slots_are_refused_at_load(tmp_path):
     save_hf_checkpoint(_random_model(1), tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "eos_token_id": list(range(MAX_STOP_TOKENS + 1))}))
-    with pytest.raises(CheckpointError, match=rf"config\.json: eos_token_id lists {MAX_STOP_TOKENS + 1} distinct "
-                                              rf"token ids; generation stops at most at {MAX_STOP_TOKENS}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"config\.json: eos_token_id lists {MAX_STOP_TOKENS + 1} distinct "
+        rf"token ids; generation stops at most at {MAX_STOP_TOKENS}",
+    ):
         load_hf_checkpoint(tmp_path)
     ids = [*range(MAX_STOP_TOKENS), 0]  # 16 distinct ids, one repeated: what generation can hold
     (tmp_path / "config.json").write_text(json.dumps({**hf, "eos_token_id": ids}))
@@ -380,8 +420,20 @@ def test_corrupt_single_weights_file_is_named(tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("shard", ["../model-00001-of-00004.safetensors", "/tmp/model.safetensors",
-                                   "sub/model.safetensors", "sub\\model.safetensors", "..", ".", "", 7, None])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../model-00001-of-00004.safetensors",
+        "/tmp/model.safetensors",
+        "sub/model.safetensors",
+        "sub\\model.safetensors",
+        "..",
+        ".",
+        "",
+        7,
+        None,
+    ],
+)
 def test_index_shard_outside_the_directory_is_refused(saved, shard):
     index_file = saved / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
@@ -402,65 +454,85 @@ def test_index_shard_names_are_the_ones_saved(saved):
 # config.json field types: no coercion
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"hidden_size": "64"}, "hidden_size"),
-    ({"hidden_size": 64.0}, "hidden_size"),
-    ({"num_hidden_layers": True}, "num_hidden_layers"),
-    ({"vocab_size": [128]}, "vocab_size"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings"),
-    ({"max_position_embeddings": -5}, "max_position_embeddings"),
-    ({"max_position_embeddings": "256"}, "max_position_embeddings"),
-    ({"num_key_value_heads": 0}, "num_key_value_heads"),
-    ({"num_key_value_heads": 2.0}, "num_key_value_heads"),
-    ({"head_dim": "16"}, "head_dim"),
-    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
-    ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
-    ({"attention_bias": "false"}, "attention_bias"),
-    ({"mlp_bias": 0}, "mlp_bias"),
-    ({"model_type": ["llama"]}, "model_type"),
-    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
-    ({"rms_norm_eps": True}, "rms_norm_eps"),
-    ({"rope_theta": "10000"}, "rope_theta"),
-    ({"rope_scaling": ["linear", 2.0]}, "rope_scaling"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, r"rope_scaling\.factor"),
-    ({"rope_scaling": {"rope_type": 3, "factor": 2.0}}, r"rope_scaling\.rope_type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}},
-     r"rope_scaling\.original_max_position_embeddings"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}}, r"rope_scaling\.truncate"),
-    ({"rope_parameters": "default"}, "rope_parameters"),
-    ({"hidden_act": 1}, "hidden_act"),
-    ({"dtype": ["float32"]}, "dtype"),
-    ({"eos_token_id": "2"}, "eos_token_id"),
-    ({"eos_token_id": [2, "3"]}, r"eos_token_id\[1\]"),
-    ({"bos_token_id": 1.0}, "bos_token_id"),
-    ({"num_nextn_predict_layers": 1.0}, "num_nextn_predict_layers"),
-    ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers"),
-    ({"num_nextn_predict_layers": 1, "mtp_hidden_after_norm": "true"}, "mtp_hidden_after_norm"),
-    ({"sliding_window": "16"}, "sliding_window"),
-    # Non-finite or zero values; only an absent (or null) field takes the default.
-    ({"initializer_range": float("nan")}, "initializer_range must be a finite number, got nan"),
-    ({"initializer_range": 0}, "initializer_range must be a finite number > 0, got 0"),
-    ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got inf"),
-    ({"rope_theta": 10 ** 400}, "rope_theta must be a finite number"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, r"rope_scaling\.factor must be a finite"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 0}},
-     r"rope_scaling\.beta_fast must be a finite number > 0, got 0\.0"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_slow": 0.0}}, r"rope_scaling\.beta_slow"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": float("nan")}}, r"rope_scaling\.mscale"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0}},
-     r"rope_scaling\.low_freq_factor"),
-    # rope_theta in two places (transformers 4.x reads the top level, 5.x the RoPE dict) must agree.
-    ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
-     r"rope_theta=10000\.0 and rope_parameters\.rope_theta=500000\.0 differ"),
-    ({"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
-     r"rope_theta=10000\.0 and rope_scaling\.rope_theta=500000\.0 differ"),
-    ({"rope_theta": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
-      "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
-     r"rope_scaling\.rope_theta=500000\.0 and rope_parameters\.rope_theta=1000000\.0 differ"),
-    ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}},
-     r"partial_rotary_factor=0\.5 and rope_parameters\.partial_rotary_factor=1\.0 differ"),
-    ({"model_type": "qwen2", "attention_bias": True, "use_sliding_window": "yes"}, "use_sliding_window"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"hidden_size": "64"}, "hidden_size"),
+        ({"hidden_size": 64.0}, "hidden_size"),
+        ({"num_hidden_layers": True}, "num_hidden_layers"),
+        ({"vocab_size": [128]}, "vocab_size"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings"),
+        ({"max_position_embeddings": "256"}, "max_position_embeddings"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads"),
+        ({"num_key_value_heads": 2.0}, "num_key_value_heads"),
+        ({"head_dim": "16"}, "head_dim"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
+        ({"attention_bias": "false"}, "attention_bias"),
+        ({"mlp_bias": 0}, "mlp_bias"),
+        ({"model_type": ["llama"]}, "model_type"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+        ({"rms_norm_eps": True}, "rms_norm_eps"),
+        ({"rope_theta": "10000"}, "rope_theta"),
+        ({"rope_scaling": ["linear", 2.0]}, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, r"rope_scaling\.factor"),
+        ({"rope_scaling": {"rope_type": 3, "factor": 2.0}}, r"rope_scaling\.rope_type"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}},
+            r"rope_scaling\.original_max_position_embeddings",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}}, r"rope_scaling\.truncate"),
+        ({"rope_parameters": "default"}, "rope_parameters"),
+        ({"hidden_act": 1}, "hidden_act"),
+        ({"dtype": ["float32"]}, "dtype"),
+        ({"eos_token_id": "2"}, "eos_token_id"),
+        ({"eos_token_id": [2, "3"]}, r"eos_token_id\[1\]"),
+        ({"bos_token_id": 1.0}, "bos_token_id"),
+        ({"num_nextn_predict_layers": 1.0}, "num_nextn_predict_layers"),
+        ({"num_nextn_predict_layers": "1"}, "num_nextn_predict_layers"),
+        ({"num_nextn_predict_layers": 1, "mtp_hidden_after_norm": "true"}, "mtp_hidden_after_norm"),
+        ({"sliding_window": "16"}, "sliding_window"),
+        # Non-finite or zero values; only an absent (or null) field takes the default.
+        ({"initializer_range": float("nan")}, "initializer_range must be a finite number, got nan"),
+        ({"initializer_range": 0}, "initializer_range must be a finite number > 0, got 0"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got inf"),
+        ({"rope_theta": 10**400}, "rope_theta must be a finite number"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, r"rope_scaling\.factor must be a finite"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 0}},
+            r"rope_scaling\.beta_fast must be a finite number > 0, got 0\.0",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_slow": 0.0}}, r"rope_scaling\.beta_slow"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": float("nan")}}, r"rope_scaling\.mscale"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0}},
+            r"rope_scaling\.low_freq_factor",
+        ),
+        # rope_theta in two places (transformers 4.x reads the top level, 5.x the RoPE dict) must agree.
+        (
+            {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+            r"rope_theta=10000\.0 and rope_parameters\.rope_theta=500000\.0 differ",
+        ),
+        (
+            {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+            r"rope_theta=10000\.0 and rope_scaling\.rope_theta=500000\.0 differ",
+        ),
+        (
+            {
+                "rope_theta": None,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            r"rope_scaling\.rope_theta=500000\.0 and rope_parameters\.rope_theta=1000000\.0 differ",
+        ),
+        (
+            {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}},
+            r"partial_rotary_factor=0\.5 and rope_parameters\.partial_rotary_factor=1\.0 differ",
+        ),
+        ({"model_type": "qwen2", "attention_bias": True, "use_sliding_window": "yes"}, "use_sliding_window"),
+    ],
+)
 def test_wrong_json_types_are_errors_naming_the_field(tmp_path, changes, field):
     hf = {**config_to_hf(TINY), **changes}
     with pytest.raises(ValueError, match=field):
@@ -475,10 +547,14 @@ def test_wrong_json_types_are_errors_naming_the_field(tmp_path, changes, field):
 def test_rope_theta_is_read_from_whichever_field_gives_it():
     base = {k: v for k, v in config_to_hf(TINY).items() if k not in ("rope_theta", "rope_scaling", "rope_parameters")}
     linear = {"rope_type": "linear", "factor": 2.0}
-    for fields in ({"rope_theta": 5e5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
-                   {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
-                   {"rope_theta": 5e5, "rope_scaling": linear}, {"rope_scaling": {**linear, "rope_theta": 5e5}},
-                   {"rope_theta": 5e5, "rope_scaling": linear, "rope_parameters": {**linear, "rope_theta": 5e5}}):
+    for fields in (
+        {"rope_theta": 5e5},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_theta": 5e5, "rope_scaling": linear},
+        {"rope_scaling": {**linear, "rope_theta": 5e5}},
+        {"rope_theta": 5e5, "rope_scaling": linear, "rope_parameters": {**linear, "rope_theta": 5e5}},
+    ):
         assert config_from_hf({**base, **fields}).rope_theta == 5e5, fields
     assert config_from_hf(base).rope_theta == 10000.0
 
@@ -490,15 +566,22 @@ def test_config_values_are_checked_in_code_too():
         RopeScaling(rope_type="linear", factor=float("inf"))
     with pytest.raises(ValueError, match=r"rope_scaling\.beta_fast must be a finite number > 0, got 0"):
         RopeScaling(rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast=0)
-    yarn = config_from_hf({**config_to_hf(TINY), "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
-                                                                   "beta_fast": None}})
+    yarn = config_from_hf(
+        {**config_to_hf(TINY), "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": None}}
+    )
     assert (yarn.rope_scaling.beta_fast, yarn.rope_scaling.beta_slow) == (32.0, 1.0)  # absent: the defaults
     assert RopeScaling(rope_type="yarn", factor=2.0, original_max_position_embeddings=64, mscale=0.0).mscale == 0.0
 
 
 def test_ints_are_accepted_for_float_fields_and_null_means_absent():
-    hf = {**config_to_hf(TINY), "rope_theta": 10000, "rms_norm_eps": 1, "max_position_embeddings": None,
-          "num_key_value_heads": None, "tie_word_embeddings": None}
+    hf = {
+        **config_to_hf(TINY),
+        "rope_theta": 10000,
+        "rms_norm_eps": 1,
+        "max_position_embeddings": None,
+        "num_key_value_heads": None,
+        "tie_word_embeddings": None,
+    }
     config = config_from_hf(hf)
     assert (config.rope_theta, config.rms_norm_eps) == (10000.0, 1.0)
     assert isinstance(config.rope_theta, float)

@@ -22,8 +22,13 @@ from mtp_jax.training import data
 from mtp_jax.training.run_dir import config_to_dict
 from mtp_jax.training.step import TrainConfig
 
-DISTRIBUTED_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED",
-                         "JAX_COORDINATOR_BIND_ADDRESS")
+DISTRIBUTED_VARIABLES = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JAX_DISTRIBUTED",
+    "JAX_COORDINATOR_BIND_ADDRESS",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +40,11 @@ def no_distributed_environment(monkeypatch, tmp_path):
 
 def _target(command: str, tmp_path) -> list[str]:
     """Arguments that get `command` as far as its device flags, with nothing else to do."""
-    return {"generate": ["--model", str(tmp_path / "no_model")], "serve": [str(tmp_path / "no_model")],
-            "train": [str(tmp_path / "run")]}[command]
+    return {
+        "generate": ["--model", str(tmp_path / "no_model")],
+        "serve": [str(tmp_path / "no_model")],
+        "train": [str(tmp_path / "run")],
+    }[command]
 
 
 def _one_line_error(err: str, command: str) -> str:
@@ -56,26 +64,40 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "train"])
-@pytest.mark.parametrize("address, problem", [
-    ("127.0.0.1:notaport", "has port 'notaport', not an integer in 1..65535"),  # crashed jax with SIGSEGV
-    ("garbage", "is not HOST:PORT"),  # an IndexError inside jax
-    ("127.0.0.1:99999", "has port '99999', not an integer in 1..65535"),
-    ("127.0.0.1:0", "has port '0', not an integer in 1..65535"),
-    ("::1:1234", "has host '::1', not an IPv6 address in brackets"),
-    ("bad host:1234", "has host 'bad host', not a host name or an IP address"),
-])
+@pytest.mark.parametrize(
+    "address, problem",
+    [
+        ("127.0.0.1:notaport", "has port 'notaport', not an integer in 1..65535"),  # crashed jax with SIGSEGV
+        ("garbage", "is not HOST:PORT"),  # an IndexError inside jax
+        ("127.0.0.1:99999", "has port '99999', not an integer in 1..65535"),
+        ("127.0.0.1:0", "has port '0', not an integer in 1..65535"),
+        ("::1:1234", "has host '::1', not an IPv6 address in brackets"),
+        ("bad host:1234", "has host 'bad host', not a host name or an IP address"),
+    ],
+)
 def test_bad_coordinator_address_names_the_flag(tmp_path, capsys, command, address, problem):
-    argv = [command, *_target(command, tmp_path), "--coordinator-address", address, "--num-processes", "2",
-            "--process-id", "1"]
+    argv = [
+        command,
+        *_target(command, tmp_path),
+        "--coordinator-address",
+        address,
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+    ]
     assert main(argv) == 2
     err = _one_line_error(capsys.readouterr().err, command)
-    assert err.startswith(f"mtp-jax {command}: error: --coordinator-address: coordinator_address {address!r} "
-                          f"{problem} (expected HOST:PORT with PORT in 1..65535"), err
+    assert err.startswith(
+        f"mtp-jax {command}: error: --coordinator-address: coordinator_address {address!r} "
+        f"{problem} (expected HOST:PORT with PORT in 1..65535"
+    ), err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("address", ["[::1]:1234", "localhost:65535", "10.0.0.1:1", "node-0.cluster_a:8476",
-                                     "[fe80::1%eth0]:1234"])
+@pytest.mark.parametrize(
+    "address", ["[::1]:1234", "localhost:65535", "10.0.0.1:1", "node-0.cluster_a:8476", "[fe80::1%eth0]:1234"]
+)
 def test_good_coordinator_addresses_reach_jax(address):
     class Reached(Exception):
         pass
@@ -88,18 +110,29 @@ def test_good_coordinator_addresses_reach_jax(address):
     assert reached.value.args[0] == (address, 2, 1)
 
 
-@pytest.mark.parametrize("variables, message", [
-    ({"JAX_NUM_PROCESSES": "two"}, "environment variable JAX_NUM_PROCESSES must be an integer >= 1, got 'two'"),
-    ({"JAX_NUM_PROCESSES": "0"}, "environment variable JAX_NUM_PROCESSES must be an integer >= 1, got '0'"),
-    ({"JAX_PROCESS_ID": "x", "JAX_NUM_PROCESSES": "2"},
-     "environment variable JAX_PROCESS_ID must be an integer >= 0, got 'x'"),
-    ({"JAX_PROCESS_ID": "-1", "JAX_NUM_PROCESSES": "2"},
-     "environment variable JAX_PROCESS_ID must be an integer >= 0, got '-1'"),
-    ({"JAX_PROCESS_ID": "2", "JAX_NUM_PROCESSES": "2"},
-     "JAX_PROCESS_ID must be an integer in [0, JAX_NUM_PROCESSES) = [0, 2), got 2"),
-    ({"JAX_COORDINATOR_ADDRESS": "garbage", "JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2"},
-     "JAX_COORDINATOR_ADDRESS 'garbage' is not HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"JAX_NUM_PROCESSES": "two"}, "environment variable JAX_NUM_PROCESSES must be an integer >= 1, got 'two'"),
+        ({"JAX_NUM_PROCESSES": "0"}, "environment variable JAX_NUM_PROCESSES must be an integer >= 1, got '0'"),
+        (
+            {"JAX_PROCESS_ID": "x", "JAX_NUM_PROCESSES": "2"},
+            "environment variable JAX_PROCESS_ID must be an integer >= 0, got 'x'",
+        ),
+        (
+            {"JAX_PROCESS_ID": "-1", "JAX_NUM_PROCESSES": "2"},
+            "environment variable JAX_PROCESS_ID must be an integer >= 0, got '-1'",
+        ),
+        (
+            {"JAX_PROCESS_ID": "2", "JAX_NUM_PROCESSES": "2"},
+            "JAX_PROCESS_ID must be an integer in [0, JAX_NUM_PROCESSES) = [0, 2), got 2",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "garbage", "JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2"},
+            "JAX_COORDINATOR_ADDRESS 'garbage' is not HOST:PORT",
+        ),
+    ],
+)
 @pytest.mark.parametrize("command", ["generate", "train"])
 def test_bad_distributed_variables_are_named(tmp_path, capsys, monkeypatch, command, variables, message):
     for name, value in variables.items():
@@ -113,12 +146,21 @@ def test_bad_distributed_variables_are_named(tmp_path, capsys, monkeypatch, comm
 
 
 def test_process_id_past_the_processes_names_both_flags(tmp_path, capsys):
-    argv = ["generate", *_target("generate", tmp_path), "--coordinator-address", "127.0.0.1:1234",
-            "--num-processes", "2", "--process-id", "2"]
+    argv = [
+        "generate",
+        *_target("generate", tmp_path),
+        "--coordinator-address",
+        "127.0.0.1:1234",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "2",
+    ]
     assert main(argv) == 2
     assert _one_line_error(capsys.readouterr().err, "generate") == (
         "mtp-jax generate: error: --num-processes, --process-id: process_id must be an integer in "
-        "[0, num_processes) = [0, 2), got 2\n")
+        "[0, num_processes) = [0, 2), got 2\n"
+    )
 
 
 def test_coordinator_port_in_use_is_refused_before_jax(tmp_path, capsys):
@@ -127,16 +169,27 @@ def test_coordinator_port_in_use_is_refused_before_jax(tmp_path, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        argv = ["generate", *_target("generate", tmp_path), "--coordinator-address", f"127.0.0.1:{port}",
-                "--num-processes", "2", "--process-id", "0"]
+        argv = [
+            "generate",
+            *_target("generate", tmp_path),
+            "--coordinator-address",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "0",
+        ]
         assert main(argv) == 2
     assert _one_line_error(capsys.readouterr().err, "generate") == (
         f"mtp-jax generate: error: --coordinator-address: coordinator_address '127.0.0.1:{port}': port {port} is in "
-        "use on this host, where process 0 runs the coordinator\n")
+        "use on this host, where process 0 runs the coordinator\n"
+    )
 
 
-@pytest.mark.parametrize("value, message", [("0", "must be > 0, got 0"), ("-3", "must be > 0, got -3"),
-                                            ("soon", "invalid int value: 'soon'")])
+@pytest.mark.parametrize(
+    "value, message",
+    [("0", "must be > 0, got 0"), ("-3", "must be > 0, got -3"), ("soon", "invalid int value: 'soon'")],
+)
 def test_distributed_timeout_must_be_positive(capsys, value, message):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--distributed-timeout", value])
@@ -144,21 +197,44 @@ def test_distributed_timeout_must_be_positive(capsys, value, message):
     assert capsys.readouterr().err.endswith(f"mtp-jax generate: error: argument --distributed-timeout: {message}\n")
 
 
-@pytest.mark.parametrize("process_id, waiting, failure", [
-    (1, "the coordinator at {address} (process 1 of 2)",
-     "--coordinator-address {address}, --distributed-timeout 2: no answer from the coordinator at {address} "
-     "within 2 s (process 1 of 2)"),
-    (0, "all 2 processes to join the coordinator at {address} (process 0 of 2, which runs it)",
-     "--coordinator-address {address}, --distributed-timeout 2: the other processes did not all join the "
-     "coordinator at {address} within 2 s (this is process 0 of 2)"),
-])
+@pytest.mark.parametrize(
+    "process_id, waiting, failure",
+    [
+        (
+            1,
+            "the coordinator at {address} (process 1 of 2)",
+            "--coordinator-address {address}, --distributed-timeout 2: no answer from the coordinator at {address} "
+            "within 2 s (process 1 of 2)",
+        ),
+        (
+            0,
+            "all 2 processes to join the coordinator at {address} (process 0 of 2, which runs it)",
+            "--coordinator-address {address}, --distributed-timeout 2: the other processes did not all join the "
+            "coordinator at {address} within 2 s (this is process 0 of 2)",
+        ),
+    ],
+)
 def test_missing_processes_end_the_wait_at_distributed_timeout(tmp_path, process_id, waiting, failure):
     """jax would wait 300 s, then abort with a C++ stack trace: the CLI gives up at --distributed-timeout."""
     address = f"127.0.0.1:{_free_port()}"  # nobody listens there (process 1), nobody else joins (process 0)
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
     env |= {"MTP_JAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "mtp_jax.cli", "generate", "--prompt", "x", "--coordinator-address", address,
-               "--num-processes", "2", "--process-id", str(process_id), "--distributed-timeout", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "mtp_jax.cli",
+        "generate",
+        "--prompt",
+        "x",
+        "--coordinator-address",
+        address,
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(process_id),
+        "--distributed-timeout",
+        "2",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = []  # (arrival time, line) of stderr
 
@@ -196,8 +272,9 @@ def test_serve_port_out_of_range_names_the_flag(capsys, port):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--port", port])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.endswith(f"mtp-jax serve: error: argument --port: must be in [0, 65535], "
-                                            f"got {port}\n")
+    assert capsys.readouterr().err.endswith(
+        f"mtp-jax serve: error: argument --port: must be in [0, 65535], got {port}\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,10 +285,16 @@ def _run_dir(tmp_path, **train_config) -> tuple:
     """A run dir whose run.json has the train_config entries given (over valid ones)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    run = {"model_config": config_to_dict(ModelConfig.from_name("tiny")),
-           "train_config": {**config_to_dict(TrainConfig()), **train_config},
-           "corpus": {"source": "stdlib", "work_dir": str(tmp_path / "corpus"), "vocab_size": 300,
-                      "heldout_fraction": 0.1}}
+    run = {
+        "model_config": config_to_dict(ModelConfig.from_name("tiny")),
+        "train_config": {**config_to_dict(TrainConfig()), **train_config},
+        "corpus": {
+            "source": "stdlib",
+            "work_dir": str(tmp_path / "corpus"),
+            "vocab_size": 300,
+            "heldout_fraction": 0.1,
+        },
+    }
     (run_dir / "run.json").write_text(json.dumps(run))
     return run_dir, run
 
@@ -219,6 +302,7 @@ def _run_dir(tmp_path, **train_config) -> tuple:
 @pytest.fixture
 def no_corpus(monkeypatch):
     """Makes preparing a corpus fail the test: every refusal here comes before it."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus was prepared before the refusal")
 
@@ -226,14 +310,17 @@ def no_corpus(monkeypatch):
     monkeypatch.setattr("mtp_jax.cli.train.corpus_of_run", refuse)
 
 
-@pytest.mark.parametrize("entries, message", [
-    ({"batch_size": "4"}, 'train_config.batch_size must be an integer, got "4" (a string)'),
-    ({"learning_rate": "fast"}, 'train_config.learning_rate must be a number, got "fast" (a string)'),
-    ({"mtp_only": 1}, "train_config.mtp_only must be true or false, got 1 (an integer)"),
-    ({"eval_batches": 2.5}, "train_config.eval_batches must be an integer or null, got 2.5 (a number)"),
-    ({"learning_rat": 0.1}, "train_config has an unknown key 'learning_rat' (the keys are batch_size, seq_len, "),
-    ({"batch_size": 0}, "train_config: batch_size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ({"batch_size": "4"}, 'train_config.batch_size must be an integer, got "4" (a string)'),
+        ({"learning_rate": "fast"}, 'train_config.learning_rate must be a number, got "fast" (a string)'),
+        ({"mtp_only": 1}, "train_config.mtp_only must be true or false, got 1 (an integer)"),
+        ({"eval_batches": 2.5}, "train_config.eval_batches must be an integer or null, got 2.5 (a number)"),
+        ({"learning_rat": 0.1}, "train_config has an unknown key 'learning_rat' (the keys are batch_size, seq_len, "),
+        ({"batch_size": 0}, "train_config: batch_size must be >= 1, got 0"),
+    ],
+)
 def test_resume_of_a_damaged_run_json_names_the_file_and_the_key(tmp_path, capsys, no_corpus, entries, message):
     run_dir, _ = _run_dir(tmp_path, **entries)
     assert main(["train", str(run_dir), "--resume", "--no-progress"]) == 2
@@ -241,12 +328,18 @@ def test_resume_of_a_damaged_run_json_names_the_file_and_the_key(tmp_path, capsy
     assert err.startswith(f"mtp-jax train: error: {run_dir / 'run.json'}: {message}"), err
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda run: run["model_config"].update(hidden_sizes=64), "model_config: "),
-    (lambda run: run["model_config"].pop("rope_scaling"), "model_config has no key 'rope_scaling'"),
-    (lambda run: run.update(train_config=[1, 2]), "'train_config' must be a JSON object, got [1, 2] (an array)"),
-    (lambda run: run["corpus"].update(vocab_size="300"), 'corpus.vocab_size must be an integer, got "300" (a string)'),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda run: run["model_config"].update(hidden_sizes=64), "model_config: "),
+        (lambda run: run["model_config"].pop("rope_scaling"), "model_config has no key 'rope_scaling'"),
+        (lambda run: run.update(train_config=[1, 2]), "'train_config' must be a JSON object, got [1, 2] (an array)"),
+        (
+            lambda run: run["corpus"].update(vocab_size="300"),
+            'corpus.vocab_size must be an integer, got "300" (a string)',
+        ),
+    ],
+)
 def test_resume_of_a_run_json_with_bad_sections_names_the_file(tmp_path, capsys, no_corpus, change, message):
     run_dir, run = _run_dir(tmp_path)
     change(run)
@@ -266,19 +359,35 @@ def test_resume_of_a_run_json_with_bad_sections_names_the_file(tmp_path, capsys,
 def mla_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("mla") / "model"
     tokenizer = data.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, attention_type="mla", q_lora_rank=24, kv_lora_rank=32,
-                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_type="moe",
-                         moe_intermediate_size=16, n_routed_experts=4, first_k_dense_replace=1,
-                         num_nextn_predict_layers=1, eos_token_id=0)  # DeepSeek-V3's layout: MLA with MoE
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        attention_type="mla",
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        ffn_type="moe",
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        eos_token_id=0,
+    )  # DeepSeek-V3's layout: MLA with MoE
     save_pretrained(init_model(config, seed=0), path, tokenizer=tokenizer)
     return path
 
 
 @pytest.mark.parametrize("flag", ["--init-from", "--model"])  # --model DIR: the same as --init-from DIR
-def test_train_init_from_an_mla_model_is_refused_before_the_corpus(tmp_path, capsys, monkeypatch, mla_dir, no_corpus,
-                                                                   flag):
+def test_train_init_from_an_mla_model_is_refused_before_the_corpus(
+    tmp_path, capsys, monkeypatch, mla_dir, no_corpus, flag
+):
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights were read before the refusal")
 
@@ -289,7 +398,8 @@ def test_train_init_from_an_mla_model_is_refused_before_the_corpus(tmp_path, cap
     assert _one_line_error(capsys.readouterr().err, "train") == (
         f"mtp-jax train: error: {flag} {mla_dir}: the model has attention_type='mla', and training packs "
         "documents into rows (segment_ids), which MLA does not support yet; train a model with "
-        "attention_type='gqa'\n")
+        "attention_type='gqa'\n"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -305,11 +415,14 @@ def test_mtp_only_for_a_model_without_mtp_modules_is_refused_before_the_corpus(t
     tokenizer = data.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
     config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_nextn_predict_layers=0)
     save_pretrained(init_model(config, seed=0), plain, tokenizer=tokenizer)
-    for flags, source in ((["--init-from", str(plain)], f"--init-from {plain}"),
-                          (["--model", str(plain)], f"--model {plain}"),
-                          (["--model", "tiny", "--mtp-layers", "0"], "--model tiny")):
+    for flags, source in (
+        (["--init-from", str(plain)], f"--init-from {plain}"),
+        (["--model", str(plain)], f"--model {plain}"),
+        (["--model", "tiny", "--mtp-layers", "0"], "--model tiny"),
+    ):
         assert main(["train", str(tmp_path / "run"), *flags, "--mtp-only", "--no-progress"]) == 2
         assert _one_line_error(capsys.readouterr().err, "train") == (
             f"mtp-jax train: error: {source}: --mtp-only trains the MTP modules and the model has none "
-            "(num_nextn_predict_layers is 0): add them with --mtp-layers N\n")
+            "(num_nextn_predict_layers is 0): add them with --mtp-layers N\n"
+        )
         assert not (tmp_path / "run").exists()

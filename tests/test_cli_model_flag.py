@@ -25,7 +25,7 @@ from mtp_jax.training.run_dir import config_to_dict
 from mtp_jax.training.step import TrainConfig
 
 TEXT = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "class A:\n    pass\n"] * 20
-DOCUMENTS = {f"pkg/mod_{i}.py": "".join(TEXT[i % 3: i % 3 + 6]) for i in range(16)}
+DOCUMENTS = {f"pkg/mod_{i}.py": "".join(TEXT[i % 3 : i % 3 + 6]) for i in range(16)}
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +39,9 @@ def cache_in_tmp(monkeypatch, tmp_path):
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny"
     tokenizer = data.train_tokenizer(TEXT, vocab_size=300)
-    config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1,
-                                   num_nextn_predict_layers=1, eos_token_id=0)
+    config = ModelConfig.from_name(
+        "tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1, num_nextn_predict_layers=1, eos_token_id=0
+    )
     save_pretrained(init_model(config, seed=0), path, tokenizer=tokenizer)
     return path
 
@@ -59,8 +60,13 @@ def small_corpus(monkeypatch, tmp_path) -> list[dict]:
 
     def prepare(work_dir, **kwargs):
         calls.append({"work_dir": str(work_dir), **kwargs})
-        return real(tmp_path / f"corpus-{len(calls)}", documents=DOCUMENTS, heldout_fraction=0.25,
-                    tokenizer_path=kwargs.get("tokenizer_path"), eos_token=kwargs.get("eos_token", data.EOS_TOKEN))
+        return real(
+            tmp_path / f"corpus-{len(calls)}",
+            documents=DOCUMENTS,
+            heldout_fraction=0.25,
+            tokenizer_path=kwargs.get("tokenizer_path"),
+            eos_token=kwargs.get("eos_token", data.EOS_TOKEN),
+        )
 
     monkeypatch.setattr(data, "prepare_corpus", prepare)
     return calls
@@ -69,6 +75,7 @@ def small_corpus(monkeypatch, tmp_path) -> list[dict]:
 @pytest.fixture
 def no_corpus(monkeypatch):
     """Makes preparing a corpus fail the test: the refusals come before it."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus was prepared before the refusal")
 
@@ -80,8 +87,15 @@ def no_corpus(monkeypatch):
 # The help of every command says the same about --model.
 
 
-@pytest.mark.parametrize("command, spelling", [("generate", "--model DIR"), ("serve", "--model DIR"),
-                                               ("eval", "--model DIR"), ("train", "--model PRESET_OR_DIR")])
+@pytest.mark.parametrize(
+    "command, spelling",
+    [
+        ("generate", "--model DIR"),
+        ("serve", "--model DIR"),
+        ("eval", "--model DIR"),
+        ("train", "--model PRESET_OR_DIR"),
+    ],
+)
 def test_every_help_says_the_same_about_model(capsys, command, spelling):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
@@ -110,14 +124,22 @@ def test_eval_model_dir_prints_the_same_numbers_as_eval_path(model_dir, capsys, 
     assert small_corpus[1]["tokenizer_path"] == model_dir / "tokenizer.json"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["{dir}", "--model", "{dir}"], "PATH {dir} and --model {dir} both name the model: give one of them"),
-    ([], "name the model: PATH (a run dir or a saved model directory) or --model DIR"),
-    (["--model", "{dir}", "--step", "3"],
-     "--step 3 picks a checkpoint of a run dir (PATH); --model {dir} is a saved model directory"),
-    (["--model", "{tmp}"], "--model: no tokenizer.json in {tmp} (a saved model directory holds config.json, "
-                           "safetensors, tokenizer.json)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["{dir}", "--model", "{dir}"], "PATH {dir} and --model {dir} both name the model: give one of them"),
+        ([], "name the model: PATH (a run dir or a saved model directory) or --model DIR"),
+        (
+            ["--model", "{dir}", "--step", "3"],
+            "--step 3 picks a checkpoint of a run dir (PATH); --model {dir} is a saved model directory",
+        ),
+        (
+            ["--model", "{tmp}"],
+            "--model: no tokenizer.json in {tmp} (a saved model directory holds config.json, "
+            "safetensors, tokenizer.json)",
+        ),
+    ],
+)
 def test_eval_model_errors(model_dir, tmp_path, capsys, no_corpus, argv, message):
     fill = {"dir": model_dir, "tmp": tmp_path}
     assert main(["eval", *(a.format(**fill) for a in argv)]) == 2
@@ -172,20 +194,45 @@ def test_train_model_dir_is_init_from_dir(model_dir, tmp_path, capsys, small_cor
 
 
 def test_train_model_preset_is_still_a_preset(tmp_path, capsys, small_corpus, trained):
-    assert main(["train", str(tmp_path / "run"), "--model", "tiny", "--steps", "2", "--warmup", "0", "--no-progress",
-                 "--no-export"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(tmp_path / "run"),
+                "--model",
+                "tiny",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+                "--no-progress",
+                "--no-export",
+            ]
+        )
+        == 0
+    )
     assert trained[0]["model"] is None and small_corpus[0]["tokenizer_path"] is None
     corpus = trained[0]["corpus"]
-    assert trained[0]["model_config"] == PRESETS["tiny"].replace(vocab_size=corpus.vocab_size,
-                                                                 eos_token_id=corpus.eos_id)
+    assert trained[0]["model_config"] == PRESETS["tiny"].replace(
+        vocab_size=corpus.vocab_size, eos_token_id=corpus.eos_id
+    )
 
 
-@pytest.mark.parametrize("model, message", [
-    ("{dir}", "--model {dir} and --init-from {dir} both name the model to train: give one of them (--model DIR "
-              "means --init-from DIR)"),
-    ("tiny", "--model tiny and --init-from {dir} both name the model to train: give one of them (--model DIR "
-             "means --init-from DIR)"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (
+            "{dir}",
+            "--model {dir} and --init-from {dir} both name the model to train: give one of them (--model DIR "
+            "means --init-from DIR)",
+        ),
+        (
+            "tiny",
+            "--model tiny and --init-from {dir} both name the model to train: give one of them (--model DIR "
+            "means --init-from DIR)",
+        ),
+    ],
+)
 def test_train_model_with_init_from_names_both(model_dir, tmp_path, capsys, no_corpus, model, message):
     argv = ["train", str(tmp_path / "run"), "--model", model.format(dir=model_dir), "--init-from", str(model_dir)]
     assert main([*argv, "--no-progress"]) == 2
@@ -194,18 +241,25 @@ def test_train_model_with_init_from_names_both(model_dir, tmp_path, capsys, no_c
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name, found", [("no_such_thing", "no such directory"),
-                                         ("empty_dir", "a directory without config.json"),
-                                         ("a_file", "a file, not a directory")])
+@pytest.mark.parametrize(
+    "name, found",
+    [
+        ("no_such_thing", "no such directory"),
+        ("empty_dir", "a directory without config.json"),
+        ("a_file", "a file, not a directory"),
+    ],
+)
 def test_train_model_neither_preset_nor_model_dir(tmp_path, capsys, no_corpus, name, found):
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "a_file").write_text("")
     model = str(tmp_path / name)
     assert main(["train", str(tmp_path / "run"), "--model", model, "--no-progress"]) == 2
     err = _one_line_error(capsys.readouterr().err, "train")
-    assert err == (f"mtp-jax train: error: --model {model!r} is neither a preset (deepseek-v3-small, demo, medium, "
-                   f"small, tiny, tiny-qwen2) nor a saved model directory ({found}; a model directory needs a "
-                   "config.json, safetensors weights and tokenizer.json)\n")
+    assert err == (
+        f"mtp-jax train: error: --model {model!r} is neither a preset (deepseek-v3-small, demo, medium, "
+        f"small, tiny, tiny-qwen2) nor a saved model directory ({found}; a model directory needs a "
+        "config.json, safetensors weights and tokenizer.json)\n"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -215,17 +269,28 @@ def test_train_model_dir_without_tokenizer_names_model(model_dir, tmp_path, caps
     (bare / "config.json").write_text((model_dir / "config.json").read_text())
     assert main(["train", str(tmp_path / "run"), "--model", str(bare), "--no-progress"]) == 2
     assert _one_line_error(capsys.readouterr().err, "train") == (
-        f"mtp-jax train: error: --model: no tokenizer.json in {bare}\n")
+        f"mtp-jax train: error: --model: no tokenizer.json in {bare}\n"
+    )
 
 
 def test_train_resume_with_model_dir_names_model(model_dir, tmp_path, capsys, no_corpus):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    run = {"model_config": config_to_dict(ModelConfig.from_name("tiny")), "train_config": config_to_dict(TrainConfig()),
-           "corpus": {"source": "stdlib", "work_dir": str(tmp_path / "corpus"), "vocab_size": 300,
-                      "heldout_fraction": 0.1}}
+    run = {
+        "model_config": config_to_dict(ModelConfig.from_name("tiny")),
+        "train_config": config_to_dict(TrainConfig()),
+        "corpus": {
+            "source": "stdlib",
+            "work_dir": str(tmp_path / "corpus"),
+            "vocab_size": 300,
+            "heldout_fraction": 0.1,
+        },
+    }
     (run_dir / "run.json").write_text(json.dumps(run))
     assert main(["train", str(run_dir), "--resume", "--model", str(model_dir), "--no-progress"]) == 2
     err = _one_line_error(capsys.readouterr().err, "train")
-    assert re.search(rf"--model \(given '{re.escape(str(model_dir))}'; a resume restores the model from the "
-                     r"checkpoint\)", err), err
+    assert re.search(
+        rf"--model \(given '{re.escape(str(model_dir))}'; a resume restores the model from the "
+        r"checkpoint\)",
+        err,
+    ), err

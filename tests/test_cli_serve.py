@@ -18,8 +18,12 @@ from mtp_jax.model import init_model
 from mtp_jax.serving import server
 from mtp_jax.training.data import train_tokenizer
 
-CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-                  "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+CACHE_SETTINGS = (
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +43,9 @@ def compilation_cache_off_afterwards(tmp_path, monkeypatch):
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny"
     tokenizer = train_tokenizer(["def add(a, b):\n    return a + b\n", "import os\n"] * 20, vocab_size=300)
-    config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1,
-                                   num_nextn_predict_layers=1, eos_token_id=0)
+    config = ModelConfig.from_name(
+        "tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1, num_nextn_predict_layers=1, eos_token_id=0
+    )
     save_pretrained(init_model(config, seed=0), path, tokenizer=tokenizer)
     return path
 
@@ -52,8 +57,10 @@ def served(monkeypatch) -> list[dict]:
     calls = []
 
     def stand_in(engine, tokenizer, name, *, sock, **kwargs):
-        calls.append({setting: getattr(jax.config, setting) for setting in CACHE_SETTINGS}
-                     | {"served": (engine, tokenizer, name)})
+        calls.append(
+            {setting: getattr(jax.config, setting) for setting in CACHE_SETTINGS}
+            | {"served": (engine, tokenizer, name)}
+        )
         sock.close()
 
     monkeypatch.setattr(server, "serve", stand_in)
@@ -63,8 +70,23 @@ def served(monkeypatch) -> list[dict]:
 def _argv(model_dir, *flags) -> list[str]:
     """serve's argv for a small engine; `model_dir` None: none given as MODEL_DIR (--model in `flags`)."""
     positional = [] if model_dir is None else [str(model_dir)]
-    return ["serve", *positional, "--port", "0", "--speculative", "none", "--max-batch", "1", "--max-length",
-            "32", "--prefill-chunk", "8", "--log-level", "warning", *flags]
+    return [
+        "serve",
+        *positional,
+        "--port",
+        "0",
+        "--speculative",
+        "none",
+        "--max-batch",
+        "1",
+        "--max-length",
+        "32",
+        "--prefill-chunk",
+        "8",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
 
 
 def test_serve_help_has_the_compilation_cache_flags(capsys):
@@ -82,7 +104,8 @@ def test_second_start_loads_the_warm_up_from_the_persistent_cache(model_dir, tmp
     assert "warming up tiny" in capsys.readouterr().err
     hits = []
     jax.monitoring.register_event_listener(
-        lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+        lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None
+    )
     try:
         jax.clear_caches()  # as in a new process: nothing compiled in memory
         assert main(_argv(model_dir, "--compilation-cache", str(cache_dir))) == 0
@@ -101,14 +124,17 @@ def test_default_cache_and_no_cache(model_dir, tmp_path, served):
 def test_unusable_cache_dirs(model_dir, tmp_path, monkeypatch, served, capsys):
     (tmp_path / "a_file").write_text("")
     assert main(_argv(model_dir, "--compilation-cache", str(tmp_path / "a_file"))) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (f"mtp-jax serve: error: --compilation-cache: "
-                                                        f"{tmp_path / 'a_file'} is not a directory")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"mtp-jax serve: error: --compilation-cache: {tmp_path / 'a_file'} is not a directory"
+    )
     assert not served  # refused before the warm-up
     monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "a_file"))  # the default a_file/jax_cache: a warning
     assert main(_argv(model_dir)) == 0
-    assert (f"mtp-jax serve: warning: the default compilation cache {tmp_path / 'a_file/jax_cache'} is not a "
-            "writable directory (Not a directory): compiling without a persistent cache (set --compilation-cache "
-            "DIR or --no-compilation-cache)") in capsys.readouterr().err.splitlines()
+    assert (
+        f"mtp-jax serve: warning: the default compilation cache {tmp_path / 'a_file/jax_cache'} is not a "
+        "writable directory (Not a directory): compiling without a persistent cache (set --compilation-cache "
+        "DIR or --no-compilation-cache)"
+    ) in capsys.readouterr().err.splitlines()
     assert not served[-1]["jax_enable_compilation_cache"]
 
 
@@ -116,8 +142,9 @@ def test_compilation_cache_flags_exclude_each_other(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--compilation-cache", "x", "--no-compilation-cache"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.endswith("error: argument --no-compilation-cache: not allowed with argument "
-                                            "--compilation-cache\n")
+    assert capsys.readouterr().err.endswith(
+        "error: argument --no-compilation-cache: not allowed with argument --compilation-cache\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,8 +165,9 @@ def test_serve_model_flag_serves_that_directory(model_dir, served):
 def test_serve_model_flag_and_model_dir_together_are_refused(model_dir, tmp_path, served, capsys):
     assert main(_argv(model_dir, "--model", str(tmp_path))) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err == (f"mtp-jax serve: error: MODEL_DIR {model_dir} and --model {tmp_path} "
-                                              "both name the model: give one of them\n")
+    assert "Traceback" not in err and err == (
+        f"mtp-jax serve: error: MODEL_DIR {model_dir} and --model {tmp_path} both name the model: give one of them\n"
+    )
     assert not served  # refused before the model was loaded
 
 

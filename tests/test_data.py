@@ -25,8 +25,9 @@ def tiny_documents(num: int = 40, seed: int = 0) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return data.prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=tiny_documents(), vocab_size=300,
-                               heldout_fraction=0.2)
+    return data.prepare_corpus(
+        tmp_path_factory.mktemp("corpus"), documents=tiny_documents(), vocab_size=300, heldout_fraction=0.2
+    )
 
 
 def test_split_is_deterministic_disjoint_and_by_path_only():
@@ -44,9 +45,15 @@ def test_split_is_deterministic_disjoint_and_by_path_only():
 
 def test_stdlib_exclusions(tmp_path):
     files = {
-        "os.py": "import sys\n", "idlelib/editor.py": "x = 1\n", "encodings/utf_8.py": "import codecs\n",
-        "test/test_os.py": "", "unittest/test/test_case.py": "", "lib2to3/tests/data/bad.py": "",
-        "idlelib/idle_test/test_x.py": "", "site-packages/pkg/mod.py": "", "pydoc_data/topics.py": "",
+        "os.py": "import sys\n",
+        "idlelib/editor.py": "x = 1\n",
+        "encodings/utf_8.py": "import codecs\n",
+        "test/test_os.py": "",
+        "unittest/test/test_case.py": "",
+        "lib2to3/tests/data/bad.py": "",
+        "idlelib/idle_test/test_x.py": "",
+        "site-packages/pkg/mod.py": "",
+        "pydoc_data/topics.py": "",
         "_sysconfigdata__linux_x86_64-linux-gnu.py": "",
         "encodings/cp1252.py": '""" Python Character Mapping Codec cp1252 generated with gencodec.py.\n"""\n',
     }
@@ -95,11 +102,13 @@ def test_prepare_corpus_tokenizes_splits_and_caches(tmp_path, monkeypatch):
     np.testing.assert_array_equal(cached.train.tokens, corpus.train.tokens)
     np.testing.assert_array_equal(cached.heldout.offsets, corpus.heldout.offsets)
     with pytest.raises(AssertionError, match="cache"):  # a changed document invalidates the cache
-        data.prepare_corpus(tmp_path, documents={**documents, "pkg0/mod_0.py": "y = 2\n"}, vocab_size=300,
-                            heldout_fraction=0.2)
+        data.prepare_corpus(
+            tmp_path, documents={**documents, "pkg0/mod_0.py": "y = 2\n"}, vocab_size=300, heldout_fraction=0.2
+        )
     # A given tokenizer is used as is.
-    given = data.prepare_corpus(tmp_path / "given", documents=documents, heldout_fraction=0.2,
-                                tokenizer_path=tmp_path / "tokenizer.json")
+    given = data.prepare_corpus(
+        tmp_path / "given", documents=documents, heldout_fraction=0.2, tokenizer_path=tmp_path / "tokenizer.json"
+    )
     np.testing.assert_array_equal(given.train.tokens, corpus.train.tokens)
 
 
@@ -113,7 +122,7 @@ def test_packing_covers_each_epoch_exactly_once(corpus):
     num_rows = 2 * corpus.train.num_tokens // 16 + 1  # a little over two epochs
     stream = np.concatenate([batches.stream_row(i)[0] for i in range(num_rows)])
     corpus_docs = sorted(tuple(corpus.train.document(i)) for i in range(corpus.train.num_documents))
-    epochs = [stream[:corpus.train.num_tokens], stream[corpus.train.num_tokens:2 * corpus.train.num_tokens]]
+    epochs = [stream[: corpus.train.num_tokens], stream[corpus.train.num_tokens : 2 * corpus.train.num_tokens]]
     for epoch in epochs:  # every document once, whole, none lost or repeated
         assert sorted(_documents_of(epoch, corpus.eos_id)) == corpus_docs
     assert _documents_of(epochs[0], corpus.eos_id) != _documents_of(epochs[1], corpus.eos_id)  # reshuffled

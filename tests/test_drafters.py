@@ -42,8 +42,11 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import sequence_positions
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, shift_left
 
-GRID = ([("eagle", k) for k in range(1, 5)] + [("vanilla", k) for k in range(1, D + 1)]
-        + [("parallel", k) for k in range(1, D + 1)])
+GRID = (
+    [("eagle", k) for k in range(1, 5)]
+    + [("vanilla", k) for k in range(1, D + 1)]
+    + [("parallel", k) for k in range(1, D + 1)]
+)
 
 
 def observed_accepts(trace, k_max: int) -> list[tuple[int, int, int]]:
@@ -53,8 +56,8 @@ def observed_accepts(trace, k_max: int) -> list[tuple[int, int, int]]:
     for step, (before, after) in enumerate(zip(trace[:-1], trace[1:], strict=True)):
         for b in np.flatnonzero(~before["done"]):
             start, num = before["lengths"][b], after["lengths"][b] - before["lengths"][b]
-            block = after["tokens"][b, start: start + num]
-            matches = block[: k_max] == before["drafts"][b, : len(block[: k_max])]
+            block = after["tokens"][b, start : start + num]
+            matches = block[:k_max] == before["drafts"][b, : len(block[:k_max])]
             out.append((step, int(b), int(np.cumprod(matches).sum())))
     return out
 
@@ -69,8 +72,14 @@ def _fresh_caches(model, tokens):
     batch, module = tokens.shape[0], model.mtp[0]
     positions = sequence_positions(batch, S)
     _, hidden, main = model(tokens, positions, model.init_cache(batch, S))
-    _, _, module_cache = module(initial_hidden(model, hidden), shift_left(tokens, 1), positions,
-                                module.init_cache(batch, S), embed=model.embed, head=model.head)
+    _, _, module_cache = module(
+        initial_hidden(model, hidden),
+        shift_left(tokens, 1),
+        positions,
+        module.init_cache(batch, S),
+        embed=model.embed,
+        head=model.head,
+    )
     return main, module_cache
 
 
@@ -94,8 +103,9 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
         assert [len(t) for t in expected.tokens] == MAX_NEW
         logprobs = np.asarray(state.logprobs)
         for b, prompt in enumerate(PROMPTS):
-            np.testing.assert_allclose(logprobs[b, len(prompt): len(prompt) + MAX_NEW[b]], expected.logprobs[b],
-                                       atol=2e-5)
+            np.testing.assert_allclose(
+                logprobs[b, len(prompt) : len(prompt) + MAX_NEW[b]], expected.logprobs[b], atol=2e-5
+            )
         for step, snap in enumerate(trace):
             active = ~snap["done"]
             want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
@@ -109,8 +119,9 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
         np.testing.assert_array_equal(m.num_steps, histogram.sum(1))
         np.testing.assert_array_equal(m.num_drafts, k * histogram.sum(1))
         np.testing.assert_array_equal(m.num_accepted, (histogram * np.arange(k + 1)).sum(1))
-        np.testing.assert_array_equal(m.accepted_per_position,
-                                      [[histogram[b, j + 1:].sum() for j in range(k)] for b in range(3)])
+        np.testing.assert_array_equal(
+            m.accepted_per_position, [[histogram[b, j + 1 :].sum() for j in range(k)] for b in range(3)]
+        )
         # Tokens: 1 from prefill, then a + 1 per step, except a last step cut by max_new_tokens.
         full = 1 + m.num_steps + m.num_accepted
         assert np.all((np.asarray(MAX_NEW) == full) | (np.asarray(MAX_NEW) == full - 1)), full
@@ -141,24 +152,35 @@ def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, m
     fresh = [(main, state.cache)] + ([(module, state.draft.caches[0])] if method == "eagle" else [])
     for want, got in fresh:
         for leaf_want, leaf_got in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-            np.testing.assert_allclose(np.asarray(leaf_got)[:, : S - 1], np.asarray(leaf_want)[:, : S - 1],
-                                       atol=1e-5)
+            np.testing.assert_allclose(np.asarray(leaf_got)[:, : S - 1], np.asarray(leaf_want)[:, : S - 1], atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
 # Impossible requests
 
 
-@pytest.mark.parametrize("style_, kwargs, message", [
-    ("deepseek", dict(method="vanilla", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
-    ("parallel", dict(method="parallel", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
-    ("deepseek", dict(method="parallel", num_speculative_tokens=2), "parallel heads"),
-    ("parallel", dict(method="eagle", num_speculative_tokens=2), "DeepSeek-style"),
-    ("none", dict(method="eagle", num_speculative_tokens=2), "no MTP modules"),
-    ("deepseek", dict(method="eagle", num_speculative_tokens=2, relaxed_top_n=9, think_start_token_id=THINK,
-                      think_end_token_id=END_THINK), "relaxed_top_n"),
-    ("deepseek", dict(method="eagle", num_speculative_tokens=2, think_start_token_id=8), "think_start_token_id"),
-])
+@pytest.mark.parametrize(
+    "style_, kwargs, message",
+    [
+        ("deepseek", dict(method="vanilla", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
+        ("parallel", dict(method="parallel", num_speculative_tokens=4), "exceeds the model's 3 MTP modules"),
+        ("deepseek", dict(method="parallel", num_speculative_tokens=2), "parallel heads"),
+        ("parallel", dict(method="eagle", num_speculative_tokens=2), "DeepSeek-style"),
+        ("none", dict(method="eagle", num_speculative_tokens=2), "no MTP modules"),
+        (
+            "deepseek",
+            dict(
+                method="eagle",
+                num_speculative_tokens=2,
+                relaxed_top_n=9,
+                think_start_token_id=THINK,
+                think_end_token_id=END_THINK,
+            ),
+            "relaxed_top_n",
+        ),
+        ("deepseek", dict(method="eagle", num_speculative_tokens=2, think_start_token_id=8), "think_start_token_id"),
+    ],
+)
 def test_impossible_requests_raise(models, style_, kwargs, message):
     no_mtp = CFG.replace(num_nextn_predict_layers=0)
     model = make_model(no_mtp, 0, 0.02) if style_ == "none" else models[style_]["random"]
@@ -166,14 +188,17 @@ def test_impossible_requests_raise(models, style_, kwargs, message):
         generate(model, PROMPTS, speculative=SpeculativeConfig(**kwargs), max_new_tokens=3, max_length=S)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
-    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
-    (dict(method="medusa"), "method"),
-    (dict(draft_sampling="typical"), "draft_sampling"),
-    (dict(relaxed_top_n=3), "think_start_token_id"),
-    (dict(relaxed_top_n=3, relaxed_delta=-0.1, think_start_token_id=1, think_end_token_id=2), "relaxed_delta"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+        (dict(method="medusa"), "method"),
+        (dict(draft_sampling="typical"), "draft_sampling"),
+        (dict(relaxed_top_n=3), "think_start_token_id"),
+        (dict(relaxed_top_n=3, relaxed_delta=-0.1, think_start_token_id=1, think_end_token_id=2), "relaxed_delta"),
+    ],
+)
 def test_bad_speculative_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
@@ -195,8 +220,9 @@ def test_oracle_drafter_replays_given_tokens_and_accepts_them_all(models, k):
     for b, (p, t) in enumerate(zip(PROMPTS, expected, strict=True)):
         reference[b, : len(p) + len(t)] = p + t
     engine = DecodeEngine(model, spec("oracle", k))
-    state, padded = engine.init_state(PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[],
-                                      oracle_tokens=reference)
+    state, padded = engine.init_state(
+        PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[], oracle_tokens=reference
+    )
     result = engine.result(engine.run(engine.prefill(state, padded)), 0.0)
     assert result.tokens == expected
     steps = [-(-(n - 1) // (k + 1)) for n in MAX_NEW]  # after the prefill's token, K + 1 per step
@@ -211,10 +237,12 @@ def test_oracle_tokens_are_checked(models):
     with pytest.raises(ValueError, match="oracle_tokens is required"):
         generate(model, PROMPTS, speculative=spec("oracle", 2), max_new_tokens=3, max_length=S)
     with pytest.raises(ValueError, match="oracle_tokens is required with method='oracle' and only there"):
-        DecodeEngine(model, spec("eagle", 2)).init_state(PROMPTS, max_new_tokens=3, max_length=S,
-                                                         oracle_tokens=np.zeros((3, S), np.int32))
+        DecodeEngine(model, spec("eagle", 2)).init_state(
+            PROMPTS, max_new_tokens=3, max_length=S, oracle_tokens=np.zeros((3, S), np.int32)
+        )
     with pytest.raises(ValueError, match=r"oracle_tokens must be an int array \[B=3, R\]"):
-        DecodeEngine(model, spec("oracle", 2)).init_state(PROMPTS, max_new_tokens=3, max_length=S,
-                                                          oracle_tokens=np.zeros((2, S), np.int32))
+        DecodeEngine(model, spec("oracle", 2)).init_state(
+            PROMPTS, max_new_tokens=3, max_length=S, oracle_tokens=np.zeros((2, S), np.int32)
+        )
     with pytest.raises(ValueError, match="draft_sampling must be 'greedy'"):
         SpeculativeConfig(method="oracle", draft_sampling="sample")

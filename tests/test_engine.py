@@ -79,26 +79,44 @@ def test_no_recompilation_across_lengths_acceptance_and_sampling(models):
         if name == "/jax/core/compile/backend_compile_duration":
             compiles.append(name)
 
-    mixed = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=3),
-             SamplingParams(temperature=1.2, top_p=0.9, seed=4)]
+    mixed = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=5, seed=3),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=4),
+    ]
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         runs = []
         for name, n, stop in [("random", 1, [0]), ("scripted", 7, [3, 4]), ("random", 25, []), ("scripted", 2, [])]:
             prompts = [[2, 3], [1] * 11, [THINK, 7, 7]]
-            runs.append(generate(by_name[name], prompts, speculative=sp, max_new_tokens=n, max_length=S,
-                                             stop_tokens=stop, sampling=mixed))
-            pieces = list(stream(by_name[name], PROMPTS, speculative=sp, max_new_tokens=[n, 3, 9], max_length=S,
-                                             stop_tokens=stop))
+            runs.append(
+                generate(
+                    by_name[name],
+                    prompts,
+                    speculative=sp,
+                    max_new_tokens=n,
+                    max_length=S,
+                    stop_tokens=stop,
+                    sampling=mixed,
+                )
+            )
+            pieces = list(
+                stream(by_name[name], PROMPTS, speculative=sp, max_new_tokens=[n, 3, 9], max_length=S, stop_tokens=stop)
+            )
         assert not compiles, f"{len(compiles)} compiles after warm-up"
     finally:
         jax.monitoring.clear_event_listeners()
     streamed = [sum((step[b] for step in pieces), []) for b in range(3)]
-    assert streamed == generate(by_name["scripted"], PROMPTS, speculative=sp, max_new_tokens=[2, 3, 9], max_length=S,
-                                            stop_tokens=[]).tokens
+    assert (
+        streamed
+        == generate(
+            by_name["scripted"], PROMPTS, speculative=sp, max_new_tokens=[2, 3, 9], max_length=S, stop_tokens=[]
+        ).tokens
+    )
     # The greedy row of a mixed batch still equals plain greedy.
-    greedy = generate(by_name["random"], [[2, 3], [1] * 11, [THINK, 7, 7]], max_new_tokens=25, max_length=S,
-                      stop_tokens=[])
+    greedy = generate(
+        by_name["random"], [[2, 3], [1] * 11, [THINK, 7, 7]], max_new_tokens=25, max_length=S, stop_tokens=[]
+    )
     assert runs[2].tokens[0] == greedy.tokens[0]
     assert [len(t) for t in runs[2].tokens] == [25] * 3
 
@@ -160,6 +178,7 @@ def test_a_step_normalises_the_verify_logits_once(models, monkeypatch, relaxed):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(acceptance.jax.nn, "log_softmax", counted("log_softmax", jax.nn.log_softmax))

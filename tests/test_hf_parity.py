@@ -27,19 +27,39 @@ from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.generation import SamplingParams, generate
 from mtp_jax.model import Transformer, sequence_positions
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 # Rope scaling cases: positions run past original_max_position_embeddings (32) up to 64.
 ROPE_CASES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0},
     # DeepSeek-V3's variant: attention factor from mscale / mscale_all_dim, untruncated ramp.
-    "yarn-mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
-                    "mscale_all_dim": 0.5, "truncate": False},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "truncate": False,
+    },
 }
 
 
@@ -64,11 +84,14 @@ def _random_model(config: ModelConfig, seed: int) -> Transformer:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {}),
-    ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
-    ("mistral", {"sliding_window": None, "head_dim": 32}),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
+        ("mistral", {"sliding_window": None, "head_dim": 32}),
+    ],
+)
 def test_imported_logits_match_transformers(tmp_path, model_type, overrides):
     hf_model = _hf_model(model_type, **overrides)
     hf_model.save_pretrained(tmp_path)
@@ -90,8 +113,12 @@ def _as_transformers4(config_path):
 
 @pytest.mark.parametrize("rope", sorted(ROPE_CASES))
 def test_rope_scaling_matches_transformers(tmp_path, rope):
-    hf_model = _hf_model("llama", max_position_embeddings=128, rope_theta=500.0,
-                         rope_parameters={**ROPE_CASES[rope], "rope_theta": 500.0})
+    hf_model = _hf_model(
+        "llama",
+        max_position_embeddings=128,
+        rope_theta=500.0,
+        rope_parameters={**ROPE_CASES[rope], "rope_theta": 500.0},
+    )
     hf_model.save_pretrained(tmp_path)
     tokens = _tokens(2, 64, seed=1)
     expected = hf_logits(hf_model, tokens)
@@ -103,11 +130,14 @@ def test_rope_scaling_matches_transformers(tmp_path, rope):
     assert legacy.config == model.config
 
 
-@pytest.mark.parametrize("name,rope,shard_bytes", [
-    ("tiny", None, None),
-    ("tiny-qwen2", None, 40_000),  # tied, biased, sharded
-    ("tiny", "yarn-mscale", None),  # every yarn field written
-])
+@pytest.mark.parametrize(
+    "name,rope,shard_bytes",
+    [
+        ("tiny", None, None),
+        ("tiny-qwen2", None, 40_000),  # tied, biased, sharded
+        ("tiny", "yarn-mscale", None),  # every yarn field written
+    ],
+)
 def test_exported_checkpoint_matches_in_transformers(tmp_path, name, rope, shard_bytes):
     config = ModelConfig.from_name(name)
     if rope is not None:
@@ -147,7 +177,7 @@ def _hf_greedy(tmp_path, model_type: str, steps: int, **overrides) -> tuple[np.n
     out = hf_greedy(hf_model, prompts, steps)
     top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, B, 2]
     assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "test model too flat: greedy choices are near-ties"
-    return prompts, out.sequences[:, prompts.shape[1]:].numpy()
+    return prompts, out.sequences[:, prompts.shape[1] :].numpy()
 
 
 def test_greedy_loop_matches_transformers_generate(tmp_path):
@@ -158,6 +188,11 @@ def test_greedy_loop_matches_transformers_generate(tmp_path):
 
 def test_generate_matches_transformers_generate(tmp_path):
     prompts, expected = _hf_greedy(tmp_path, "llama", steps=32)
-    result = generate(load_hf_checkpoint(tmp_path), prompts.tolist(), max_new_tokens=32,
-                      sampling=SamplingParams(temperature=0.0), max_length=prompts.shape[1] + 32)
+    result = generate(
+        load_hf_checkpoint(tmp_path),
+        prompts.tolist(),
+        max_new_tokens=32,
+        sampling=SamplingParams(temperature=0.0),
+        max_length=prompts.shape[1] + 32,
+    )
     assert result.tokens == expected.tolist()

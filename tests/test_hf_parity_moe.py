@@ -40,17 +40,50 @@ VOCAB = 64
 ROUTER_STD, BIAS_STD = 0.3, 0.1  # router weights wider: fewer near-ties among sigmoid scores
 SEED = 6  # a draw whose routing on the inputs below has no near-ties (checked in each test)
 MTP_SEED = 20  # likewise for the MTP module's weights (drawn in our fused layouts: re-check when they change)
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-               max_position_embeddings=128, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
-               num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=0, bos_token_id=None,
-               eos_token_id=None, pad_token_id=None, initializer_range=0.15)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    initializer_range=0.15,
+)
 HF_CONFIGS = {
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
-    "glm4_moe": ("Glm4MoeConfig", dict(
-        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
-        routed_scaling_factor=1.5)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=1.5,
+        ),
+    ),
 }
 
 
@@ -59,8 +92,11 @@ class RoutingMargins:
 
     def __init__(self, hf_model):
         self.margins = []
-        self.handles = [module.register_forward_hook(self._hook) for name, module in hf_model.named_modules()
-                        if name.endswith("mlp.gate")]
+        self.handles = [
+            module.register_forward_hook(self._hook)
+            for name, module in hf_model.named_modules()
+            if name.endswith("mlp.gate")
+        ]
         assert self.handles, "no routers found"
 
     def _hook(self, router, inputs, _):
@@ -89,8 +125,13 @@ def _hf_config(model_type: str):
 
 
 def _hf_model(model_type: str, seed: int = SEED):
-    return random_hf_model(_hf_config(model_type), seed, 0.15, stds={"mlp.gate.weight": ROUTER_STD},
-                           buffer_stds={"e_score_correction_bias": BIAS_STD})
+    return random_hf_model(
+        _hf_config(model_type),
+        seed,
+        0.15,
+        stds={"mlp.gate.weight": ROUTER_STD},
+        buffer_stds={"e_score_correction_bias": BIAS_STD},
+    )
 
 
 @functools.cache
@@ -133,9 +174,15 @@ def test_greedy_generation_matches_transformers_generate(checkpoint):
     margins.check()
     top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, B, 2]
     assert (top2[..., 0] - top2[..., 1]).min() > 1e-3, "test model too flat: greedy choices are near-ties"
-    expected = out.sequences[:, prompts.shape[1]:].numpy()
-    result = generate(load_hf_checkpoint(root), prompts.tolist(), max_new_tokens=steps,
-                      sampling=SamplingParams(temperature=0.0), max_length=prompts.shape[1] + steps, stop_tokens=[])
+    expected = out.sequences[:, prompts.shape[1] :].numpy()
+    result = generate(
+        load_hf_checkpoint(root),
+        prompts.tolist(),
+        max_new_tokens=steps,
+        sampling=SamplingParams(temperature=0.0),
+        max_length=prompts.shape[1] + steps,
+        stop_tokens=[],
+    )
     assert result.tokens == expected.tolist()
 
 
@@ -174,19 +221,22 @@ def _hf_config_json(model_type: str) -> dict:
     return json.loads(_hf_config(model_type).to_json_string())
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"scoring_func": "softmax"}, "scoring_func"),
-    ({"topk_method": "greedy"}, "topk_method"),
-    ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"n_group": 3}, "n_group"),  # 8 experts do not split into 3 groups
-    ({"n_routed_experts": 8.0}, "n_routed_experts"),
-    ({"norm_topk_prob": "true"}, "norm_topk_prob"),
-    ({"q_lora_rank": 0}, "q_lora_rank"),
-    ({"rope_interleave": 1}, "rope_interleave"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"num_mtp_layers": 2}, "num_mtp_layers"),
-    ({"first_k_dense_replace": -1}, "first_k_dense_replace"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"n_group": 3}, "n_group"),  # 8 experts do not split into 3 groups
+        ({"n_routed_experts": 8.0}, "n_routed_experts"),
+        ({"norm_topk_prob": "true"}, "norm_topk_prob"),
+        ({"q_lora_rank": 0}, "q_lora_rank"),
+        ({"rope_interleave": 1}, "rope_interleave"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"num_mtp_layers": 2}, "num_mtp_layers"),
+        ({"first_k_dense_replace": -1}, "first_k_dense_replace"),
+    ],
+)
 def test_deepseek_config_errors_name_the_field(changes, field):
     hf = _hf_config_json("deepseek_v3")
     assert config_from_hf({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1})
@@ -199,8 +249,11 @@ def test_glm_defaults_follow_transformers():
     bare = {k: v for k, v in hf.items() if k not in ("rope_parameters", "n_group", "topk_group", "rms_norm_eps")}
     config = config_from_hf(bare)  # transformers' Glm4MoeConfig defaults: partial rotary 0.5, no groups, eps 1e-5
     assert (config.partial_rotary_factor, config.n_group, config.topk_group, config.rms_norm_eps) == (0.5, 1, 1, 1e-5)
-    for changes, field in (({"use_qk_norm": "yes"}, "use_qk_norm"), ({"scoring_func": "softmax"}, "scoring_func"),
-                           ({"partial_rotary_factor": 0.25}, "partial_rotary_factor")):  # vs rope_parameters' 0.5
+    for changes, field in (
+        ({"use_qk_norm": "yes"}, "use_qk_norm"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"partial_rotary_factor": 0.25}, "partial_rotary_factor"),
+    ):  # vs rope_parameters' 0.5
         with pytest.raises(ValueError, match=field):
             config_from_hf({**hf, **changes})
 

@@ -57,8 +57,10 @@ def _converts_of_the_weight(hlo: str, shape: tuple[int, int]) -> list[str]:
     return [line for line in hlo.splitlines() if re.search(rf"= f32\[{dims}\]\S* (convert|fusion)\(", line)]
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu",
-                    reason="dot_general rewrites bf16 matmuls on the CPU backend only; elsewhere it is lax.dot_general")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="dot_general rewrites bf16 matmuls on the CPU backend only; elsewhere it is lax.dot_general",
+)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_cpu_keeps_the_bfloat16_weight_as_it_is(rows):
     """The slow path this avoids: XLA:CPU (jax 0.10) converting the whole [in, out] weight to float32

@@ -14,9 +14,18 @@ from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS, mtp_forward_full
 from mtp_jax.training.loss import compute_loss, label_mask, loss_from_logits
 
-TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_nextn_predict_layers=2,
-                   initializer_range=0.3)
+TINY = ModelConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    max_position_embeddings=64,
+    num_nextn_predict_layers=2,
+    initializer_range=0.3,
+)
 
 # Row 0 packs document 1 (3 tokens) and document 2 (2 tokens), then one padding token; row 1 is one document.
 SEGMENTS = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
@@ -46,8 +55,9 @@ def test_loss_from_logits_matches_hand_computation():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 5, SEGMENTS.shape).astype(np.int32)
     logits = [rng.normal(0, 2, SEGMENTS.shape + (5,)).astype(np.float32) for _ in range(3)]
-    loss, metrics = loss_from_logits([jnp.asarray(x) for x in logits], jnp.asarray(tokens), jnp.asarray(SEGMENTS),
-                                     mtp_lambda=0.3)
+    loss, metrics = loss_from_logits(
+        [jnp.asarray(x) for x in logits], jnp.asarray(tokens), jnp.asarray(SEGMENTS), mtp_lambda=0.3
+    )
     main = np_token_mean_ce(logits[0], tokens, 1, MASKS[0])
     mtp = [np_token_mean_ce(logits[k], tokens, k + 1, MASKS[k]) for k in (1, 2)]
     assert MASKS[2][1].sum() == 3 and not MASKS[2][0].any()  # depth 2 only has labels in row 1
@@ -58,8 +68,15 @@ def test_loss_from_logits_matches_hand_computation():
     np.testing.assert_allclose(metrics["loss"], loss)
     assert int(metrics["num_tokens"]) == 8
     assert loss.dtype == jnp.float32 and loss.shape == ()
-    assert set(metrics) == {"loss", "main_loss", "num_tokens", "mtp_loss_1", "mtp_loss_2", "mtp_agreement_1",
-                            "mtp_agreement_2"}
+    assert set(metrics) == {
+        "loss",
+        "main_loss",
+        "num_tokens",
+        "mtp_loss_1",
+        "mtp_loss_2",
+        "mtp_agreement_1",
+        "mtp_agreement_2",
+    }
 
 
 def test_agreement_by_hand():

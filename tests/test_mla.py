@@ -16,16 +16,35 @@ from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.layers.mla import MLACache, MLAttention, softmax_scale
 
 # DeepSeek-V3's rope_scaling (max_position_embeddings 256 = factor x 64); its ramp bends the tiny head's bands.
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
-        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 # mscale != mscale_all_dim: YaRN's cos/sin factor is no longer 1 as well.
 YARN_UNEVEN = {**YARN, "mscale": 1.0, "mscale_all_dim": 0.707}
 
 
 def _config(**overrides) -> ModelConfig:
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=256, attention_type="mla", q_lora_rank=24,
-                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        attention_type="mla",
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -67,14 +86,23 @@ def _hf_attention(config: ModelConfig, module: MLAttention, rope: dict | None) -
     """transformers' DeepseekV3Attention and rotary embedding holding `module`'s weights (its q_a_proj and
     kv_a_proj_with_mqa are our fused_qkv_a_proj's first q_lora_rank and remaining output columns)."""
     deepseek = hf_config(
-        "DeepseekV3Config", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=1, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-        rope_interleave=config.rope_interleave, attention_bias=config.attention_bias,
+        "DeepseekV3Config",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        rope_interleave=config.rope_interleave,
+        attention_bias=config.attention_bias,
         max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": config.rope_theta})
+        rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": config.rope_theta},
+    )
     hf = DeepseekV3Attention(deepseek, layer_idx=0).eval()
     fused = {"q_a_proj": slice(None, config.q_lora_rank), "kv_a_proj_with_mqa": slice(config.q_lora_rank, None)}
     for name, sub in hf.named_children():
@@ -95,13 +123,17 @@ def _rel_err(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
-@pytest.mark.parametrize("q_lora_rank, interleave, bias, rope", [
-    (24, True, False, None),
-    (None, True, True, None),
-    (24, False, False, None),
-    (24, True, False, YARN),
-    (None, False, False, YARN_UNEVEN),
-], ids=["lora-interleave", "q_proj-bias", "lora-rotate-half", "yarn", "yarn-uneven-mscale"])
+@pytest.mark.parametrize(
+    "q_lora_rank, interleave, bias, rope",
+    [
+        (24, True, False, None),
+        (None, True, True, None),
+        (24, False, False, None),
+        (24, True, False, YARN),
+        (None, False, False, YARN_UNEVEN),
+    ],
+    ids=["lora-interleave", "q_proj-bias", "lora-rotate-half", "yarn", "yarn-uneven-mscale"],
+)
 def test_matches_transformers(q_lora_rank, interleave, bias, rope):
     """Full causal sequence from an empty cache, both forms, against DeepseekV3Attention (eager, fp32)."""
     scaling = RopeScaling(**rope) if rope else RopeScaling()

@@ -40,10 +40,10 @@ def test_cached_decode_equals_full_forward(model, step):
     _, _, cache = _step(model, seqs[:, :7], 0, model.init_cache(3, 32))  # live: each row's prompt only
     lengths = np.asarray(prompt_lengths)
     for _ in range(2):
-        chunk = jnp.stack([seqs[b, lengths[b]: lengths[b] + step] for b in range(3)])  # [B, T]
+        chunk = jnp.stack([seqs[b, lengths[b] : lengths[b] + step] for b in range(3)])  # [B, T]
         logits, _, cache = _step(model, chunk, jnp.asarray(lengths), cache)
         for b in range(3):
-            np.testing.assert_allclose(logits[b], full[b, lengths[b]: lengths[b] + step], atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(logits[b], full[b, lengths[b] : lengths[b] + step], atol=1e-5, rtol=1e-5)
         lengths = lengths + step
 
 
@@ -51,7 +51,7 @@ def test_batch_equals_rows_alone(model):
     seqs = _tokens((3, 9), seed=3)
     batch_logits, batch_hidden = _full(model, seqs)
     for b in range(3):
-        logits, hidden = _full(model, seqs[b: b + 1])
+        logits, hidden = _full(model, seqs[b : b + 1])
         np.testing.assert_allclose(batch_logits[b], logits[0], atol=1e-6)
         np.testing.assert_allclose(batch_hidden[b], hidden[0], atol=1e-6)
 

@@ -22,13 +22,28 @@ torch.set_num_threads(1)
 
 RTOL = 1e-5  # max |ours - theirs| / max |theirs|
 GAP = 1e-3  # minimum routing margin of the tokens used
-MOE = dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-           n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+MOE = dict(
+    hidden_size=32,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
 
 
 def _config(**overrides) -> ModelConfig:
-    return ModelConfig(vocab_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, **{"ffn_type": "moe", **MOE, **overrides})
+    return ModelConfig(
+        vocab_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **{"ffn_type": "moe", **MOE, **overrides},
+    )
 
 
 def _hf_moe(family: str, seed: int = 0, **overrides):
@@ -36,9 +51,11 @@ def _hf_moe(family: str, seed: int = 0, **overrides):
     kwargs = dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, **{**MOE, **overrides})
     if family == "deepseek_v3":
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as cls
+
         config = transformers.DeepseekV3Config(**kwargs)
     else:
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE as cls
+
         config = transformers.Glm4MoeConfig(**kwargs)
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
@@ -77,7 +94,8 @@ def _load_from_hf(moe: MoE, hf) -> None:
     moe.experts.down_proj.set_value(jnp.asarray(np.stack(ckpt_down).transpose(0, 2, 1)))  # [R, I, E]
     shared = {name: sd[f"shared_experts.{name}.weight"].T for name in ("gate_proj", "up_proj", "down_proj")}
     moe.shared_experts.gate_up_proj.kernel.set_value(
-        jnp.asarray(_interleave(shared["gate_proj"], shared["up_proj"])))  # [E, 2I]
+        jnp.asarray(_interleave(shared["gate_proj"], shared["up_proj"]))
+    )  # [E, 2I]
     moe.shared_experts.down_proj.kernel.set_value(jnp.asarray(shared["down_proj"]))  # [I, E]
 
 
@@ -92,7 +110,7 @@ def _margins(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, config: ModelC
         group_scores = np.sort(grouped[..., -2:].sum(-1), axis=-1)[:, ::-1]  # [N, P] descending
         if config.topk_group < config.n_group:
             margin = group_scores[:, config.topk_group - 1] - group_scores[:, config.topk_group]
-        keep = np.argsort(-grouped[..., -2:].sum(-1), axis=-1, kind="stable")[:, :config.topk_group]  # [N, topk_group]
+        keep = np.argsort(-grouped[..., -2:].sum(-1), axis=-1, kind="stable")[:, : config.topk_group]  # [N, topk_group]
         mask = np.zeros((n, config.n_group), bool)
         np.put_along_axis(mask, keep, True, axis=-1)
         choice = np.where(np.repeat(mask, r // config.n_group, axis=-1), choice, -np.inf)  # [N, R]
@@ -116,8 +134,12 @@ def _route_with(moe: MoE, x: np.ndarray, **overrides) -> np.ndarray:
     c = moe.experts.config
     tokens = jnp.asarray(x.reshape(-1, c.hidden_size))
     logits = tokens @ moe.gate.weight[...].T  # [N, R]
-    kwargs = dict(bias=moe.gate.e_score_correction_bias[...], top_k=c.num_experts_per_tok, n_group=c.n_group,
-                  topk_group=c.topk_group)
+    kwargs = dict(
+        bias=moe.gate.e_score_correction_bias[...],
+        top_k=c.num_experts_per_tok,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+    )
     return np.sort(np.asarray(route(logits, **{**kwargs, **overrides})[0]), axis=-1)  # [N, k]
 
 
@@ -252,9 +274,13 @@ def test_params_and_shapes():
     moe = MoE(_config(), nnx.Rngs(0))
     shapes = {"/".join(map(str, p)): v[...].shape for p, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))}
     assert shapes == {
-        "gate/weight": (8, 32), "gate/e_score_correction_bias": (8,),
-        "experts/gate_up_proj": (8, 32, 32), "experts/down_proj": (8, 16, 32),
-        "shared_experts/gate_up_proj/kernel": (32, 32), "shared_experts/down_proj/kernel": (16, 32)}
+        "gate/weight": (8, 32),
+        "gate/e_score_correction_bias": (8,),
+        "experts/gate_up_proj": (8, 32, 32),
+        "experts/down_proj": (8, 16, 32),
+        "shared_experts/gate_up_proj/kernel": (32, 32),
+        "shared_experts/down_proj/kernel": (16, 32),
+    }
     assert isinstance(moe.gate.e_score_correction_bias, ScoreCorrectionBias)
     assert moe.gate.weight[...].dtype == jnp.float32
     trained = nnx.state(moe, nnx.All(nnx.Param, nnx.Not(ScoreCorrectionBias)))

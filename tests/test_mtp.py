@@ -21,8 +21,17 @@ from mtp_jax.mtp import (
     shift_left,
 )
 
-TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_nextn_predict_layers=2)
+TINY = ModelConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    max_position_embeddings=64,
+    num_nextn_predict_layers=2,
+)
 B, T = 2, 7
 
 
@@ -42,6 +51,7 @@ def make_model(seed: int = 0, **overrides) -> Transformer:
 
 
 # ---- A numpy transcription of the equations (docs/MTP_SPEC.md "MTP modules"). ----
+
 
 def np_rms(x, w, eps=TINY.rms_norm_eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -103,15 +113,19 @@ def _inputs(seed=0):
     return rng.normal(0, 1, (B, T, TINY.hidden_size)).astype(np.float32), rng.integers(0, 32, (B, T), np.int32)
 
 
-@pytest.mark.parametrize("concat_order, after_norm, chain_after", [
-    ("embedding_first", True, True),  # DeepSeek-V3 as TRT-LLM / SGLang load it (the defaults)
-    ("hidden_first", True, True),  # MiMo
-    ("embedding_first", False, True),  # h^0 before the main final norm
-    ("embedding_first", True, False),  # vLLM: chain the block output, before shared_head.norm
-])
+@pytest.mark.parametrize(
+    "concat_order, after_norm, chain_after",
+    [
+        ("embedding_first", True, True),  # DeepSeek-V3 as TRT-LLM / SGLang load it (the defaults)
+        ("hidden_first", True, True),  # MiMo
+        ("embedding_first", False, True),  # h^0 before the main final norm
+        ("embedding_first", True, False),  # vLLM: chain the block output, before shared_head.norm
+    ],
+)
 def test_deepseek_modules_follow_the_equations(concat_order, after_norm, chain_after):
-    model = make_model(mtp_concat_order=concat_order, mtp_hidden_after_norm=after_norm,
-                       mtp_chain_after_shared_head_norm=chain_after)
+    model = make_model(
+        mtp_concat_order=concat_order, mtp_hidden_after_norm=after_norm, mtp_chain_after_shared_head_norm=chain_after
+    )
     main_hidden, tokens = _inputs()
     got = [np.asarray(x) for x in mtp_forward_full(model, jnp.asarray(main_hidden), jnp.asarray(tokens))]
     w = lambda p: np.asarray(p[...])  # noqa: E731
@@ -152,8 +166,9 @@ def test_eh_proj_halves_are_not_interchangeable():
     for m in model.mtp:
         m.config = flipped
     model.config = flipped
-    np.testing.assert_allclose(mtp_forward_full(model, jnp.asarray(main_hidden), jnp.asarray(tokens))[0], before,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        mtp_forward_full(model, jnp.asarray(main_hidden), jnp.asarray(tokens))[0], before, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_parallel_heads_follow_the_equations():
@@ -183,8 +198,14 @@ def decode_chunk(model, tokens, start, shifted, main_cache, caches):
     h0 = hidden = initial_hidden(model, h_main)
     all_logits, new_caches = [], []
     for module, depth_tokens, cache in zip(model.mtp, shifted, caches, strict=True):
-        _, _, junk = module(jnp.ones((B, 2, TINY.hidden_size)), jnp.full((B, 2), 5, jnp.int32), positions[:, :2],
-                            cache, embed=model.embed, head=model.head)
+        _, _, junk = module(
+            jnp.ones((B, 2, TINY.hidden_size)),
+            jnp.full((B, 2), 5, jnp.int32),
+            positions[:, :2],
+            cache,
+            embed=model.embed,
+            head=model.head,
+        )
         rolled = fill_stale(junk, jnp.full((B,), start), jnp.nan)
         source = h0 if model.config.mtp_style == "parallel" else hidden
         logits, hidden, cache = module(source, depth_tokens, positions, rolled, embed=model.embed, head=model.head)
@@ -213,8 +234,16 @@ def test_cached_steps_equal_full_forward(style):
 def test_parameter_names_follow_the_deepseek_layout():
     model = init_model(TINY)
     names = {path[2] for path, _ in nnx.to_flat_state(nnx.state(model, MTP_PARAMS))}
-    assert names == {"enorm", "hnorm", "eh_proj", "shared_head", "self_attn", "mlp", "input_layernorm",
-                     "post_attention_layernorm"}
+    assert names == {
+        "enorm",
+        "hnorm",
+        "eh_proj",
+        "shared_head",
+        "self_attn",
+        "mlp",
+        "input_layernorm",
+        "post_attention_layernorm",
+    }
     paths = {path for path, _ in nnx.to_flat_state(nnx.state(model, MTP_PARAMS))}
     assert ("mtp", 1, "shared_head", "norm", "weight") in paths
     assert ("mtp", 0, "self_attn", "qkv_proj", "kernel") in paths
@@ -222,7 +251,12 @@ def test_parameter_names_follow_the_deepseek_layout():
     assert isinstance(model.mtp[0], MTPModule)
     parallel = init_model(TINY.replace(mtp_style="parallel"))
     assert {path[2] for path, _ in nnx.to_flat_state(nnx.state(parallel, MTP_PARAMS))} == {
-        "shared_head", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        "shared_head",
+        "self_attn",
+        "mlp",
+        "input_layernorm",
+        "post_attention_layernorm",
+    }
 
 
 def test_no_modules_when_d_is_zero_and_main_weights_do_not_depend_on_d():
@@ -240,15 +274,24 @@ def test_no_modules_when_d_is_zero_and_main_weights_do_not_depend_on_d():
 
 
 def test_config_validation():
-    for bad in (dict(num_nextn_predict_layers=-1), dict(num_nextn_predict_layers=True), dict(mtp_style="medusa"),
-                dict(mtp_concat_order="hidden_last"), dict(mtp_hidden_after_norm=1),
-                dict(mtp_chain_after_shared_head_norm="yes")):
+    for bad in (
+        dict(num_nextn_predict_layers=-1),
+        dict(num_nextn_predict_layers=True),
+        dict(mtp_style="medusa"),
+        dict(mtp_concat_order="hidden_last"),
+        dict(mtp_hidden_after_norm=1),
+        dict(mtp_chain_after_shared_head_norm="yes"),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TINY.replace(**bad)
     defaults = ModelConfig.from_name("tiny")
-    assert (defaults.num_nextn_predict_layers, defaults.mtp_style, defaults.mtp_concat_order,
-            defaults.mtp_hidden_after_norm, defaults.mtp_chain_after_shared_head_norm) == (
-        0, "deepseek", "embedding_first", True, True)
+    assert (
+        defaults.num_nextn_predict_layers,
+        defaults.mtp_style,
+        defaults.mtp_concat_order,
+        defaults.mtp_hidden_after_norm,
+        defaults.mtp_chain_after_shared_head_norm,
+    ) == (0, "deepseek", "embedding_first", True, True)
 
 
 def test_shift_left():

@@ -35,9 +35,12 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def test_two_processes_decode_on_one_mesh_as_one_device(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",  # the workers import this tree's mtp_jax, as this process does
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",  # the workers import this tree's mtp_jax, as this process does
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),
+    )
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED"):
         env.pop(name, None)
     address = f"localhost:{_free_port()}"
@@ -46,10 +49,23 @@ def test_two_processes_decode_on_one_mesh_as_one_device(tmp_path):
         for i in range(NUM_PROCESSES):
             log = open(tmp_path / f"worker{i}.log", "w")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "multiprocess_worker.py"), address, str(NUM_PROCESSES), str(i),
-                 str(tmp_path / f"worker{i}.json")],
-                env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "multiprocess_worker.py"),
+                        address,
+                        str(NUM_PROCESSES),
+                        str(i),
+                        str(tmp_path / f"worker{i}.json"),
+                    ],
+                    env=env,
+                    cwd=HERE.parent,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         # the reference, here (one device), while the workers run
         model, prompts = worker.model(), worker.prompts()
         kwargs = dict(max_new_tokens=worker.MAX_NEW_TOKENS, max_length=worker.MAX_LENGTH)
@@ -66,8 +82,10 @@ def test_two_processes_decode_on_one_mesh_as_one_device(tmp_path):
             _kill(proc)
         for log in logs:
             log.close()
-    output = "\n".join(f"--- worker {i} (rc {p.returncode}):\n" + (tmp_path / f"worker{i}.log").read_text()[-4000:]
-                       for i, p in enumerate(procs))
+    output = "\n".join(
+        f"--- worker {i} (rc {p.returncode}):\n" + (tmp_path / f"worker{i}.log").read_text()[-4000:]
+        for i, p in enumerate(procs)
+    )
     assert [p.returncode for p in procs] == [0] * NUM_PROCESSES, output
     assert eagle == plain
     for i in range(NUM_PROCESSES):

@@ -27,22 +27,25 @@ def test_temperature_sharpens():
 
 
 def test_top_k_keeps_k_most_likely():
-    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_k=2)), [[0, 4 / 7, 0, 3 / 7]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        target_probs(LOGITS, _state(temperature=1.0, top_k=2)), [[0, 4 / 7, 0, 3 / 7]], rtol=1e-6
+    )
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
     # Sorted: 0.4, 0.3, 0.2, 0.1; mass before each: 0, 0.4, 0.7, 0.9. top_p = 0.65 keeps 0.4 and 0.3.
-    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_p=0.65)), [[0, 4 / 7, 0, 3 / 7]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        target_probs(LOGITS, _state(temperature=1.0, top_p=0.65)), [[0, 4 / 7, 0, 3 / 7]], rtol=1e-6
+    )
     # top_p below the first token's mass keeps exactly one token.
     np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_p=0.1)), [[0, 1, 0, 0]])
 
 
 def test_top_k_then_top_p():
     # top_k = 3 leaves 0.4, 0.3, 0.2 (renormalised 4/9, 3/9, 2/9); top_p = 0.5 then keeps 4/9 and 3/9.
-    np.testing.assert_allclose(target_probs(LOGITS, _state(temperature=1.0, top_k=3, top_p=0.5)),
-                               [[0, 4 / 7, 0, 3 / 7]], rtol=1e-6)
+    np.testing.assert_allclose(
+        target_probs(LOGITS, _state(temperature=1.0, top_k=3, top_p=0.5)), [[0, 4 / 7, 0, 3 / 7]], rtol=1e-6
+    )
 
 
 def test_empirical_distribution_matches_target():
@@ -84,5 +87,5 @@ def test_shifting_by_the_row_max_leaves_ordinary_temperatures_unchanged():
     temperatures = [0.3, 0.7, 1.0, 1.5, 0.0]
     probs = target_probs(logits, SamplingState.from_params([SamplingParams(temperature=t) for t in temperatures]))
     for b, t in enumerate(temperatures):
-        expected = (jax.nn.one_hot(jnp.argmax(logits[b], -1), 50) if t == 0 else jax.nn.softmax(logits[b] / t, -1))
+        expected = jax.nn.one_hot(jnp.argmax(logits[b], -1), 50) if t == 0 else jax.nn.softmax(logits[b] / t, -1)
         np.testing.assert_allclose(probs[b], expected, rtol=1e-5, atol=1e-7)

@@ -96,8 +96,9 @@ class Served:
 def served():
     model, tokenizer = load_pretrained()
     metrics = PrometheusMetrics(MODEL, SPEC.num_speculative_tokens, max_model_len=MAX_LENGTH)
-    engine = RecordingEngine(model, SPEC, tokenizer=tokenizer, max_batch=4, max_length=MAX_LENGTH, prefill_chunk=32,
-                             stats=metrics)
+    engine = RecordingEngine(
+        model, SPEC, tokenizer=tokenizer, max_batch=4, max_length=MAX_LENGTH, prefill_chunk=32, stats=metrics
+    )
     engine.warm_up()
     warm_counts = engine.compiled_counts()
     async_engine = AsyncEngine(engine)
@@ -120,8 +121,9 @@ def greedy_reference(served, prompt: str, max_tokens: int):
     """`generate`'s greedy tokens and logprobs for `prompt` (cached): the server's expected output."""
     key = (prompt, max_tokens)
     if key not in _GREEDY:
-        result = generate(served.model, [ids_of(served, prompt)], max_new_tokens=max_tokens, max_length=MAX_LENGTH,
-                          speculative=SPEC)
+        result = generate(
+            served.model, [ids_of(served, prompt)], max_new_tokens=max_tokens, max_length=MAX_LENGTH, speculative=SPEC
+        )
         _GREEDY[key] = result.tokens[0], result.logprobs[0], result.finish_reasons[0]
     return _GREEDY[key]
 
@@ -147,9 +149,6 @@ def completion_result(response) -> tuple[str, str, int, int]:
     return choice.text, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
 
 
-
-
-
 # ----------------------------------------------------------------------------------------------
 # Completions against `generate`
 
@@ -170,8 +169,9 @@ def test_greedy_completion_matches_generate_plain_and_streamed(served, prompt):
     assert lp.token_logprobs == pytest.approx(logprobs, abs=1e-4)
     assert len(lp.tokens) == len(tokens)
 
-    chunks = list(complete(served, prompt, max_tokens=40, temperature=0, stream=True,
-                           stream_options={"include_usage": True}))
+    chunks = list(
+        complete(served, prompt, max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == expected_reason
@@ -184,7 +184,7 @@ def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
     tokens, _, _ = greedy_reference(served, PROMPT, 40)
     text = served.tokenizer.decode(tokens)
     start = next(i for i in range(len(text) // 2, len(text)) if text[i].isalpha())
-    stop = text[start: start + 4]
+    stop = text[start : start + 4]
     cut = text.find(stop)
     assert 0 < cut <= start
     # The tokens up to and including the one that completed the stop string.
@@ -201,18 +201,24 @@ def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
     token = tokens[7]
     at = tokens.index(token)
     response = complete(served, PROMPT, max_tokens=40, temperature=0, extra_body={"stop_token_ids": [token]})
-    assert (response.choices[0].text, response.usage.completion_tokens) == (served.tokenizer.decode(tokens[:at]),
-                                                                            at + 1)
+    assert (response.choices[0].text, response.usage.completion_tokens) == (
+        served.tokenizer.decode(tokens[:at]),
+        at + 1,
+    )
     assert response.choices[0].stop_reason == token
 
 
 def test_stream_is_server_sent_events_ending_with_done(served):
-    status, text, kind = request(served.url, "POST", "/v1/completions",
-                                 {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True})
+    status, text, kind = request(
+        served.url,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True},
+    )
     assert status == 200 and kind.startswith("text/event-stream")
     events = text.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     tokens, _, _ = greedy_reference(served, PROMPT, 40)
     assert "".join(c["choices"][0]["text"] for c in chunks) == served.tokenizer.decode(tokens[:6])
@@ -223,12 +229,25 @@ def test_stream_is_server_sent_events_ending_with_done(served):
 
 
 def test_concurrent_staggered_requests_match_each_alone_without_recompiling(served):
-    code = ["import os\n", "def add(a, b):\n", "class Point:\n    def __init__(self, x, y):\n", "for i in range(",
-            "    return self.", "# Copyright\n", "try:\n    import json\nexcept ImportError:\n", "with open(",
-            "def __repr__(self):\n        return ", "x = [", "if not isinstance(value, int):\n    raise ",
-            "from collections import ", "    @property\n    def name(self):\n", "while True:\n",
-            "def main(argv=None):\n    parser = argparse.ArgumentParser(description='Process some files and "
-            "print a summary of what they hold, line by line, with counts.')\n", "async def fetch("]
+    code = [
+        "import os\n",
+        "def add(a, b):\n",
+        "class Point:\n    def __init__(self, x, y):\n",
+        "for i in range(",
+        "    return self.",
+        "# Copyright\n",
+        "try:\n    import json\nexcept ImportError:\n",
+        "with open(",
+        "def __repr__(self):\n        return ",
+        "x = [",
+        "if not isinstance(value, int):\n    raise ",
+        "from collections import ",
+        "    @property\n    def name(self):\n",
+        "while True:\n",
+        "def main(argv=None):\n    parser = argparse.ArgumentParser(description='Process some files and "
+        "print a summary of what they hold, line by line, with counts.')\n",
+        "async def fetch(",
+    ]
     assert any(len(ids_of(served, c)) > 32 for c in code)  # a prompt of several prefill chunks
     requests = []
     for i, prompt in enumerate(code):
@@ -262,8 +281,9 @@ def test_async_client_requests_are_served_concurrently(served):
 
     async def run():
         async with client:
-            return await asyncio.gather(*[client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
-                                                                    temperature=0) for _ in range(6)])
+            return await asyncio.gather(
+                *[client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0) for _ in range(6)]
+            )
 
     texts = {r.choices[0].text for r in asyncio.run(run())}
     assert texts == {served.tokenizer.decode(tokens)}
@@ -277,19 +297,22 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
     body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 220, "ignore_eos": True, "temperature": 0}
 
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
     response = conn.getresponse()
     assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
     chunks = []
     while len(chunks) < 3:
         line = response.readline().decode()
         if line.startswith("data: "):
-            chunks.append(json.loads(line[len("data: "):]))
+            chunks.append(json.loads(line[len("data: ") :]))
     streamed_id = chunks[0]["id"]
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(lambda p=p, n=n: completion_result(complete(served, p, max_tokens=n, temperature=0)))
-                   for p, n in others]
+        futures = [
+            pool.submit(lambda p=p, n=n: completion_result(complete(served, p, max_tokens=n, temperature=0)))
+            for p, n in others
+        ]
         time.sleep(0.05)
         response.close()
         conn.close()  # the client goes away mid-stream
@@ -297,8 +320,12 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         plain = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         plain.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         longest_other = max(n for _, n in others)
-        wait_for(lambda: any(o.request_id != streamed_id and o.completion_tokens > longest_other
-                             for o in served.engine.outputs[before:]))  # it is decoding
+        wait_for(
+            lambda: any(
+                o.request_id != streamed_id and o.completion_tokens > longest_other
+                for o in served.engine.outputs[before:]
+            )
+        )  # it is decoding
         plain.close()
         assert [f.result() for f in futures] == alone  # the others are unchanged
 
@@ -315,33 +342,44 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
 # Errors
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", b'{"model": "demo", "prompt": ', 400, None),
-    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x"}, 400, "model"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [7] * 300}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x = 1\n" * 100}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**40}, 400, "seed"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", [1, 2], 400, None),
-    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 100}]},
-     400, "messages"),
-    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}],
-                              "stream": True}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b'{"model": "demo", "prompt": ', 400, None),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x"}, 400, "model"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [7] * 300}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x = 1\n" * 100}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**40}, 400, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", [1, 2], 400, None),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 100}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "other", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            404,
+            "model",
+        ),
+    ],
+)
 def test_bad_requests_get_openai_errors(served, path, body, status, param):
     got, payload, kind = request(served.url, "POST", path, body)
     assert (got, kind) == (status, "application/json")
@@ -391,16 +429,29 @@ def test_chat_with_the_plain_template_is_a_completion_of_the_rendered_prompt(ser
     assert plain_prompt(messages) == rendered
     expected = completion_result(complete(served, rendered, max_tokens=30, temperature=0))
 
-    chat = served.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
-                                                 temperature=0, logprobs=True)
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=30, temperature=0, logprobs=True
+    )
     choice = chat.choices[0]
     assert chat.object == "chat.completion" and choice.message.role == "assistant"
-    assert (choice.message.content, choice.finish_reason, chat.usage.prompt_tokens,
-            chat.usage.completion_tokens) == expected
+    assert (
+        choice.message.content,
+        choice.finish_reason,
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    ) == expected
     assert len(choice.logprobs.content) == expected[3]
 
-    chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        served.client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected[0]
@@ -408,17 +459,21 @@ def test_chat_with_the_plain_template_is_a_completion_of_the_rendered_prompt(ser
     # content parts are joined
     parts = [{"type": "text", "text": "def add("}, {"type": "text", "text": "a, b):"}]
     chat = served.client.chat.completions.create(
-        model=MODEL, messages=[messages[0], {"role": "user", "content": parts}], max_tokens=30, temperature=0)
+        model=MODEL, messages=[messages[0], {"role": "user", "content": parts}], max_tokens=30, temperature=0
+    )
     assert chat.choices[0].message.content == expected[0]
 
 
 def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
     model_dir = tmp_path / "chat-model"
     shutil.copytree(DEFAULT_MODEL_DIR, model_dir)
-    template = ("{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}# assistant:\n{% endif %}")
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": {"content": "### "}, "eos_token": "<eos>"}))
+    template = (
+        "{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+    )
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "bos_token": {"content": "### "}, "eos_token": "<eos>"})
+    )
     assert ChatTemplate.from_model_dir(DEFAULT_MODEL_DIR).source is None  # the demo model: plain template
     chat_template = ChatTemplate.from_model_dir(model_dir)
     messages = [{"role": "user", "content": "def add(a, b):"}]
@@ -429,8 +484,12 @@ def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
     with running(build_app(served.async_engine, served.tokenizer, "chatty", chat_template=chat_template)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         chat = client.chat.completions.create(model="chatty", messages=messages, max_tokens=25, temperature=0)
-        assert (chat.choices[0].message.content, chat.choices[0].finish_reason, chat.usage.prompt_tokens,
-                chat.usage.completion_tokens) == expected
+        assert (
+            chat.choices[0].message.content,
+            chat.choices[0].finish_reason,
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+        ) == expected
     refusing = ChatTemplate("{{ raise_exception('only user messages') }}")
     with pytest.raises(ValueError, match="only user messages"):
         refusing.render(messages)
@@ -451,8 +510,11 @@ def test_models_health_and_metrics(served):
     complete(served, PROMPT, max_tokens=5, temperature=0)
     status, text, kind = request(served.url, "GET", "/metrics")
     assert status == 200 and kind.startswith("text/plain")
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for family in text_string_to_metric_families(text) for s in family.samples}
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     labels = (("engine", "0"), ("model_name", MODEL))
     assert values["vllm:request_success_total", tuple(sorted(labels + (("finished_reason", "length"),)))] >= 1
     assert values["vllm:spec_decode_num_drafts_total", labels] >= 1
@@ -465,11 +527,44 @@ def test_models_health_and_metrics(served):
 def test_serve_command_line(tmp_path, capsys):
     args = build_parser().parse_args(["serve"])
     assert (args.model_dir, args.speculative, args.max_batch, args.host, args.port, args.func) == (
-        str(DEFAULT_MODEL_DIR), "eagle", 8, "127.0.0.1", 8000, run_serve)
-    args = build_parser().parse_args(["serve", "some/dir", "--speculative", "none", "--num-speculative-tokens", "2",
-                                      "--max-length", "512", "--prefill-chunk", "16", "--max-queue", "3", "--port",
-                                      "0", "--served-model-name", "m", "--mesh", "data=1"])
-    assert (args.model_dir, args.speculative, args.num_speculative_tokens, args.max_length, args.prefill_chunk,
-            args.max_queue, args.served_model_name, args.mesh) == ("some/dir", "none", 2, 512, 16, 3, "m", "data=1")
+        str(DEFAULT_MODEL_DIR),
+        "eagle",
+        8,
+        "127.0.0.1",
+        8000,
+        run_serve,
+    )
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "some/dir",
+            "--speculative",
+            "none",
+            "--num-speculative-tokens",
+            "2",
+            "--max-length",
+            "512",
+            "--prefill-chunk",
+            "16",
+            "--max-queue",
+            "3",
+            "--port",
+            "0",
+            "--served-model-name",
+            "m",
+            "--mesh",
+            "data=1",
+        ]
+    )
+    assert (
+        args.model_dir,
+        args.speculative,
+        args.num_speculative_tokens,
+        args.max_length,
+        args.prefill_chunk,
+        args.max_queue,
+        args.served_model_name,
+        args.mesh,
+    ) == ("some/dir", "none", 2, 512, 16, 3, "m", "data=1")
     assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "MODEL_DIR" in capsys.readouterr().err

@@ -21,9 +21,15 @@ K = 3
 S = 192
 EAGLE = SpeculativeConfig(method="eagle", num_speculative_tokens=K)
 ORACLE = SpeculativeConfig(method="oracle", num_speculative_tokens=K)
-TEXTS = ["import os\n", "class Foo:\n    def __init__(self", "x = [", "from typing import",
-         "def main(argv):\n    parser = argparse.ArgumentParser(description='x')\n    for i in range(10):\n"
-         "        print(i)\n" * 3, "@dataclass\nclass"]
+TEXTS = [
+    "import os\n",
+    "class Foo:\n    def __init__(self",
+    "x = [",
+    "from typing import",
+    "def main(argv):\n    parser = argparse.ArgumentParser(description='x')\n    for i in range(10):\n"
+    "        print(i)\n" * 3,
+    "@dataclass\nclass",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +44,20 @@ def margins(model, sequence: list[int], prompt_length: int) -> np.ndarray:
     """Top-1 minus top-2 logit of the model at each position that predicted a generated token."""
     tokens = jnp.asarray([sequence])
     logits = model(tokens, jnp.arange(len(sequence))[None, :], model.init_cache(1, len(sequence)))[0][0]
-    top = jnp.sort(logits[prompt_length - 1: len(sequence) - 1], axis=-1)
+    top = jnp.sort(logits[prompt_length - 1 : len(sequence) - 1], axis=-1)
     return np.asarray(top[:, -1] - top[:, -2])
 
 
 def alone(model, prompt, max_tokens, spec=EAGLE, sampling=None, stop_tokens=None) -> list[int]:
-    return generate(model, [prompt], max_new_tokens=max_tokens, max_length=S, speculative=spec,
-                    sampling=sampling, stop_tokens=stop_tokens).tokens[0]
+    return generate(
+        model,
+        [prompt],
+        max_new_tokens=max_tokens,
+        max_length=S,
+        speculative=spec,
+        sampling=sampling,
+        stop_tokens=stop_tokens,
+    ).tokens[0]
 
 
 def drain(engine: ServingEngine) -> dict[str, list]:
@@ -60,8 +73,9 @@ def tokens_of(outputs) -> list[int]:
     return [t for out in outputs for t in out.token_ids]
 
 
-@pytest.mark.parametrize("spec", [EAGLE, SpeculativeConfig(method="vanilla", num_speculative_tokens=K)],
-                         ids=["eagle", "vanilla"])
+@pytest.mark.parametrize(
+    "spec", [EAGLE, SpeculativeConfig(method="vanilla", num_speculative_tokens=K)], ids=["eagle", "vanilla"]
+)
 def test_chunked_prefill_equals_whole_prefill(demo, spec):
     """Prefilling a prompt in chunks fills the main and MTP caches and drafts as one prefill does."""
     model, _, prompts = demo
@@ -73,15 +87,19 @@ def test_chunked_prefill_equals_whole_prefill(demo, spec):
     size = 16  # > K + 1; the last chunk is padded
     for start in range(0, len(prompt), size):
         chunk = np.zeros((1, size), np.int32)
-        chunk[0, : len(prompt[start: start + size])] = prompt[start: start + size]
-        chunked = engine.prefill(chunked, jnp.asarray(chunk), jnp.asarray([start], jnp.int32),
-                                 final=start + size >= len(prompt))
+        chunk[0, : len(prompt[start : start + size])] = prompt[start : start + size]
+        chunked = engine.prefill(
+            chunked, jnp.asarray(chunk), jnp.asarray([start], jnp.int32), final=start + size >= len(prompt)
+        )
     live = len(prompt)  # committed P + 1: caches hold positions 0 .. P - 1
     assert int(chunked.lengths[0]) == int(whole.lengths[0]) == live + 1
     np.testing.assert_array_equal(chunked.tokens[0, : live + 1], whole.tokens[0, : live + 1])
     np.testing.assert_array_equal(chunked.draft.tokens, whole.draft.tokens)
-    for a, b in zip(jax.tree.leaves((chunked.cache, chunked.draft.caches)),
-                    jax.tree.leaves((whole.cache, whole.draft.caches)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves((chunked.cache, chunked.draft.caches)),
+        jax.tree.leaves((whole.cache, whole.draft.caches)),
+        strict=True,
+    ):
         np.testing.assert_allclose(a[0, :live], b[0, :live], rtol=1e-4, atol=1e-5)
     if spec.method == "vanilla":
         np.testing.assert_allclose(chunked.draft.hidden_window, whole.draft.hidden_window, rtol=1e-4, atol=1e-5)
@@ -95,14 +113,24 @@ def test_concurrent_requests_equal_alone_and_never_recompile(demo):
     compiled = engine.compiled_counts()
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     plan = [  # (step at which it arrives, prompt index, max_tokens, sampling)
-        (0, 0, 24, None), (0, 4, 30, None), (0, 1, 12, sampled), (2, 2, 40, None), (3, 3, 8, None),
-        (5, 5, 20, SamplingParams(temperature=1.0, top_k=20, seed=3)), (9, 0, 16, sampled), (9, 4, 1, None)]
+        (0, 0, 24, None),
+        (0, 4, 30, None),
+        (0, 1, 12, sampled),
+        (2, 2, 40, None),
+        (3, 3, 8, None),
+        (5, 5, 20, SamplingParams(temperature=1.0, top_k=20, seed=3)),
+        (9, 0, 16, sampled),
+        (9, 4, 1, None),
+    ]
     ids, outputs, step = {}, {}, 0
     while len(ids) < len(plan) or engine.has_unfinished():
         for arrival, i, max_tokens, sampling in plan:
             if arrival == step:
-                ids[engine.add_request(prompts[i], max_tokens=max_tokens, sampling=sampling)] = (i, max_tokens,
-                                                                                                   sampling)
+                ids[engine.add_request(prompts[i], max_tokens=max_tokens, sampling=sampling)] = (
+                    i,
+                    max_tokens,
+                    sampling,
+                )
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
         step += 1
@@ -119,7 +147,8 @@ def test_concurrent_requests_equal_alone_and_never_recompile(demo):
         assert got[-1].finish_reason == ("stop" if expected[-1] in model.config.eos_token_ids else "length")
         assert got[-1].completion_tokens == len(expected)
         assert "".join(o.text for o in got) == tokenizer.decode(
-            expected[:-1] if got[-1].finish_reason == "stop" else expected)
+            expected[:-1] if got[-1].finish_reason == "stop" else expected
+        )
 
 
 def oracle_sequence(reference: list[int], prompt_length: int, pattern: list[int]) -> list[int]:
@@ -143,9 +172,14 @@ def test_committed_count_equals_tokens_received_for_each_acceptance_pattern(demo
     for prompt, pattern in zip(prompts[:3], patterns, strict=True):
         max_tokens = 1 + sum(a + 1 for a in pattern)
         reference = prompt + alone(model, prompt, max_tokens, spec=None, stop_tokens=[])
-        ids[engine.add_request(prompt, max_tokens=max_tokens, ignore_eos=True,
-                               oracle_tokens=oracle_sequence(reference, len(prompt), pattern))] = (
-            reference[len(prompt):], pattern)
+        ids[
+            engine.add_request(
+                prompt,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                oracle_tokens=oracle_sequence(reference, len(prompt), pattern),
+            )
+        ] = (reference[len(prompt) :], pattern)
     outputs = drain(engine)
     for rid, (expected, pattern) in ids.items():
         got = outputs[rid]
@@ -158,7 +192,10 @@ def test_committed_count_equals_tokens_received_for_each_acceptance_pattern(demo
         metrics = got[-1].metrics
         assert metrics.committed_per_step == [1] + [a + 1 for a in pattern]
         assert (metrics.num_steps, metrics.num_drafts, metrics.num_accepted) == (
-            len(pattern), K * len(pattern), sum(pattern))
+            len(pattern),
+            K * len(pattern),
+            sum(pattern),
+        )
         assert metrics.accepted_per_position == [sum(a > j for a in pattern) for j in range(K)]
         assert got[-1].finish_reason == "length"
 
@@ -166,7 +203,7 @@ def test_committed_count_equals_tokens_received_for_each_acceptance_pattern(demo
 def full_acceptance(model, engine, prompt, max_tokens, **request):
     reference = prompt + alone(model, prompt, max_tokens + 8, spec=None, stop_tokens=[])
     rid = engine.add_request(prompt, max_tokens=max_tokens, oracle_tokens=reference, **request)
-    return rid, reference[len(prompt):]
+    return rid, reference[len(prompt) :]
 
 
 def first_at(sequence: list[int], index: int) -> bool:
@@ -199,9 +236,12 @@ def test_stops_inside_an_accepted_block(demo):
     text = [tokenizer.decode(expected[:n]) for n in range(len(expected) + 1)]
     for end in (6, 2, 7, 3, 5, 1):
         start = len(text[end])  # the text that token `end` adds, plus what precedes it in its token
-        stop = text[end + 1][max(start - 2, 0):]
-        if stop and text[-1].find(stop) == len(text[end + 1]) - len(stop) and all(
-                stop not in t for t in text[: end + 1]):
+        stop = text[end + 1][max(start - 2, 0) :]
+        if (
+            stop
+            and text[-1].find(stop) == len(text[end + 1]) - len(stop)
+            and all(stop not in t for t in text[: end + 1])
+        ):
             break
     else:
         pytest.fail("no usable stop string in the reference")
@@ -294,8 +334,10 @@ def test_warm_up_edges_bypass_the_queue_and_stats(demo):
     rid = engine.add_request([5], max_tokens=3, ignore_eos=True)
     assert rid == "req-0"  # warm-up requests take no ids from the counter
     outputs = drain(engine)
-    assert tokens_of(outputs[rid]) == generate(model, [[5]], max_new_tokens=3, max_length=4, speculative=EAGLE,
-                                               stop_tokens=[]).tokens[0]
+    assert (
+        tokens_of(outputs[rid])
+        == generate(model, [[5]], max_new_tokens=3, max_length=4, speculative=EAGLE, stop_tokens=[]).tokens[0]
+    )
     assert recorder.calls > 0
     tiny = ServingEngine(model, None, max_batch=1, max_length=2, prefill_chunk=1)
     tiny.warm_up()  # one prompt token and one generated: nothing to decode, still no error

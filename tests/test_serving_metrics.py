@@ -33,8 +33,17 @@ def make_engine(demo, k, **kwargs):
     metrics = PrometheusMetrics(MODEL, k, max_model_len=128)
     speculative = SpeculativeConfig(method="eagle", num_speculative_tokens=k) if k else None
     clock = itertools.count().__next__  # 0, 1, 2, ... seconds: one per call
-    engine = ServingEngine(model, speculative, tokenizer=tokenizer, max_batch=2, max_length=128, prefill_chunk=32,
-                           clock=clock, stats=metrics, **kwargs)
+    engine = ServingEngine(
+        model,
+        speculative,
+        tokenizer=tokenizer,
+        max_batch=2,
+        max_length=128,
+        prefill_chunk=32,
+        clock=clock,
+        stats=metrics,
+        **kwargs,
+    )
     return engine, metrics
 
 
@@ -100,19 +109,26 @@ def test_speculative_counters_match_the_workload(demo):
     assert generated == len(requests) + drafts + accepted - cut
 
     # Histograms: one sample per request (per decode step for ITL); sums as the RequestMetrics say.
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert value(found, f"vllm:{name}_count") == 3, name
     assert value(found, "vllm:inter_token_latency_seconds_count") == drafts
     assert value(found, "vllm:time_to_first_token_seconds_sum") == sum(m.ttft for m in requests)
     assert value(found, "vllm:e2e_request_latency_seconds_sum") == sum(m.e2e_latency for m in requests)
     assert value(found, "vllm:request_queue_time_seconds_sum") == sum(m.queue_time for m in requests)
-    assert value(found, "vllm:inter_token_latency_seconds_sum") == sum(
-        sum(m.inter_token_latencies) for m in requests)
+    assert value(found, "vllm:inter_token_latency_seconds_sum") == sum(sum(m.inter_token_latencies) for m in requests)
     assert value(found, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
-        sum(m.tpot for m in requests), rel=1e-12)
+        sum(m.tpot for m in requests), rel=1e-12
+    )
     assert value(found, "vllm:request_decode_time_seconds_sum") == sum(
-        m.token_times[-1] - m.token_times[0] for m in requests)
+        m.token_times[-1] - m.token_times[0] for m in requests
+    )
     assert value(found, "vllm:request_prompt_tokens_sum") == sum(len(p) for p in prompts)
     assert value(found, "vllm:request_generation_tokens_sum") == 31
     # The integer clock: every time is a whole number of seconds, and the engine ran to its end.
@@ -138,8 +154,15 @@ def test_oracle_acceptance_patterns_give_hand_computed_counts(demo):
         references.setdefault(out.request_id, []).extend(out.token_ids)
 
     metrics = PrometheusMetrics(MODEL, K, max_model_len=128)
-    engine = ServingEngine(model, SpeculativeConfig(method="oracle", num_speculative_tokens=K), tokenizer=tokenizer,
-                           max_batch=2, max_length=128, prefill_chunk=32, stats=metrics)
+    engine = ServingEngine(
+        model,
+        SpeculativeConfig(method="oracle", num_speculative_tokens=K),
+        tokenizer=tokenizer,
+        max_batch=2,
+        max_length=128,
+        prefill_chunk=32,
+        stats=metrics,
+    )
     for i, (prompt, pattern) in enumerate(zip(prompts, patterns, strict=True)):
         sequence = prompt + references[f"req-{i}"]
         length = len(prompt) + 1  # the prefill commits the first token
@@ -247,11 +270,15 @@ def test_render_and_registry():
     assert "_created" not in text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert {f.name: f.type for f in families.values() if f.name.startswith("vllm:spec")} == {
-        "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
-        "vllm:spec_decode_num_accepted_tokens": "counter", "vllm:spec_decode_num_accepted_tokens_per_pos": "counter"}
+        "vllm:spec_decode_num_drafts": "counter",
+        "vllm:spec_decode_num_draft_tokens": "counter",
+        "vllm:spec_decode_num_accepted_tokens": "counter",
+        "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    }
     assert families["vllm:kv_cache_usage_perc"].type == "gauge"
-    bounds = [s.labels["le"] for s in families["vllm:time_to_first_token_seconds"].samples
-              if s.name.endswith("_bucket")]
+    bounds = [
+        s.labels["le"] for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")
+    ]
     assert bounds == [str(b) for b in TTFT_BUCKETS] + ["+Inf"]
     assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]
     with pytest.raises(ValueError, match="num_speculative_tokens"):

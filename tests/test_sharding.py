@@ -19,19 +19,56 @@ from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import init_model
 from mtp_jax.sharding import MESH_AXES, make_mesh, parse_mesh_spec, resolve
 
-_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-               max_position_embeddings=64, num_nextn_predict_layers=1)
-_MOE = dict(ffn_type="moe", moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1)
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    num_nextn_predict_layers=1,
+)
+_MOE = dict(
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
 CONFIGS = {
     "llama": ModelConfig(**_COMMON, num_key_value_heads=2),
     "qwen2": ModelConfig(**_COMMON, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
-    "deepseek_v3": ModelConfig(**_COMMON, **_MOE, num_key_value_heads=4, attention_type="mla", q_lora_rank=24,
-                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-    "deepseek_v2_lite": ModelConfig(**_COMMON, **_MOE, num_key_value_heads=4, attention_type="mla",
-                                    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-    "glm4_moe": ModelConfig(**_COMMON, **_MOE, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-                            use_qk_norm=True, attention_bias=True),
+    "deepseek_v3": ModelConfig(
+        **_COMMON,
+        **_MOE,
+        num_key_value_heads=4,
+        attention_type="mla",
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "deepseek_v2_lite": ModelConfig(
+        **_COMMON,
+        **_MOE,
+        num_key_value_heads=4,
+        attention_type="mla",
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "glm4_moe": ModelConfig(
+        **_COMMON,
+        **_MOE,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
 }
 
 
@@ -43,9 +80,15 @@ def test_mesh_specs_parse_and_bad_ones_are_named():
     assert parse_mesh_spec("data=2,tensor=4") == {"data": 2, "tensor": 4}
     assert parse_mesh_spec(" expert = 8 ") == {"expert": 8}
     assert parse_mesh_spec({"fsdp": -1}) == {"fsdp": -1}
-    for spec, message in (("model=2", "unknown mesh axis 'model'"), ("data=2,data=2", "given twice"),
-                          ("data=x", "needs an integer size"), ("data", "is not 'axis=size'"),
-                          ("data=0", "needs a size >= 1"), ("data=-1,tensor=-1", "at most one"), ("", "mesh spec")):
+    for spec, message in (
+        ("model=2", "unknown mesh axis 'model'"),
+        ("data=2,data=2", "given twice"),
+        ("data=x", "needs an integer size"),
+        ("data", "is not 'axis=size'"),
+        ("data=0", "needs a size >= 1"),
+        ("data=-1,tensor=-1", "at most one"),
+        ("", "mesh spec"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_mesh_spec(spec)
 
@@ -90,8 +133,7 @@ def test_every_matrix_parameter_names_its_axes_and_the_rules_know_them(name, sca
         axes = variable.get_metadata().get("logical_axes")
         key = "/".join(map(str, path))
         if axes is None:  # only vectors that every device keeps whole: norms, the router's bias
-            assert isinstance(variable, ScoreCorrectionBias) or key.endswith("norm/weight") or (
-                "layernorm" in key), key
+            assert isinstance(variable, ScoreCorrectionBias) or key.endswith("norm/weight") or ("layernorm" in key), key
             continue
         named += 1
         assert len(axes) == variable.ndim, (key, axes, variable.shape)

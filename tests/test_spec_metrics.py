@@ -13,10 +13,13 @@ from mtp_jax.decode.metrics import SpeculativeCounters, SpeculativeMetrics
 
 def test_metrics_by_hand():
     """K = 4. Row 0 accepts 0, 2 and 4 drafts in three steps, row 1 accepts 1 in one step."""
-    metrics = SpeculativeCounters(num_steps=jnp.int32([3, 1]), num_drafts=jnp.int32([12, 4]),
-                                  num_accepted=jnp.int32([6, 1]),
-                                  accepted_per_position=jnp.int32([[2, 2, 1, 1], [1, 0, 0, 0]]),
-                                  accepted_length_histogram=jnp.int32([[1, 0, 1, 0, 1], [0, 1, 0, 0, 0]]))
+    metrics = SpeculativeCounters(
+        num_steps=jnp.int32([3, 1]),
+        num_drafts=jnp.int32([12, 4]),
+        num_accepted=jnp.int32([6, 1]),
+        accepted_per_position=jnp.int32([[2, 2, 1, 1], [1, 0, 0, 0]]),
+        accepted_length_histogram=jnp.int32([[1, 0, 1, 0, 1], [0, 1, 0, 0, 0]]),
+    )
     row0 = SpeculativeMetrics.from_counters(jax.tree.map(lambda x: x[:1], metrics))
     assert row0.mean_acceptance_length == 3.0
     assert row0.acceptance_rate_per_position == [2 / 3, 2 / 3, 1 / 3, 1 / 3]

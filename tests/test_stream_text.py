@@ -29,7 +29,7 @@ def tokenizer():
 def _feed(tokenizer, ids, sizes):
     text, pieces, start = TextStream(tokenizer), [], 0
     for size in sizes:
-        pieces.append(text.push(ids[start: start + size]))
+        pieces.append(text.push(ids[start : start + size]))
         start += size
     assert start == len(ids)
     return pieces, text.finish()
@@ -43,7 +43,7 @@ def test_one_token_at_a_time_holds_back_partial_characters(tokenizer):
     assert not any("\ufffd" in p for p in pieces)
     # "日" is three byte tokens: the first two complete nothing, the third yields the character.
     first = ids.index(tokenizer.encode(" 日").ids[1])
-    assert pieces[first: first + 3] == ["", "", "日"]
+    assert pieces[first : first + 3] == ["", "", "日"]
 
 
 @pytest.mark.parametrize("sizes", [[2, 5, 1, 3, 7, 100], [4] * 30, [0, 1, 0, 2, 0, 3] * 20])
@@ -73,8 +73,9 @@ def test_special_tokens_are_skipped_as_decode_skips_them(tokenizer):
 def _forced_model(tokenizer, chain):
     """Greedy decoding after chain[i] emits chain[i + 1]: every block adds nothing to the residual stream
     (zero output projections), token chain[i] embeds as unit vector i, and the head maps unit i to chain[i + 1]."""
-    config = ModelConfig.from_name("tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1,
-                                   max_position_embeddings=64, eos_token_id=0)
+    config = ModelConfig.from_name(
+        "tiny", vocab_size=tokenizer.get_vocab_size(), num_hidden_layers=1, max_position_embeddings=64, eos_token_id=0
+    )
     model = init_model(config, seed=0)
     for layer in model.layers:
         layer.self_attn.o_proj.kernel[...] = 0.0
@@ -117,8 +118,18 @@ def test_stream_text_is_the_final_text_character_by_character(forced, tokenizer)
 
 def test_cli_stream_prints_exactly_the_final_text(forced, tokenizer, tmp_path, capsys):
     save_pretrained(forced[0], tmp_path / "forced", tokenizer=tokenizer)
-    argv = ["generate", "--model", str(tmp_path / "forced"), "--prompt", "h", "--max-new-tokens", "20",
-            "--max-length", "32", "--no-compilation-cache"]
+    argv = [
+        "generate",
+        "--model",
+        str(tmp_path / "forced"),
+        "--prompt",
+        "h",
+        "--max-new-tokens",
+        "20",
+        "--max-length",
+        "32",
+        "--no-compilation-cache",
+    ]
     assert main(argv + ["--stream"]) == 0
     streamed = capsys.readouterr().out
     assert streamed == "h" + FORCED + "\n"

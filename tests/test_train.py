@@ -31,27 +31,36 @@ from mtp_jax.training import data
 from mtp_jax.training import trainer as train
 from mtp_jax.training.run_checkpoints import run_checkpoint_manager
 
-TRAIN = train.TrainConfig(batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1,
-                          checkpoint_every=100, log_every=1)
+TRAIN = train.TrainConfig(
+    batch_size=4, seq_len=32, num_steps=6, learning_rate=1e-2, warmup_steps=1, checkpoint_every=100, log_every=1
+)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return data.prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=tiny_documents(), vocab_size=300,
-                               heldout_fraction=0.2)
+    return data.prepare_corpus(
+        tmp_path_factory.mktemp("corpus"), documents=tiny_documents(), vocab_size=300, heldout_fraction=0.2
+    )
 
 
 @pytest.fixture(scope="module")
 def model_config(corpus):
-    return ModelConfig.from_name("tiny", vocab_size=300, num_hidden_layers=1, num_nextn_predict_layers=2,
-                                 eos_token_id=corpus.eos_id)
+    return ModelConfig.from_name(
+        "tiny", vocab_size=300, num_hidden_layers=1, num_nextn_predict_layers=2, eos_token_id=corpus.eos_id
+    )
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, corpus, model_config):
     """TRAIN's 6 steps in one go: what every stopped, killed or failed and resumed run must end with."""
-    return train.train(tmp_path_factory.mktemp("straight") / "run", corpus, model_config=model_config,
-                       train_config=TRAIN, progress=False, export=False)
+    return train.train(
+        tmp_path_factory.mktemp("straight") / "run",
+        corpus,
+        model_config=model_config,
+        train_config=TRAIN,
+        progress=False,
+        export=False,
+    )
 
 
 def _leaves(state) -> list[np.ndarray]:
@@ -82,8 +91,9 @@ def test_schedule_warms_up_then_decays():
 
 def test_loss_decreases_on_a_fixed_batch(corpus, model_config):
     graphdef, params, frozen = train.split_model(init_model(model_config), TRAIN)
-    state = train.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                             opt_state=train.make_optimizer(TRAIN).init(params))
+    state = train.TrainState(
+        step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=train.make_optimizer(TRAIN).init(params)
+    )
     tokens, segment_ids = data.PackedBatches(corpus.train, TRAIN.batch_size, TRAIN.seq_len).batch(0)
     losses = []
     for _ in range(TRAIN.num_steps):
@@ -95,8 +105,15 @@ def test_loss_decreases_on_a_fixed_batch(corpus, model_config):
 
 
 def test_resume_continues_the_same_run(tmp_path, corpus, model_config, straight):
-    first = train.train(tmp_path / "resumed", corpus, model_config=model_config, train_config=TRAIN,
-                        stop_at_step=3, progress=False, export=False)
+    first = train.train(
+        tmp_path / "resumed",
+        corpus,
+        model_config=model_config,
+        train_config=TRAIN,
+        stop_at_step=3,
+        progress=False,
+        export=False,
+    )
     assert first.step == 3 and first.stopped_early
     resumed = train.train(tmp_path / "resumed", corpus, resume=True, progress=False, export=False)
     assert resumed.step == straight.step == TRAIN.num_steps and not resumed.stopped_early
@@ -115,10 +132,16 @@ def test_resume_continues_the_same_run(tmp_path, corpus, model_config, straight)
 def test_mtp_only_freezes_the_main_model(tmp_path, corpus, model_config):
     model = init_model(model_config, seed=1)
     main_before, mtp_before = _leaves(nnx.state(model, MAIN_PARAMS)), _leaves(nnx.state(model, MTP_PARAMS))
-    eval_before = train.evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer),
-                                 batch_size=TRAIN.batch_size, seq_len=TRAIN.seq_len)
-    result = train.train(tmp_path / "run", corpus, train_config=TRAIN.replace(mtp_only=True), model=model,
-                         progress=False, export=False)
+    eval_before = train.evaluate(
+        model,
+        corpus.heldout,
+        data.token_byte_lengths(corpus.tokenizer),
+        batch_size=TRAIN.batch_size,
+        seq_len=TRAIN.seq_len,
+    )
+    result = train.train(
+        tmp_path / "run", corpus, train_config=TRAIN.replace(mtp_only=True), model=model, progress=False, export=False
+    )
     for before, after in zip(main_before, _leaves(nnx.state(result.model, MAIN_PARAMS)), strict=True):
         np.testing.assert_array_equal(before, after)  # bit-identical
     mtp_after = _leaves(nnx.state(result.model, MTP_PARAMS))
@@ -127,8 +150,13 @@ def test_mtp_only_freezes_the_main_model(tmp_path, corpus, model_config):
     for k in (1, 2):
         assert result.eval_metrics[f"mtp_loss_{k}"] < eval_before[f"mtp_loss_{k}"] - 0.3
     with pytest.raises(ValueError, match="mtp_only"):
-        train.train(tmp_path / "no_mtp", corpus, model_config=model_config.replace(num_nextn_predict_layers=0),
-                    train_config=TRAIN.replace(mtp_only=True), progress=False)
+        train.train(
+            tmp_path / "no_mtp",
+            corpus,
+            model_config=model_config.replace(num_nextn_predict_layers=0),
+            train_config=TRAIN.replace(mtp_only=True),
+            progress=False,
+        )
 
 
 def test_overwrite_deletes_only_a_run_dir(tmp_path, corpus, model_config, capsys):
@@ -150,8 +178,9 @@ def test_overwrite_deletes_only_a_run_dir(tmp_path, corpus, model_config, capsys
     (run_dir / "notes.txt").write_text("my notes")
     with pytest.raises(FileExistsError, match="not empty"):  # a run's own dir is protected too
         train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, progress=False)
-    result = train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True,
-                         stop_at_step=1, progress=False)
+    result = train.train(
+        run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True, stop_at_step=1, progress=False
+    )
     assert result.step == 1 and _log_steps(run_dir) == [1]  # the old run is gone ...
     assert (run_dir / "notes.txt").read_text() == "my notes"  # ... the user's file is not
     assert train.train(run_dir, corpus, resume=True, stop_at_step=2, progress=False).step == 2
@@ -161,17 +190,23 @@ def test_one_trainer_per_run_dir(tmp_path, corpus, model_config, capsys):
     run_dir = tmp_path / "run"
     train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, stop_at_step=1, progress=False)
     holder = subprocess.Popen(  # another trainer: holds the run dir's lock until it is killed
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, b'%d' % os.getpid()); "
-         "print('locked', flush=True); time.sleep(120)", str(run_dir / "train.lock")],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, b'%d' % os.getpid()); "
+            "print('locked', flush=True); time.sleep(120)",
+            str(run_dir / "train.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(train.RunDirInUseError, match=f"{run_dir} is in use .*process {holder.pid} "):
             train.train(run_dir, corpus, resume=True, progress=False)
         with pytest.raises(train.RunDirInUseError):
-            train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True,
-                        progress=False)
+            train.train(run_dir, corpus, model_config=model_config, train_config=TRAIN, overwrite=True, progress=False)
         assert cli.main(["train", str(run_dir), "--resume", "--no-progress"]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "in use by another trainer" in err and str(run_dir) in err
@@ -235,8 +270,12 @@ def test_resume_applies_more_steps_and_refuses_other_changes(tmp_path, corpus, m
     resume = ["train", str(run_dir), "--resume", "--no-progress", "--no-export"]
     assert cli.main([*resume, "--lr", "1", "--seed", "3", "--mtp-only", "--vocab-size", "512", "--steps", "8"]) == 2
     err = capsys.readouterr().err
-    for named in ("--lr (saved 0.01, given 1.0)", "--seed (saved 0, given 3)", "--mtp-only (saved False, given True)",
-                  "--vocab-size (saved 300, given 512)"):
+    for named in (
+        "--lr (saved 0.01, given 1.0)",
+        "--seed (saved 0, given 3)",
+        "--mtp-only (saved False, given True)",
+        "--vocab-size (saved 300, given 512)",
+    ):
         assert named in err, err
     assert "--steps" not in err and err.count("\n") == 1
     assert (run_dir / "run.json").read_text() == run_before and _log_steps(run_dir) == [1, 2, 3]
@@ -247,7 +286,8 @@ def test_resume_applies_more_steps_and_refuses_other_changes(tmp_path, corpus, m
     assert json.loads(capsys.readouterr().out)["step"] == 8
     run = json.loads((run_dir / "run.json").read_text())
     assert run["train_config"]["num_steps"] == 8 and run["resumes"] == [
-        {"step": 3, "changed": {"num_steps": [6, 8], "log_every": [1, 2]}}]
+        {"step": 3, "changed": {"num_steps": [6, 8], "log_every": [1, 2]}}
+    ]
     assert _log_steps(run_dir) == [1, 2, 3, 4, 6, 8] and _log_steps(run_dir, "eval") == [8]
     assert train.train(run_dir, corpus, resume=True, progress=False).step == 8  # the new total is kept
 
@@ -261,8 +301,9 @@ def _truncate_checkpoint(run_dir, step: int) -> None:
 
 # A failed orbax restore leaves asyncio callbacks that complain "Event loop is closed" when collected.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_kill_and_corrupt_checkpoint_resume_from_the_last_good_step(tmp_path, corpus, model_config, straight,
-                                                                     monkeypatch):
+def test_kill_and_corrupt_checkpoint_resume_from_the_last_good_step(
+    tmp_path, corpus, model_config, straight, monkeypatch
+):
     config = TRAIN.replace(checkpoint_every=2)
     run_dir = tmp_path / "run"
     real = train._train_step
@@ -314,14 +355,17 @@ def _log_steps_tolerant(run_dir) -> list[int]:
     return steps
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "x", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
-    (["eval", "x", "--max-batches", "-2"], "argument --max-batches: must be >= 1, got -2"),
-    (["eval", "x", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
-    (["train", "x", "--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
-    (["train", "x", "--lr", "0"], "argument --lr: must be > 0, got 0.0"),
-    (["train", "x", "--lr", "nan"], "argument --lr: must be > 0, got nan"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "x", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["eval", "x", "--max-batches", "-2"], "argument --max-batches: must be >= 1, got -2"),
+        (["eval", "x", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+        (["train", "x", "--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
+        (["train", "x", "--lr", "0"], "argument --lr: must be > 0, got 0.0"),
+        (["train", "x", "--lr", "nan"], "argument --lr: must be > 0, got nan"),
+    ],
+)
 def test_cli_refuses_bad_sizes_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
@@ -334,14 +378,24 @@ def test_config_and_evaluate_refuse_bad_sizes(tmp_path, corpus, model_config, ca
     with pytest.raises(ValueError, match="seq_len must be >= 2, got 1"):
         TRAIN.replace(seq_len=1)
     with pytest.raises(ValueError, match="batch_size >= 1.*got batch_size 0"):
-        train.evaluate(init_model(model_config), corpus.heldout, data.token_byte_lengths(corpus.tokenizer),
-                       batch_size=0, seq_len=32)
+        train.evaluate(
+            init_model(model_config),
+            corpus.heldout,
+            data.token_byte_lengths(corpus.tokenizer),
+            batch_size=0,
+            seq_len=32,
+        )
     assert cli.main(["train", str(tmp_path / "run"), "--warmup", "10", "--steps", "5"]) == 2
     assert "--warmup must be in [0, --steps=5], got 10" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command, description", [("train", "Train a decoder with DeepSeek-V3-style MTP modules"),
-                                                  ("eval", "Evaluate a model on the held-out split")])
+@pytest.mark.parametrize(
+    "command, description",
+    [
+        ("train", "Train a decoder with DeepSeek-V3-style MTP modules"),
+        ("eval", "Evaluate a model on the held-out split"),
+    ],
+)
 def test_subcommand_help_has_its_own_description(command, description, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([command, "--help"])
@@ -354,8 +408,9 @@ def test_evaluate_pools_over_batches_and_counts_bytes(corpus, model_config):
     token_bytes = data.token_byte_lengths(corpus.tokenizer)
     rows = list(data.heldout_batches(corpus.heldout, TRAIN.batch_size, TRAIN.seq_len))
     batched = train.evaluate(model, corpus.heldout, token_bytes, batch_size=TRAIN.batch_size, seq_len=TRAIN.seq_len)
-    single = train.evaluate(model, corpus.heldout, token_bytes, batch_size=TRAIN.batch_size * len(rows),
-                            seq_len=TRAIN.seq_len)  # the same rows in one batch
+    single = train.evaluate(
+        model, corpus.heldout, token_bytes, batch_size=TRAIN.batch_size * len(rows), seq_len=TRAIN.seq_len
+    )  # the same rows in one batch
     assert batched == pytest.approx(single, rel=1e-5)  # pooled over tokens, not averaged over batches
     # By hand: the labelled tokens are those whose predecessor is in the same document, in the same row.
     tokens = np.concatenate([t for t, _ in rows])
@@ -364,9 +419,11 @@ def test_evaluate_pools_over_batches_and_counts_bytes(corpus, model_config):
     assert batched["num_tokens"] == labelled.sum()
     assert batched["num_bytes"] == token_bytes[tokens[:, 1:]][labelled].sum()
     assert batched["bits_per_byte"] == pytest.approx(
-        batched["main_loss"] * batched["num_tokens"] / math.log(2) / batched["num_bytes"], rel=1e-9)
+        batched["main_loss"] * batched["num_tokens"] / math.log(2) / batched["num_bytes"], rel=1e-9
+    )
     assert batched["loss"] == pytest.approx(
-        batched["main_loss"] + 0.1 * (batched["mtp_loss_1"] + batched["mtp_loss_2"]) / 2, rel=1e-9)
+        batched["main_loss"] + 0.1 * (batched["mtp_loss_1"] + batched["mtp_loss_2"]) / 2, rel=1e-9
+    )
     assert 0 <= batched["mtp_agreement_1"] <= 1 and 0 <= batched["mtp_agreement_2"] <= 1
 
 
@@ -405,8 +462,9 @@ def test_heads_added_to_a_plain_checkpoint(tmp_path, corpus, model_config):
 
 def test_cli_parses_into_train_config():
     parser = cli.build_parser()
-    args = parser.parse_args(["train", "runs/x", "--steps", "50", "--warmup", "5", "--lr", "1e-3", "--mtp-only",
-                              "--init-from", "hf"])
+    args = parser.parse_args(
+        ["train", "runs/x", "--steps", "50", "--warmup", "5", "--lr", "1e-3", "--mtp-only", "--init-from", "hf"]
+    )
     config = train_cli._train_config_from_args(args)
     assert config == train.TrainConfig(num_steps=50, warmup_steps=5, learning_rate=1e-3, mtp_only=True)
     assert args.func is train_cli.run_train and args.init_from == "hf"
@@ -417,8 +475,15 @@ def test_the_score_correction_bias_is_never_trained():
     """DeepSeek-V3's e_score_correction_bias (`ScoreCorrectionBias`, an `nnx.Param`) is set by its load-balancing
     rule, not by gradient: both modes leave it in the frozen state, with every other parameter of the mode
     trained."""
-    config = ModelConfig.from_name("tiny", num_hidden_layers=2, num_nextn_predict_layers=1, ffn_type="moe",
-                                   moe_intermediate_size=16, n_routed_experts=4, first_k_dense_replace=1)
+    config = ModelConfig.from_name(
+        "tiny",
+        num_hidden_layers=2,
+        num_nextn_predict_layers=1,
+        ffn_type="moe",
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+    )
     model = init_model(config)
     biases = {path for path, _ in nnx.to_flat_state(nnx.state(model, ScoreCorrectionBias))}
     assert len(biases) == 2  # main layer 1 and the MTP layer

@@ -73,8 +73,9 @@ def test_matches_float64_reference(batch, num_queries, group, kv_heads, head_dim
     # Lengths include T (only the new tokens), S (a full cache) and random values in between.
     choices = [num_queries, cache_len, int(rng.integers(num_queries, cache_len))]
     lengths = choices if batch == 3 else [choices[(num_queries + 1) % 3]]
-    q, k, v, lengths = make_inputs(num_queries, batch, num_queries, group * kv_heads, kv_heads, head_dim, cache_len,
-                                   lengths, dtype)
+    q, k, v, lengths = make_inputs(
+        num_queries, batch, num_queries, group * kv_heads, kv_heads, head_dim, cache_len, lengths, dtype
+    )
     scale = 0.7 / np.sqrt(head_dim) if num_queries % 2 else None
     out = kernel(q, k, v, lengths, scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -198,8 +199,9 @@ def test_attend_dispatch():
     if jax.default_backend() != "gpu":  # "auto" means the reference here (on a GPU, the kernel: checked below)
         np.testing.assert_array_equal(np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected))
     else:
-        np.testing.assert_allclose(np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected),
-                                   atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(
+            np.asarray(attend(q, k, v, lengths, scale=0.3)), np.asarray(expected), atol=2e-5, rtol=2e-5
+        )
     out = attend(q, k, v, lengths, scale=0.3, impl="pallas_interpret")
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="impl"):
@@ -223,8 +225,10 @@ def test_model_logits_match_reference():
     tokens = jax.random.randint(keys[0], (2, 4), 0, config.vocab_size)
     positions = sequence_positions(2, 4, jnp.array([7, 0], jnp.int32))  # rows of 11 and 4 entries
     forward = nnx.jit(lambda model, tokens, cache: model(tokens, positions, cache)[0])
-    logits = {impl: np.asarray(forward(init_model(config.replace(attention_impl=impl)), tokens, cache))
-              for impl in ("reference", "pallas_interpret")}
+    logits = {
+        impl: np.asarray(forward(init_model(config.replace(attention_impl=impl)), tokens, cache))
+        for impl in ("reference", "pallas_interpret")
+    }
     np.testing.assert_allclose(logits["pallas_interpret"], logits["reference"], atol=1e-5, rtol=1e-5)
 
 

@@ -71,8 +71,12 @@ def decode_attention_t_times(q, k, v, lengths, *, interpret: bool, k_splits: int
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     num_queries = q.shape[1]
-    outs = [decode_attention.gqa(q[:, t], k, v, kv_seq_len=lengths - num_queries + t + 1, k_splits=k_splits,
-                                 interpret=interpret) for t in range(num_queries)]  # T x [B, H, D]
+    outs = [
+        decode_attention.gqa(
+            q[:, t], k, v, kv_seq_len=lengths - num_queries + t + 1, k_splits=k_splits, interpret=interpret
+        )
+        for t in range(num_queries)
+    ]  # T x [B, H, D]
     return jnp.stack(outs, axis=1)  # [B, T, H, D]
 
 
@@ -135,8 +139,9 @@ def check(kernel, sizes, num_queries_list, dtypes) -> list[dict]:
         err = float(jnp.max(jnp.abs(out - expected)))
         ok = bool(jnp.isfinite(out).all()) and err <= TOLERANCES[jnp.dtype(dtype).name]
         rows.append(dict(T=num_queries, dtype=jnp.dtype(dtype).name, max_abs_err=err, ok=ok))
-        print(f"check T={num_queries} {jnp.dtype(dtype).name:8s} max|err|={err:.2e} {'ok' if ok else 'FAIL'}",
-              flush=True)
+        print(
+            f"check T={num_queries} {jnp.dtype(dtype).name:8s} max|err|={err:.2e} {'ok' if ok else 'FAIL'}", flush=True
+        )
     return rows
 
 
@@ -178,33 +183,48 @@ def benchmark(args) -> dict:
                 key = jax.random.key(batch * 1000003 + cache_len * 17 + num_queries)
                 q, k, v = random_inputs(key, batch, num_queries, heads, kv_heads, head_dim, cache_len, jnp.bfloat16)
                 lengths = jnp.full((batch,), cache_len, jnp.int32)
-                expected = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                               v.astype(jnp.float32), lengths)
+                expected = attention_reference(
+                    q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths
+                )
                 err = jnp.max(jnp.abs(jax.jit(kernel)(q, k, v, lengths).astype(jnp.float32) - expected))
                 row["kernel_max_abs_err"] = float(err)
                 for name in methods:
-                    seconds, k, v = time_per_step(loops[name], q, k, v, lengths, trial_s=args.trial_s,
-                                                  trials=args.trials)
+                    seconds, k, v = time_per_step(
+                        loops[name], q, k, v, lengths, trial_s=args.trial_s, trials=args.trials
+                    )
                     row[f"{name}_us"] = seconds * 1e6
                 kv_bytes = 2 * batch * cache_len * kv_heads * head_dim * jnp.dtype(jnp.bfloat16).itemsize
                 row["kernel_GBps"] = kv_bytes / (row["kernel_us"] * 1e-6) / 1e9
                 row["kernel_fraction_of_copy"] = row["kernel_GBps"] * 1e9 / copy_bw
                 row["speedup_vs_reference"] = row["reference_us"] / row["kernel_us"]
                 row["speedup_vs_decode_attention"] = row["decode_attention_us"] / row["kernel_us"]
-                print(f"B={batch:2d} S={cache_len:5d} T={num_queries} kernel {row['kernel_us']:8.1f} us "
-                      f"{row['kernel_GBps']:6.0f} GB/s ({row['kernel_fraction_of_copy']:4.0%} of copy) | "
-                      f"reference {row['reference_us']:8.1f} us ({row['speedup_vs_reference']:.2f}x) | "
-                      f"decode_attention x T {row['decode_attention_us']:8.1f} us "
-                      f"({row['speedup_vs_decode_attention']:.2f}x)", flush=True)
+                print(
+                    f"B={batch:2d} S={cache_len:5d} T={num_queries} kernel {row['kernel_us']:8.1f} us "
+                    f"{row['kernel_GBps']:6.0f} GB/s ({row['kernel_fraction_of_copy']:4.0%} of copy) | "
+                    f"reference {row['reference_us']:8.1f} us ({row['speedup_vs_reference']:.2f}x) | "
+                    f"decode_attention x T {row['decode_attention_us']:8.1f} us "
+                    f"({row['speedup_vs_decode_attention']:.2f}x)",
+                    flush=True,
+                )
                 del q, k, v, expected
     rows.sort(key=lambda r: (r["B"], r["S"], r["T"]))
     presets = sweep_presets(args, interpret, (8, cache_lens[-1], 4, heads, kv_heads, head_dim), copy_bw, began)
     return dict(
-        device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__, smoke=args.smoke,
-        preset=preset, config=dataclasses.asdict(PRESETS[preset]), date=datetime.date.today().isoformat(),
+        device=device.device_kind,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        smoke=args.smoke,
+        preset=preset,
+        config=dataclasses.asdict(PRESETS[preset]),
+        date=datetime.date.today().isoformat(),
         shape=dict(H=heads, G=kv_heads, D=head_dim, dtype="bfloat16", lengths="S (full cache)"),
-        copy_GBps=copy_bw / 1e9, checks=checks, checks_ok=all(c["ok"] for c in checks), rows=rows,
-        presets=presets, seconds=time.perf_counter() - began, targets=targets(rows),
+        copy_GBps=copy_bw / 1e9,
+        checks=checks,
+        checks_ok=all(c["ok"] for c in checks),
+        rows=rows,
+        presets=presets,
+        seconds=time.perf_counter() - began,
+        targets=targets(rows),
     )
 
 
@@ -216,15 +236,27 @@ def sweep_presets(args, interpret, sizes, copy_bw, began) -> list[dict]:
     for name in sorted(PRESETS):
         if (name == "interpret") != interpret or time.perf_counter() - began > args.budget_s:
             continue
-        q, k, v = random_inputs(jax.random.key(7), batch, num_queries, heads, kv_heads, head_dim, cache_len,
-                                jnp.bfloat16)
+        q, k, v = random_inputs(
+            jax.random.key(7), batch, num_queries, heads, kv_heads, head_dim, cache_len, jnp.bfloat16
+        )
         lengths = jnp.full((batch,), cache_len, jnp.int32)
         kernel = functools.partial(verify_attention, config=name, interpret=interpret)
         seconds, k, v = time_per_step(make_loop(kernel), q, k, v, lengths, trial_s=args.trial_s, trials=args.trials)
-        rows.append(dict(preset=name, B=batch, S=cache_len, T=num_queries, kernel_us=seconds * 1e6,
-                         kernel_fraction_of_copy=kv_bytes / seconds / copy_bw))
-        print(f"preset {name:13s} B={batch} S={cache_len} T={num_queries}: {seconds * 1e6:8.1f} us "
-              f"({rows[-1]['kernel_fraction_of_copy']:.0%} of copy)", flush=True)
+        rows.append(
+            dict(
+                preset=name,
+                B=batch,
+                S=cache_len,
+                T=num_queries,
+                kernel_us=seconds * 1e6,
+                kernel_fraction_of_copy=kv_bytes / seconds / copy_bw,
+            )
+        )
+        print(
+            f"preset {name:13s} B={batch} S={cache_len} T={num_queries}: {seconds * 1e6:8.1f} us "
+            f"({rows[-1]['kernel_fraction_of_copy']:.0%} of copy)",
+            flush=True,
+        )
         del q, k, v
     return rows
 
@@ -234,19 +266,23 @@ def targets(rows) -> dict:
     long = [r for r in rows if r["S"] >= 8192 and "kernel_us" in r]
     fractions = [r["kernel_fraction_of_copy"] for r in long]
     speedups = [r["speedup_vs_reference"] for r in long if r["T"] == 4]
-    return dict(min_fraction_of_copy_S_ge_8k=min(fractions, default=None),
-                min_speedup_vs_reference_S_ge_8k_T4=min(speedups, default=None),
-                fraction_target_met=bool(fractions) and min(fractions) >= 0.8,
-                speedup_target_met=bool(speedups) and min(speedups) >= 2.0)
+    return dict(
+        min_fraction_of_copy_S_ge_8k=min(fractions, default=None),
+        min_speedup_vs_reference_S_ge_8k_T4=min(speedups, default=None),
+        fraction_target_met=bool(fractions) and min(fractions) >= 0.8,
+        speedup_target_met=bool(speedups) and min(speedups) >= 2.0,
+    )
 
 
 def markdown(result: dict) -> str:
     lines = [
-        f"# verify_attention on {result['device']} ({result['date']})", "",
+        f"# verify_attention on {result['device']} ({result['date']})",
+        "",
         f"jax {result['jax']}, preset `{result['preset']}`, H = {result['shape']['H']}, G = {result['shape']['G']}, "
         f"D = {result['shape']['D']}, bfloat16, full caches. Copy bandwidth {result['copy_GBps']:.0f} GB/s. "
         f"Correctness checks: {'all passed' if result['checks_ok'] else 'FAILED'}."
-        + (" Smoke run (interpret mode): times are meaningless." if result["smoke"] else ""), "",
+        + (" Smoke run (interpret mode): times are meaningless." if result["smoke"] else ""),
+        "",
         "| B | S | T | kernel us | GB/s | of copy | reference us | speedup | decode_attention x T us | speedup |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -254,18 +290,26 @@ def markdown(result: dict) -> str:
         if "kernel_us" not in r:
             lines.append(f"| {r['B']} | {r['S']} | {r['T']} | skipped ({r.get('skipped')}) | | | | | | |")
             continue
-        lines.append(f"| {r['B']} | {r['S']} | {r['T']} | {r['kernel_us']:.1f} | {r['kernel_GBps']:.0f} | "
-                     f"{r['kernel_fraction_of_copy']:.0%} | {r['reference_us']:.1f} | "
-                     f"{r['speedup_vs_reference']:.2f}x | "
-                     f"{r['decode_attention_us']:.1f} | {r['speedup_vs_decode_attention']:.2f}x |")
+        lines.append(
+            f"| {r['B']} | {r['S']} | {r['T']} | {r['kernel_us']:.1f} | {r['kernel_GBps']:.0f} | "
+            f"{r['kernel_fraction_of_copy']:.0%} | {r['reference_us']:.1f} | "
+            f"{r['speedup_vs_reference']:.2f}x | "
+            f"{r['decode_attention_us']:.1f} | {r['speedup_vs_decode_attention']:.2f}x |"
+        )
     if result["presets"]:
         lines += ["", "| preset | B | S | T | kernel us | of copy |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{r['preset']}` | {r['B']} | {r['S']} | {r['T']} | {r['kernel_us']:.1f} | "
-                  f"{r['kernel_fraction_of_copy']:.0%} |" for r in result["presets"]]
+        lines += [
+            f"| `{r['preset']}` | {r['B']} | {r['S']} | {r['T']} | {r['kernel_us']:.1f} | "
+            f"{r['kernel_fraction_of_copy']:.0%} |"
+            for r in result["presets"]
+        ]
     t = result["targets"]
-    lines += ["", f"Targets at S >= 8k: min fraction of copy bandwidth {t['min_fraction_of_copy_S_ge_8k']} "
-                  f"(>= 0.8: {t['fraction_target_met']}); min speedup vs reference at T = 4 "
-                  f"{t['min_speedup_vs_reference_S_ge_8k_T4']} (>= 2: {t['speedup_target_met']})."]
+    lines += [
+        "",
+        f"Targets at S >= 8k: min fraction of copy bandwidth {t['min_fraction_of_copy_S_ge_8k']} "
+        f"(>= 0.8: {t['fraction_target_met']}); min speedup vs reference at T = 4 "
+        f"{t['min_speedup_vs_reference_S_ge_8k_T4']} (>= 2: {t['speedup_target_met']}).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -75,6 +75,7 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 # ----------------------------------------------------------------------------------------------- runners
 
+
 class MtpJaxRunner:
     engine = "mtp_jax"
 
@@ -85,8 +86,14 @@ class MtpJaxRunner:
 
     def generate(self, prompts, new_tokens):
         start = time.perf_counter()
-        result = generate(self.model, prompts, max_new_tokens=new_tokens, max_length=self.max_length,
-                          stop_tokens=[], speculative=self.spec)
+        result = generate(
+            self.model,
+            prompts,
+            max_new_tokens=new_tokens,
+            max_length=self.max_length,
+            stop_tokens=[],
+            speculative=self.spec,
+        )
         seconds = time.perf_counter() - start
         accept = result.metrics.mean_acceptance_length if result.metrics is not None else None
         return seconds, result.tokens, accept
@@ -103,9 +110,15 @@ class WorkerRunner:
         cfg_file = log.with_suffix(".json")
         cfg_file.write_text(json.dumps(cfg))
         self.start_time = time.perf_counter()
-        self.proc = subprocess.Popen([python, str(HERE / "peer_worker.py"), str(cfg_file)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-                                     env=dict(os.environ, **(env or {})), start_new_session=True)
+        self.proc = subprocess.Popen(
+            [python, str(HERE / "peer_worker.py"), str(cfg_file)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+            env=dict(os.environ, **(env or {})),
+            start_new_session=True,
+        )
         self.info: dict | None = None
         self.error: str | None = None
 
@@ -143,8 +156,17 @@ class WorkerRunner:
 
 def vllm_setup(log: Path) -> list[str]:
     """What vLLM's log says about its CPU threads: core binding, reserved cores, torch threads."""
-    keep = ("core ids=", "reserved_cpus=", "reserve_cpu_num", "VLLM_CPU_OMP_THREADS_BIND", "Reducing Torch threads",
-            "GiB for KV cache", "libiomp is not found", "libtcmalloc is not found", "without Intel OpenMP")
+    keep = (
+        "core ids=",
+        "reserved_cpus=",
+        "reserve_cpu_num",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "Reducing Torch threads",
+        "GiB for KV cache",
+        "libiomp is not found",
+        "libtcmalloc is not found",
+        "without Intel OpenMP",
+    )
     lines = []
     for line in log.read_text(errors="replace").splitlines():
         if any(k in line for k in keep):
@@ -156,6 +178,7 @@ def vllm_setup(log: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- models
+
 
 def export_model(name: str, work: Path, max_batch: int, prompt_tokens: int) -> tuple[Path, list[list[int]]]:
     """The exported HF directory of model `name` and `max_batch` prompts of `prompt_tokens` tokens."""
@@ -170,6 +193,7 @@ def export_model(name: str, work: Path, max_batch: int, prompt_tokens: int) -> t
 
 
 # ----------------------------------------------------------------------------------------------- compare
+
 
 def compare(reference: list[list[int]], tokens: list[list[int]]) -> dict:
     rows = [b for b, (r, t) in enumerate(zip(reference, tokens, strict=True)) if list(r) != list(t)]
@@ -195,22 +219,32 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
         runners.append(MtpJaxRunner(model, "vanilla", k, max_length))
     workers: list[WorkerRunner] = []
     if not args.no_transformers:
-        workers.append(WorkerRunner("transformers", "plain", sys.executable, dict(
-            engine="transformers", model=str(export), dtype="float32"), log_dir / f"{name}_transformers.log"))
+        workers.append(
+            WorkerRunner(
+                "transformers",
+                "plain",
+                sys.executable,
+                dict(engine="transformers", model=str(export), dtype="float32"),
+                log_dir / f"{name}_transformers.log",
+            )
+        )
     if args.vllm_python:
         dirs = convert.to_vllm(export, work / name / "vllm")
         model_info["vllm_mtp"] = dirs
-        base = dict(engine="vllm", dtype="float32", max_model_len=max(256, max_length),
-                    enable_prefix_caching=False)
+        base = dict(engine="vllm", dtype="float32", max_model_len=max(256, max_length), enable_prefix_caching=False)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)} | dict(e.split("=", 1) for e in args.vllm_env)
         for method in args.vllm_methods:
             if method == "plain":
                 cfg = base | dict(model=dirs["target"], speculative=None)
             elif method == "ngram":
-                lookup = {f"prompt_lookup_{m}": v for m, v in (("min", args.ngram_min), ("max", args.ngram_max))
-                          if v is not None}  # unset: vLLM's defaults (5 and 5)
-                cfg = base | dict(model=dirs["target"], speculative=dict(method="ngram", num_speculative_tokens=k,
-                                                                         **lookup))
+                lookup = {
+                    f"prompt_lookup_{m}": v
+                    for m, v in (("min", args.ngram_min), ("max", args.ngram_max))
+                    if v is not None
+                }  # unset: vLLM's defaults (5 and 5)
+                cfg = base | dict(
+                    model=dirs["target"], speculative=dict(method="ngram", num_speculative_tokens=k, **lookup)
+                )
             elif method == "mtp":
                 if dirs["mtp"] is None:
                     print(f"{name}: vLLM mtp skipped: {dirs['mtp_skipped']}", flush=True)
@@ -219,8 +253,16 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
             else:
                 raise ValueError(f"unknown vLLM method {method!r}")
             label = method if method == "plain" else f"{method} K={k}"
-            workers.append(WorkerRunner("vllm", label, args.vllm_python, cfg, log_dir / f"{name}_vllm_{method}.log",
-                                        env | ({"VLLM_MLA_DISABLE": "1"} if method == "mtp" else {})))
+            workers.append(
+                WorkerRunner(
+                    "vllm",
+                    label,
+                    args.vllm_python,
+                    cfg,
+                    log_dir / f"{name}_vllm_{method}.log",
+                    env | ({"VLLM_MLA_DISABLE": "1"} if method == "mtp" else {}),
+                )
+            )
 
     rows: list[dict] = []
     try:
@@ -235,9 +277,17 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
                 print(f"{name}: {w.engine} {w.method} FAILED: {w.error}", flush=True)
                 failed.append(dict(engine=w.engine, method=w.method, error=w.error, log=str(w.log)))
         model_info["failed"] = failed
-        model_info["workers"] = [dict(engine=w.engine, method=w.method, info=w.info, log=str(w.log),
-                                      vllm_setup=vllm_setup(w.log) if w.engine == "vllm" else None)
-                                 for w in workers if w.info is not None]
+        model_info["workers"] = [
+            dict(
+                engine=w.engine,
+                method=w.method,
+                info=w.info,
+                log=str(w.log),
+                vllm_setup=vllm_setup(w.log) if w.engine == "vllm" else None,
+            )
+            for w in workers
+            if w.info is not None
+        ]
         everyone = runners + [w for w in workers if w.info is not None]
         for batch in args.batch_sizes:
             batch_prompts = prompts[:batch]
@@ -268,18 +318,32 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
                     plain_tok_s = median
                 checks = [compare(reference, t) for t in res["tokens"]]
                 lengths_ok = all(len(row) == args.new_tokens for t in res["tokens"] for row in t)
-                rows.append(dict(
-                    model=name, num_params=num_params, batch=batch, new_tokens=args.new_tokens, engine=r.engine,
-                    method=r.method, tok_s=median, tok_s_runs=tok_s, seconds_runs=res["seconds"],
-                    vs_mtp_jax_plain=median / plain_tok_s,
-                    acceptance_length=float(np.mean(res["accept"])) if res["accept"] else None,
-                    tokens_identical=all(c["identical"] for c in checks) and lengths_ok,
-                    all_rows_full_length=lengths_ok, token_check=checks[0], runs=len(tok_s)))
+                rows.append(
+                    dict(
+                        model=name,
+                        num_params=num_params,
+                        batch=batch,
+                        new_tokens=args.new_tokens,
+                        engine=r.engine,
+                        method=r.method,
+                        tok_s=median,
+                        tok_s_runs=tok_s,
+                        seconds_runs=res["seconds"],
+                        vs_mtp_jax_plain=median / plain_tok_s,
+                        acceptance_length=float(np.mean(res["accept"])) if res["accept"] else None,
+                        tokens_identical=all(c["identical"] for c in checks) and lengths_ok,
+                        all_rows_full_length=lengths_ok,
+                        token_check=checks[0],
+                        runs=len(tok_s),
+                    )
+                )
                 row = rows[-1]
                 accept = f", acceptance {row['acceptance_length']:.2f}" if row["acceptance_length"] else ""
-                print(f"{name} b{batch} {r.engine:12s} {r.method:12s} {median:9.1f} tok/s "
-                      f"({row['vs_mtp_jax_plain']:.2f}x){accept}, tokens identical: {row['tokens_identical']}",
-                      flush=True)
+                print(
+                    f"{name} b{batch} {r.engine:12s} {r.method:12s} {median:9.1f} tok/s "
+                    f"({row['vs_mtp_jax_plain']:.2f}x){accept}, tokens identical: {row['tokens_identical']}",
+                    flush=True,
+                )
     finally:
         for w in workers:
             w.close()
@@ -287,6 +351,7 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
 
 
 # ----------------------------------------------------------------------------------------------- output
+
 
 def machine() -> dict:
     cpu = ""
@@ -299,33 +364,55 @@ def machine() -> dict:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return dict(cpu=cpu, cpu_count=os.cpu_count(), affinity=sorted(os.sched_getaffinity(0)),
-                isa=sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))[:8],
-                platform=platform.platform(), loadavg_start=os.getloadavg())
+    return dict(
+        cpu=cpu,
+        cpu_count=os.cpu_count(),
+        affinity=sorted(os.sched_getaffinity(0)),
+        isa=sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))[:8],
+        platform=platform.platform(),
+        loadavg_start=os.getloadavg(),
+    )
 
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# Peer benchmark, {meta['date']}", "",
-             f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores), fp32, greedy, prompt "
-             f"{meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens per row, median of up to "
-             f"{meta['repeats']} interleaved rounds; tok/s = batch x new tokens / wall time of one generate call. "
-             f"Load average at start / end: {', '.join(f'{x:.2f}' for x in meta['machine']['loadavg_start'])} / "
-             f"{', '.join(f'{x:.2f}' for x in meta['loadavg_end'])}.", "",
-             f"Versions: mtp_jax {meta['mtp_jax']}, jax {meta['jax']}, transformers {meta.get('transformers')}, "
-             f"torch {meta.get('torch')} (dev venv); vLLM {meta.get('vllm', {}).get('vllm', '-')} with torch "
-             f"{meta.get('vllm', {}).get('torch', '-')} (its own venv).", ""]
+    lines = [
+        f"# Peer benchmark, {meta['date']}",
+        "",
+        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores), fp32, greedy, prompt "
+        f"{meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens per row, median of up to "
+        f"{meta['repeats']} interleaved rounds; tok/s = batch x new tokens / wall time of one generate call. "
+        f"Load average at start / end: {', '.join(f'{x:.2f}' for x in meta['machine']['loadavg_start'])} / "
+        f"{', '.join(f'{x:.2f}' for x in meta['loadavg_end'])}.",
+        "",
+        f"Versions: mtp_jax {meta['mtp_jax']}, jax {meta['jax']}, transformers {meta.get('transformers')}, "
+        f"torch {meta.get('torch')} (dev venv); vLLM {meta.get('vllm', {}).get('vllm', '-')} with torch "
+        f"{meta.get('vllm', {}).get('torch', '-')} (its own venv).",
+        "",
+    ]
     if meta.get("vllm_setup"):
         lines += ["vLLM setup (from its log): " + "; ".join(meta["vllm_setup"]) + ".", ""]
-    lines += ["| model | params | batch | engine | method | tok/s | vs mtp_jax plain | acceptance length "
-              "| tokens identical | runs |", "|---|---:|---:|---|---|---:|---:|---:|:---:|---:|"]
+    lines += [
+        "| model | params | batch | engine | method | tok/s | vs mtp_jax plain | acceptance length "
+        "| tokens identical | runs |",
+        "|---|---:|---:|---|---|---:|---:|---:|:---:|---:|",
+    ]
     for r in report["rows"]:
-        same = "yes" if r["tokens_identical"] else (
-            f"no ({r['token_check']['rows_differing']}/{r['batch']} rows, from token "
-            f"{r['token_check']['first_difference']})" if not r["token_check"]["identical"] else "no (length)")
+        same = (
+            "yes"
+            if r["tokens_identical"]
+            else (
+                f"no ({r['token_check']['rows_differing']}/{r['batch']} rows, from token "
+                f"{r['token_check']['first_difference']})"
+                if not r["token_check"]["identical"]
+                else "no (length)"
+            )
+        )
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        lines.append(f"| {r['model']} | {r['num_params'] / 1e6:.1f}M | {r['batch']} | {r['engine']} | {r['method']} "
-                     f"| {r['tok_s']:.1f} | {r['vs_mtp_jax_plain']:.2f}x | {accept} | {same} | {r['runs']} |")
+        lines.append(
+            f"| {r['model']} | {r['num_params'] / 1e6:.1f}M | {r['batch']} | {r['engine']} | {r['method']} "
+            f"| {r['tok_s']:.1f} | {r['vs_mtp_jax_plain']:.2f}x | {accept} | {same} | {r['runs']} |"
+        )
     for m in report["models"]:
         for f in m.get("failed", []):
             lines.append(f"\n{m['model']}: {f['engine']} {f['method']} failed: {f['error']}")
@@ -337,22 +424,35 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=["demo", "small"],
-                        help="'demo' (the bundled model) and/or ModelConfig presets (small, medium)")
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=["demo", "small"],
+        help="'demo' (the bundled model) and/or ModelConfig presets (small, medium)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds per batch size")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--time-budget", type=float, default=1800.0,
-                        help="seconds: no new round (after the first) or model starts past it")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=1800.0,
+        help="seconds: no new round (after the first) or model starts past it",
+    )
     parser.add_argument("--settle", type=float, default=1.2, help="idle seconds after each run")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the vLLM venv's python ('' = no vLLM)")
     parser.add_argument("--vllm-methods", nargs="+", default=["plain", "ngram", "mtp"])
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per vLLM engine")
-    parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra environment of the vLLM workers, e.g. LD_PRELOAD=/work/vllm-venv/lib/libiomp5.so "
-                             "or VLLM_CPU_NUM_OF_RESERVED_CPU=0 (default: none, vLLM's default setup)")
+    parser.add_argument(
+        "--vllm-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the vLLM workers, e.g. LD_PRELOAD=/work/vllm-venv/lib/libiomp5.so "
+        "or VLLM_CPU_NUM_OF_RESERVED_CPU=0 (default: none, vLLM's default setup)",
+    )
     parser.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default vLLM's, 5)")
     parser.add_argument("--ngram-max", type=int, default=None, help="prompt_lookup_max (default vLLM's, 5)")
     parser.add_argument("--no-transformers", action="store_true")
@@ -372,14 +472,28 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mtp_jax_peers_"))
     log_dir = work / "logs"
     log_dir.mkdir()
-    meta = dict(benchmark="peers", date=str(date.today()), machine=machine(), presets=args.presets,
-                batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                repeats=args.repeats, num_speculative_tokens=args.num_speculative_tokens, settle_s=args.settle,
-                ngram=dict(prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max),
-                vllm_kv_cache_gib=args.vllm_kv_gib, vllm_prefix_caching=False, vllm_extra_env=args.vllm_env,
-                dtype="float32", smoke=args.smoke,
-                mtp_jax=mtp_jax.__version__, jax=jax.__version__, jax_device=jax.devices()[0].device_kind,
-                work_dir=str(work))
+    meta = dict(
+        benchmark="peers",
+        date=str(date.today()),
+        machine=machine(),
+        presets=args.presets,
+        batch_sizes=args.batch_sizes,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        num_speculative_tokens=args.num_speculative_tokens,
+        settle_s=args.settle,
+        ngram=dict(prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max),
+        vllm_kv_cache_gib=args.vllm_kv_gib,
+        vllm_prefix_caching=False,
+        vllm_extra_env=args.vllm_env,
+        dtype="float32",
+        smoke=args.smoke,
+        mtp_jax=mtp_jax.__version__,
+        jax=jax.__version__,
+        jax_device=jax.devices()[0].device_kind,
+        work_dir=str(work),
+    )
     try:
         import torch
         import transformers

@@ -83,8 +83,11 @@ def to_vllm(src: str | Path, dst: str | Path) -> dict[str, str | None]:
     is_mtp = lambda name: name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers  # noqa: E731
     target = dst / "target"
     target.mkdir(parents=True, exist_ok=True)
-    save_file({k: v for k, v in tensors.items() if not is_mtp(k)}, str(target / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in tensors.items() if not is_mtp(k)},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -97,12 +100,22 @@ def to_vllm(src: str | Path, dst: str | Path) -> dict[str, str | None]:
     p = f"model.layers.{layer}."
     draft = {k: v for k, v in tensors.items() if not is_mtp(k)}  # the main model, same tensors
     draft[p + "shared_head.head.weight"] = tensors["lm_head.weight"]
-    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "input_layernorm.weight",
-                 "post_attention_layernorm.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight"):
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ):
         draft[p + name] = tensors[p + name]
     draft[p + "self_attn.qkv_proj.weight"] = np.concatenate(
-        [tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], axis=0)
+        [tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], axis=0
+    )
     rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     ds = {
         "architectures": ["DeepseekV3ForCausalLM"],  # the target; vLLM's "mtp" method reads the draft from it
@@ -116,17 +129,29 @@ def to_vllm(src: str | Path, dst: str | Path) -> dict[str, str | None]:
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
         "head_dim": config["hidden_size"] // config["num_attention_heads"],
-        "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0,
-        "q_lora_rank": None, "kv_lora_rank": 0,  # with VLLM_MLA_DISABLE=1 (see vllm_worker.py)
-        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
-        "first_k_dense_replace": num_layers + 1000, "moe_layer_freq": 1, "routed_scaling_factor": 1.0,
+        "qk_nope_head_dim": 0,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": 0,
+        "q_lora_rank": None,
+        "kv_lora_rank": 0,  # with VLLM_MLA_DISABLE=1 (see vllm_worker.py)
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": num_layers + 1000,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": 1.0,
         "hidden_act": config.get("hidden_act", "silu"),
         "max_position_embeddings": config["max_position_embeddings"],
         "rms_norm_eps": config["rms_norm_eps"],
         "rope_theta": rope.get("rope_theta", 10000.0),
-        "rope_parameters": rope, "rope_scaling": None,
-        "attention_bias": False, "tie_word_embeddings": False,
-        "eos_token_id": config.get("eos_token_id"), "bos_token_id": config.get("bos_token_id"),
+        "rope_parameters": rope,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "eos_token_id": config.get("eos_token_id"),
+        "bos_token_id": config.get("bos_token_id"),
         "dtype": config.get("dtype", "float32"),
     }
     mtp = dst / "mtp"

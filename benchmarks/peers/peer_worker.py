@@ -33,8 +33,11 @@ def _vllm_counters(llm) -> dict[str, float]:
     """The cumulative speculative-decoding counters of a vLLM engine (empty when not speculating)."""
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                           "vllm:spec_decode_num_accepted_tokens"):
+        if metric.name in (
+            "vllm:spec_decode_num_drafts",
+            "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens",
+        ):
             out[metric.name.split(":", 1)[1]] = float(getattr(metric, "value", 0.0))
     return out
 
@@ -43,10 +46,16 @@ class VllmEngine:
     def __init__(self, cfg: dict):
         from vllm import LLM
 
-        self.llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype=cfg.get("dtype", "float32"),
-                       max_model_len=cfg["max_model_len"], speculative_config=cfg.get("speculative"), seed=0,
-                       enable_prefix_caching=cfg.get("enable_prefix_caching", False),
-                       disable_log_stats=False)  # the spec-decode counters need the stats
+        self.llm = LLM(
+            model=cfg["model"],
+            skip_tokenizer_init=True,
+            dtype=cfg.get("dtype", "float32"),
+            max_model_len=cfg["max_model_len"],
+            speculative_config=cfg.get("speculative"),
+            seed=0,
+            enable_prefix_caching=cfg.get("enable_prefix_caching", False),
+            disable_log_stats=False,
+        )  # the spec-decode counters need the stats
         self.speculative = cfg.get("speculative") is not None
 
     def generate(self, prompts: list[list[int]], new_tokens: int):
@@ -74,8 +83,14 @@ class VllmEngine:
         import vllm
 
         env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "KMP_", "LD_PRELOAD"))}
-        return dict(vllm=vllm.__version__, torch=torch.__version__, transformers=transformers.__version__,
-                    python=platform.python_version(), env=env, frontend_torch_threads=torch.get_num_threads())
+        return dict(
+            vllm=vllm.__version__,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            env=env,
+            frontend_torch_threads=torch.get_num_threads(),
+        )
 
 
 class TransformersEngine:
@@ -94,18 +109,23 @@ class TransformersEngine:
         ids = torch.tensor(prompts)  # equal-length prompts: no padding
         with torch.inference_mode():
             start = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=0)
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
             seconds = time.perf_counter() - start
-        return seconds, out[:, ids.shape[1]:].tolist(), None
+        return seconds, out[:, ids.shape[1] :].tolist(), None
 
     @staticmethod
     def info() -> dict:
         import torch
         import transformers
 
-        return dict(torch=torch.__version__, transformers=transformers.__version__,
-                    python=platform.python_version(), torch_threads=torch.get_num_threads())
+        return dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            torch_threads=torch.get_num_threads(),
+        )
 
 
 def main() -> None:

@@ -119,7 +119,8 @@ def recover(path: str | os.PathLike) -> bool:
         except OSError as error:
             raise FileNotFoundError(
                 f"{path} is missing: a save was interrupted between its renames; the new directory is "
-                f"{new} and the old one {old}: rename one of them to {path} ({error})") from error
+                f"{new} and the old one {old}: rename one of them to {path} ({error})"
+            ) from error
         _fsync(path.parent)
         shutil.rmtree(old, ignore_errors=True)
         return True
@@ -190,8 +191,9 @@ def read_dir(path: str | os.PathLike, read: Callable[[Path], _T], *, attempts: i
             failure = None
         finally:
             os.close(fd)
-    raise OSError(f"{path} was replaced by a concurrent save during each of {attempts} attempts to read it") \
-        from failure
+    raise OSError(
+        f"{path} was replaced by a concurrent save during each of {attempts} attempts to read it"
+    ) from failure
 
 
 def _remove_debris(path: Path) -> None:
@@ -228,8 +230,10 @@ def replace_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[st
             if owned(entry.name):
                 continue
             if entry.is_symlink() or not entry.is_file():
-                raise FileExistsError(f"{path} holds {entry.name}, which is not a plain file: overwriting "
-                                      "would lose it; move it away first")
+                raise FileExistsError(
+                    f"{path} holds {entry.name}, which is not a plain file: overwriting "
+                    "would lose it; move it away first"
+                )
             kept.append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_debris(path)

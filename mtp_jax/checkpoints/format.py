@@ -16,12 +16,17 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # The tokenizer files of a model directory (`tokenizers` and `transformers` names): an overwriting
 # save drops them with the old weights (`is_model_file`), so no stale tokenizer sits beside new ones.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5_000_000_000  # transformers 4.x's default "5GB"
 _MAX_LISTED = 20  # names shown per category in a CheckpointError message
-
-
 
 
 class CheckpointError(ValueError):
@@ -31,11 +36,15 @@ class CheckpointError(ValueError):
     """
 
     def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):
-        self.missing, self.unexpected, self.mismatched = (list(names or ()) for names in (missing, unexpected,
-                                                                                            mismatched))
+        self.missing, self.unexpected, self.mismatched = (
+            list(names or ()) for names in (missing, unexpected, mismatched)
+        )
         parts = [message]
-        for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
-                             ("mismatched", self.mismatched)):
+        for label, names in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("mismatched", self.mismatched),
+        ):
             if names:
                 shown = ", ".join(names[:_MAX_LISTED])
                 more = f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""

@@ -39,23 +39,40 @@ from mtp_jax.config import ModelConfig
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
 MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
 _MOE_TYPES = ("deepseek_v3", "glm4_moe")
 # The HF config classes' defaults.
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "deepseek_v3": 4096, "glm4_moe": 131072}
 _DEFAULT_RMS_NORM_EPS = {"glm4_moe": 1e-5}  # else 1e-6
 # MoE fields: (JSON kind, DeepseekV3Config default, Glm4MoeConfig default).
 _MOE_FIELDS = {
-    "moe_intermediate_size": ("positive", 2048, 1408), "n_routed_experts": ("positive", 256, 128),
-    "n_shared_experts": ("int", 1, 1), "num_experts_per_tok": ("positive", 8, 8), "n_group": ("positive", 8, 1),
-    "topk_group": ("positive", 4, 1), "routed_scaling_factor": ("number", 2.5, 1.0),
-    "norm_topk_prob": ("bool", True, True), "first_k_dense_replace": ("int", 3, 1),
+    "moe_intermediate_size": ("positive", 2048, 1408),
+    "n_routed_experts": ("positive", 256, 128),
+    "n_shared_experts": ("int", 1, 1),
+    "num_experts_per_tok": ("positive", 8, 8),
+    "n_group": ("positive", 8, 1),
+    "topk_group": ("positive", 4, 1),
+    "routed_scaling_factor": ("number", 2.5, 1.0),
+    "norm_topk_prob": ("bool", True, True),
+    "first_k_dense_replace": ("int", 3, 1),
 }
 # MLA fields (deepseek_v3): (JSON kind, DeepseekV3Config default); q_lora_rank null = a full-rank q_proj.
-_MLA_FIELDS = {"kv_lora_rank": ("positive", 512), "qk_nope_head_dim": ("positive", 128),
-               "qk_rope_head_dim": ("positive", 64), "v_head_dim": ("positive", 128), "rope_interleave": ("bool", True)}
+_MLA_FIELDS = {
+    "kv_lora_rank": ("positive", 512),
+    "qk_nope_head_dim": ("positive", 128),
+    "qk_rope_head_dim": ("positive", 64),
+    "v_head_dim": ("positive", 128),
+    "rope_interleave": ("bool", True),
+}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes config.json may name
+
+
 def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions: int, num_layers: int) -> None:
     window = read_positive(hf, "sliding_window")
     layer_types = read_field(hf, "layer_types", "list")
@@ -64,13 +81,16 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_positions:
     if window is None or window >= max_positions:
         return  # no window, or one that never binds
     if model_type == "mistral":
-        raise ValueError(f"sliding_window={window} < max_position_embeddings={max_positions}: "
-                         "sliding-window attention is not supported")
+        raise ValueError(
+            f"sliding_window={window} < max_position_embeddings={max_positions}: "
+            "sliding-window attention is not supported"
+        )
     if model_type == "qwen2" and use_sliding_window:
         in_use = "sliding_attention" in layer_types if layer_types is not None else max_window_layers < num_layers
         if in_use:
-            raise ValueError(f"use_sliding_window=True with sliding_window={window}: "
-                             "sliding-window attention is not supported")
+            raise ValueError(
+                f"use_sliding_window=True with sliding_window={window}: sliding-window attention is not supported"
+            )
 
 
 def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -95,8 +115,7 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     return {"ffn_type": "moe", **out}
 
 
-def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, int],
-                    partial: float) -> dict[str, Any]:
+def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, int], partial: float) -> dict[str, Any]:
     """The ModelConfig fields that depend on the model type: attention, biases, head_dim, MoE."""
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     attention_bias = read_field(hf, "attention_bias", "bool", False)
@@ -104,19 +123,31 @@ def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, 
         raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
     if model_type == "deepseek_v3":
         if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor must be 1.0 for deepseek_v3 (qk_rope_head_dim is the rotary "
-                             f"part), got {partial!r}")
+            raise ValueError(
+                f"partial_rotary_factor must be 1.0 for deepseek_v3 (qk_rope_head_dim is the rotary "
+                f"part), got {partial!r}"
+            )
         read_field(hf, "head_dim", "int")  # transformers writes qk_rope_head_dim here; MLA has no use for it
         read_field(hf, "qk_head_dim", "int")
         mla = {name: read_kind(hf, name, kind, default) for name, (kind, default) in _MLA_FIELDS.items()}
-        return {"attention_type": "mla", "attention_bias": attention_bias, "q_lora_rank": read_positive(
-            hf, "q_lora_rank"), **mla, **_moe_from_hf(hf, model_type)}
+        return {
+            "attention_type": "mla",
+            "attention_bias": attention_bias,
+            "q_lora_rank": read_positive(hf, "q_lora_rank"),
+            **mla,
+            **_moe_from_hf(hf, model_type),
+        }
     head_dim = read_positive(hf, "head_dim")
     if head_dim is not None and hidden % heads == 0 and head_dim == hidden // heads:
         head_dim = None  # the derived default: keep configs canonical
     if model_type == "glm4_moe":
-        return {"head_dim": head_dim, "attention_bias": attention_bias, "partial_rotary_factor": partial,
-                "use_qk_norm": read_field(hf, "use_qk_norm", "bool", False), **_moe_from_hf(hf, model_type)}
+        return {
+            "head_dim": head_dim,
+            "attention_bias": attention_bias,
+            "partial_rotary_factor": partial,
+            "use_qk_norm": read_field(hf, "use_qk_norm", "bool", False),
+            **_moe_from_hf(hf, model_type),
+        }
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor must be 1.0 (RoPE on every dim), got {partial!r}")
     if attention_bias and model_type in ("llama", "mistral"):
@@ -126,8 +157,11 @@ def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, 
 
 def _mtp_layers_from_hf(hf: Mapping[str, Any]) -> int:
     """D: `num_nextn_predict_layers` (DeepSeek's name) or transformers 5's alias `num_mtp_layers`; equal if both."""
-    found = [(name, value) for name in ("num_nextn_predict_layers", "num_mtp_layers")
-             if (value := read_field(hf, name, "int")) is not None]
+    found = [
+        (name, value)
+        for name in ("num_nextn_predict_layers", "num_mtp_layers")
+        if (value := read_field(hf, name, "int")) is not None
+    ]
     if len(found) == 2 and found[0][1] != found[1][1]:
         raise ValueError(f"num_nextn_predict_layers={found[0][1]} and num_mtp_layers={found[1][1]} differ")
     return found[0][1] if found else 0
@@ -175,27 +209,36 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
     max_positions = read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
     _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
-    theta, scaling, partial = rope_from_hf(hf, max_positions,
-                                            partial_default=0.5 if model_type == "glm4_moe" else 1.0)
+    theta, scaling, partial = rope_from_hf(hf, max_positions, partial_default=0.5 if model_type == "glm4_moe" else 1.0)
     family = _family_from_hf(hf, model_type, sizes, partial)
     dtype = or_default(or_default(read_field(hf, "dtype", "str"), read_field(hf, "torch_dtype", "str")), "float32")
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
-    mtp_kinds = {"mtp_style": "str", "mtp_concat_order": "str", "mtp_hidden_after_norm": "bool",
-                 "mtp_chain_after_shared_head_norm": "bool"}
+    mtp_kinds = {
+        "mtp_style": "str",
+        "mtp_concat_order": "str",
+        "mtp_hidden_after_norm": "bool",
+        "mtp_chain_after_shared_head_norm": "bool",
+    }
     mtp_conventions = {name: read_field(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
     return ModelConfig(
-        **sizes, **family,
+        **sizes,
+        **family,
         num_key_value_heads=read_positive(hf, "num_key_value_heads", sizes["num_attention_heads"]),
         max_position_embeddings=max_positions,
         rms_norm_eps=read_field(hf, "rms_norm_eps", "number", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)),
-        rope_theta=theta, rope_scaling=scaling,
+        rope_theta=theta,
+        rope_scaling=scaling,
         tie_word_embeddings=read_field(hf, "tie_word_embeddings", "bool", False),
-        hidden_act=read_field(hf, "hidden_act", "str", "silu"), dtype=dtype, param_dtype=dtype,
+        hidden_act=read_field(hf, "hidden_act", "str", "silu"),
+        dtype=dtype,
+        param_dtype=dtype,
         initializer_range=read_field(hf, "initializer_range", "number", 0.02),
-        bos_token_id=read_field(hf, "bos_token_id", "int"), eos_token_id=read_token_ids(hf, "eos_token_id"),
+        bos_token_id=read_field(hf, "bos_token_id", "int"),
+        eos_token_id=read_token_ids(hf, "eos_token_id"),
         num_nextn_predict_layers=_mtp_layers_from_hf(hf),
-        **{name: value for name, value in mtp_conventions.items() if value is not None})
+        **{name: value for name, value in mtp_conventions.items() if value is not None},
+    )
 
 
 def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[str, Any]:
@@ -215,21 +258,30 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
       rotary; deepseek_v3 takes MLA + MoE, glm4_moe GQA + MoE, both with sigmoid routing, and
       deepseek_v3 neither q/k norm nor partial rotary.
     """
-    default = ({"mla": "deepseek_v3", "gqa": "glm4_moe"}.get(config.attention_type) if config.ffn_type == "moe"
-               else ("qwen2" if config.attention_bias else "llama"))
+    default = (
+        {"mla": "deepseek_v3", "gqa": "glm4_moe"}.get(config.attention_type)
+        if config.ffn_type == "moe"
+        else ("qwen2" if config.attention_bias else "llama")
+    )
     model_type = model_type or default
     if model_type not in _ARCHITECTURES:
         raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
     expected = {"deepseek_v3": ("mla", "moe"), "glm4_moe": ("gqa", "moe")}.get(model_type, ("gqa", "dense"))
     if (config.attention_type, config.ffn_type) != expected:
-        raise ValueError(f"attention_type={config.attention_type!r} with ffn_type={config.ffn_type!r} cannot be "
-                         f"expressed as model_type {model_type!r} (it takes {expected[0]!r} with {expected[1]!r})")
+        raise ValueError(
+            f"attention_type={config.attention_type!r} with ffn_type={config.ffn_type!r} cannot be "
+            f"expressed as model_type {model_type!r} (it takes {expected[0]!r} with {expected[1]!r})"
+        )
     if model_type in _MOE_TYPES and config.scoring_func != "sigmoid":
-        raise ValueError(f"scoring_func={config.scoring_func!r} cannot be expressed as model_type {model_type!r} "
-                         "(it routes by sigmoid)")
+        raise ValueError(
+            f"scoring_func={config.scoring_func!r} cannot be expressed as model_type {model_type!r} "
+            "(it routes by sigmoid)"
+        )
     if model_type not in ("glm4_moe",) and (config.partial_rotary_factor != 1.0 or config.use_qk_norm):
-        raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} / use_qk_norm={config.use_qk_norm} "
-                         f"cannot be expressed as model_type {model_type!r} (glm4_moe has them)")
+        raise ValueError(
+            f"partial_rotary_factor={config.partial_rotary_factor} / use_qk_norm={config.use_qk_norm} "
+            f"cannot be expressed as model_type {model_type!r} (glm4_moe has them)"
+        )
     if model_type in ("llama", "qwen2", "mistral") and config.attention_bias != (model_type == "qwen2"):
         raise ValueError(f"attention_bias={config.attention_bias} cannot be expressed as model_type {model_type!r}")
     scaling = rope_to_hf(config.rope_scaling)
@@ -260,11 +312,17 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         "dtype": config.param_dtype,
     }
     if model_type in _MOE_TYPES:
-        hf.update({name: getattr(config, name) for name in _MOE_FIELDS}, attention_bias=config.attention_bias,
-                  num_nextn_predict_layers=config.num_nextn_predict_layers)
+        hf.update(
+            {name: getattr(config, name) for name in _MOE_FIELDS},
+            attention_bias=config.attention_bias,
+            num_nextn_predict_layers=config.num_nextn_predict_layers,
+        )
     if model_type == "deepseek_v3":
-        hf.update({name: getattr(config, name) for name in ("q_lora_rank", *_MLA_FIELDS)},
-                  scoring_func="sigmoid", topk_method="noaux_tc")
+        hf.update(
+            {name: getattr(config, name) for name in ("q_lora_rank", *_MLA_FIELDS)},
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+        )
     elif model_type == "glm4_moe":
         hf.update(use_qk_norm=config.use_qk_norm, partial_rotary_factor=config.partial_rotary_factor)
     if config.num_nextn_predict_layers:  # DeepSeek-V3's field, plus mtp_jax's conventions (others ignore them)

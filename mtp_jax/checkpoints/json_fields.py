@@ -10,8 +10,14 @@ from typing import Any
 
 from mtp_jax.validation import is_int, is_real
 
-_KINDS = {"int": "an int", "number": "a number", "bool": "a bool (true or false)", "str": "a string",
-          "object": "an object", "list": "a list"}
+_KINDS = {
+    "int": "an int",
+    "number": "a number",
+    "bool": "a bool (true or false)",
+    "str": "a string",
+    "object": "an object",
+    "list": "a list",
+}
 
 
 def read_field(hf: Mapping[str, Any], name: str, kind: str, default: Any = None, *, where: str = "") -> Any:
@@ -24,9 +30,14 @@ def read_field(hf: Mapping[str, Any], name: str, kind: str, default: Any = None,
     value = hf.get(name)
     if value is None:
         return default
-    ok = {"int": is_int(value), "number": is_real(value),
-          "bool": isinstance(value, bool), "str": isinstance(value, str),
-          "object": isinstance(value, Mapping), "list": isinstance(value, list)}[kind]
+    ok = {
+        "int": is_int(value),
+        "number": is_real(value),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "object": isinstance(value, Mapping),
+        "list": isinstance(value, list),
+    }[kind]
     if not ok:
         raise ValueError(f"{where}{name} must be {_KINDS[kind]}, got {value!r}")
     if kind != "number":

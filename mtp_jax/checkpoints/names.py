@@ -81,7 +81,7 @@ def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
     """The unfused paths a (per-layer) parameter path stands for: itself, or a fused module's (`FUSED_MODULES`)
     paths with each of its HF modules in its place, in order."""
     at = _module_at(path)
-    return [(*path[:at], module, *path[at + 1:]) for module in FUSED_MODULES.get(str(path[at]), (path[at],))]
+    return [(*path[:at], module, *path[at + 1 :]) for module in FUSED_MODULES.get(str(path[at]), (path[at],))]
 
 
 def piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
@@ -128,8 +128,11 @@ def unfuse(path: tuple[str | int, ...], array: np.ndarray, config: ModelConfig) 
     module, lead = str(path[_module_at(path)]), array.shape[:-1]
     if module == "qkv_proj":
         grouped = array.reshape(*lead, config.num_key_value_heads, -1, config.resolved_head_dim)  # [..., G, H/G + 2, D]
-        return [grouped[..., :-2, :].reshape(*lead, -1),  # [..., H D]
-                grouped[..., -2, :].reshape(*lead, -1), grouped[..., -1, :].reshape(*lead, -1)]  # [..., G D] each
+        return [
+            grouped[..., :-2, :].reshape(*lead, -1),  # [..., H D]
+            grouped[..., -2, :].reshape(*lead, -1),
+            grouped[..., -1, :].reshape(*lead, -1),
+        ]  # [..., G D] each
     if module == "gate_up_proj":
         pairs = array.reshape(*lead, -1, 2)  # [..., I, 2]
         return [pairs[..., 0], pairs[..., 1]]  # [..., I] each
@@ -170,7 +173,7 @@ def tensor_layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tup
     layout = {}
     for path, variable in nnx.to_flat_state(params):
         shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
-        shape = shape[tensor_axes(path):]  # one slice's: e.g. one expert's [in, out]
+        shape = shape[tensor_axes(path) :]  # one slice's: e.g. one expert's [in, out]
         widths = piece_widths(path, shape[-1], config)
         for k, (name, transposed) in enumerate(hf_names(path, config)):
             piece = (*shape[:-1], widths[k % len(widths)])  # one tensor's: a fused slice's piece

@@ -61,8 +61,7 @@ def load_pretrained(
     return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
 
 
-def inference_dtype(path: str | os.PathLike | None = None,
-                    asked: str | None = None) -> tuple[str | None, str | None]:
+def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = None) -> tuple[str | None, str | None]:
     """The dtype to decode a model directory's checkpoint in (default: the bundled demo model), and why
     it is not the stored one (None when it is). (None, None) when the directory or its config.json
     cannot be read: `load_pretrained` then names the problem. A dtype `asked` for (a --dtype flag) is
@@ -85,9 +84,11 @@ def inference_dtype(path: str | os.PathLike | None = None,
         return None, None
     if stored == "float32" or jax.default_backend() != "cpu":
         return stored, None
-    return "float32", (f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "
-                       f"{stored} matmuls are slower than float32 at batch 1 (docs/benchmarks.md); "
-                       f"pass --dtype {stored} to keep them (half the memory, faster at batch 8)")
+    return "float32", (
+        f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "
+        f"{stored} matmuls are slower than float32 at batch 1 (docs/benchmarks.md); "
+        f"pass --dtype {stored} to keep them (half the memory, faster at batch 8)"
+    )
 
 
 def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transformer, Tokenizer]:
@@ -101,8 +102,10 @@ def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transf
     tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:
-        raise CheckpointError(f"{shown / TOKENIZER_FILE} has {size} tokens, more than the model's "
-                                         f"vocab_size={model.config.vocab_size} in {shown / CONFIG_FILE}")
+        raise CheckpointError(
+            f"{shown / TOKENIZER_FILE} has {size} tokens, more than the model's "
+            f"vocab_size={model.config.vocab_size} in {shown / CONFIG_FILE}"
+        )
     return model, tokenizer
 
 
@@ -131,8 +134,10 @@ def save_pretrained(
         loaded = tokenizer if isinstance(tokenizer, Tokenizer) else _read_tokenizer(tokenizer)
         size = loaded.get_vocab_size(with_added_tokens=True)
         if size > model.config.vocab_size:
-            raise ValueError(f"the tokenizer{'' if loaded is tokenizer else f' {tokenizer}'} has {size} tokens, "
-                             f"more than the model's vocab_size={model.config.vocab_size}")
+            raise ValueError(
+                f"the tokenizer{'' if loaded is tokenizer else f' {tokenizer}'} has {size} tokens, "
+                f"more than the model's vocab_size={model.config.vocab_size}"
+            )
     with atomic_dir.replace_dir(path, overwrite=overwrite, owned=is_model_file) as new:
         write_hf_files(model, new)
         if isinstance(tokenizer, Tokenizer):
@@ -141,8 +146,9 @@ def save_pretrained(
             shutil.copyfile(tokenizer, new / TOKENIZER_FILE)
 
 
-def init_from_pretrained(path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0,
-                         dtype: str | None = None) -> Transformer:
+def init_from_pretrained(
+    path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0, dtype: str | None = None
+) -> Transformer:
     """A model from a Hugging Face-format directory (`load_hf_checkpoint`) with D MTP modules.
 
     `num_nextn_predict_layers`, if given, sets D: modules the checkpoint has are kept (the first

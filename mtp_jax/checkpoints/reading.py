@@ -67,15 +67,21 @@ def _read_config(root: Path, shown: Path) -> ModelConfig:
     except ValueError as error:
         raise CheckpointError(f"{file}: {error}") from error
     if len(set(config.eos_token_ids)) > MAX_STOP_TOKENS:
-        raise CheckpointError(f"{file}: eos_token_id lists {len(set(config.eos_token_ids))} distinct token ids; "
-                              f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.config.MAX_STOP_TOKENS)")
+        raise CheckpointError(
+            f"{file}: eos_token_id lists {len(set(config.eos_token_ids))} distinct token ids; "
+            f"generation stops at most at {MAX_STOP_TOKENS} (mtp_jax.config.MAX_STOP_TOKENS)"
+        )
     return config
 
 
 def _is_plain_file_name(name: Any) -> bool:
     """A file name with no directory part: not absolute, no separator, not "." or ".."."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-            and not os.path.isabs(name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+        and not os.path.isabs(name)
+    )
 
 
 def _weight_files(root: Path, shown: Path) -> dict[str, list[str] | None]:
@@ -87,9 +93,12 @@ def _weight_files(root: Path, shown: Path) -> dict[str, list[str] | None]:
     index_file = shown / INDEX_FILE
     if (root / WEIGHTS_FILE).is_file():
         if (root / INDEX_FILE).is_file():
-            warnings.warn(f"{shown} holds both {WEIGHTS_FILE} and {INDEX_FILE}: loading {WEIGHTS_FILE} and "
-                          "ignoring the index and its shards (as transformers does); delete the one that does "
-                          "not belong", stacklevel=2)
+            warnings.warn(
+                f"{shown} holds both {WEIGHTS_FILE} and {INDEX_FILE}: loading {WEIGHTS_FILE} and "
+                "ignoring the index and its shards (as transformers does); delete the one that does "
+                "not belong",
+                stacklevel=2,
+            )
         return {WEIGHTS_FILE: None}
     if not (root / INDEX_FILE).is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {shown}")
@@ -155,8 +164,9 @@ def stored_dtype(path: str | os.PathLike) -> str:
     return _read_config(root, root).dtype
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
-                       scan_layers: bool | None = None) -> Transformer:
+def load_hf_checkpoint(
+    path: str | os.PathLike, *, dtype: str | None = None, scan_layers: bool | None = None
+) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
     Args:
@@ -197,12 +207,16 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
     is finished first, so `path` holds the new checkpoint.
     """
     path = Path(path)
-    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers,
-                                                                shown=path))
+    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers, shown=path))
 
 
-def read_hf_files(directory: str | os.PathLike, *, dtype: str | None = None, scan_layers: bool | None = None,
-                  shown: str | os.PathLike | None = None) -> Transformer:
+def read_hf_files(
+    directory: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    scan_layers: bool | None = None,
+    shown: str | os.PathLike | None = None,
+) -> Transformer:
     """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
 
     Arguments, result and errors are `load_hf_checkpoint`'s, which wraps this in
@@ -242,18 +256,29 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
         raise CheckpointError(
             f"checkpoint {shown}: config.json says num_nextn_predict_layers={config.num_nextn_predict_layers} but "
             f"the weights hold {present} MTP layers (model.layers.{config.num_hidden_layers} on); set "
-            f"num_nextn_predict_layers={present} in config.json or add/remove the MTP layers' tensors")
+            f"num_nextn_predict_layers={present} in config.json or add/remove the MTP layers' tensors"
+        )
     copies = {name: source for name, source in shared_copies(config).items() if name in where}
     found = set(where) - set(copies)
     missing = [name for name in layout if name not in found]
     unexpected = sorted(n for n in found - set(layout) if not n.endswith(_IGNORED_SUFFIXES))
-    mismatched = [f"{name} (expected shape {list(layout[name][2])}, found {list(shapes[name])})"
-                  for name in layout if name in found and shapes[name] != layout[name][2]]
-    mismatched += [f"{name} (dtype {dtypes[name]} is not a float type)"
-                   for name in layout if name in found and dtypes[name] not in ("F32", "BF16", "F16", "F64")]
+    mismatched = [
+        f"{name} (expected shape {list(layout[name][2])}, found {list(shapes[name])})"
+        for name in layout
+        if name in found and shapes[name] != layout[name][2]
+    ]
+    mismatched += [
+        f"{name} (dtype {dtypes[name]} is not a float type)"
+        for name in layout
+        if name in found and dtypes[name] not in ("F32", "BF16", "F16", "F64")
+    ]
     if missing or unexpected or mismatched:
-        raise CheckpointError(f"checkpoint {shown} does not match the config", missing=missing,
-                              unexpected=unexpected, mismatched=mismatched)
+        raise CheckpointError(
+            f"checkpoint {shown} does not match the config",
+            missing=missing,
+            unexpected=unexpected,
+            mismatched=mismatched,
+        )
 
     weight_dtype = config.weight_dtype
     values, copy_values = {}, {}
@@ -266,16 +291,16 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
             copy_values.update({name: f.get_tensor(name) for name in copies if where[name] == file})
     for name, copy in copy_values.items():  # after all files: the shared tensor may sit in a later shard
         source = values[copies[name]].T if layout[copies[name]][1] else values[copies[name]]
-        if copy.shape != source.shape or not np.array_equal(np.asarray(jnp.asarray(copy, weight_dtype)),
-                                                            np.asarray(source)):
-            raise CheckpointError(f"{name} must be a copy of the shared {copies[name]} but differs",
-                                  unexpected=[name])
+        if copy.shape != source.shape or not np.array_equal(
+            np.asarray(jnp.asarray(copy, weight_dtype)), np.asarray(source)
+        ):
+            raise CheckpointError(f"{name} must be a copy of the shared {copies[name]} but differs", unexpected=[name])
     flat = []
     for path_, variable in nnx.to_flat_state(params):
         shape = variable.get_value().shape
         names = [name for name, _ in hf_names(path_, config)]
         pieces = len(piece_widths(path_, shape[-1], config))  # a fused slice's tensors
-        slices = [fuse(path_, [values[n] for n in names[i:i + pieces]], config) for i in range(0, len(names), pieces)]
+        slices = [fuse(path_, [values[n] for n in names[i : i + pieces]], config) for i in range(0, len(names), pieces)]
         value = jnp.stack(slices).reshape(shape) if tensor_axes(path_) else slices[0]  # [n?, R?, ...]
         flat.append((path_, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

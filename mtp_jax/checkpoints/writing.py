@@ -28,8 +28,16 @@ from mtp_jax.checkpoints.hf_config import config_to_hf
 from mtp_jax.checkpoints.names import hf_names, tensor_axes, unfuse
 from mtp_jax.model import Transformer
 
-_MODEL_FILE_PATTERNS = (CONFIG_FILE, "generation_config.json", WEIGHTS_FILE, INDEX_FILE, "model-*-of-*.safetensors",
-                        "pytorch_model*.bin", "pytorch_model.bin.index.json", *TOKENIZER_FILES)
+_MODEL_FILE_PATTERNS = (
+    CONFIG_FILE,
+    "generation_config.json",
+    WEIGHTS_FILE,
+    INDEX_FILE,
+    "model-*-of-*.safetensors",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    *TOKENIZER_FILES,
+)
 
 
 def is_model_file(name: str) -> bool:
@@ -88,8 +96,13 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     return {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
 
 
-def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
-                   max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES, model_type: str | None = None) -> None:
+def write_hf_files(
+    model: Transformer,
+    directory: str | os.PathLike,
+    *,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+    model_type: str | None = None,
+) -> None:
     """Writes `model`'s checkpoint files into the existing `directory`, in place (not atomic).
 
     The files and arguments are `save_hf_checkpoint`'s, which wraps this in an atomic directory
@@ -119,9 +132,14 @@ def write_hf_files(model: Transformer, directory: str | os.PathLike, *,
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
-def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *,
-                       max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES, overwrite: bool = False,
-                       model_type: str | None = None) -> None:
+def save_hf_checkpoint(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+    overwrite: bool = False,
+    model_type: str | None = None,
+) -> None:
     """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
     Writes `config.json` (`config_to_hf`) and the weights in `param_dtype`: one

@@ -31,6 +31,7 @@ def default_compilation_cache_dir() -> pathlib.Path:
 
 def bounded(kind: type, low: float, high: float | None = None, *, above: bool = False):
     """An argparse `type`: `kind(text)`, refused unless >= low (> low if `above`) and <= high if given."""
+
     def parse(text: str):
         value = kind(text)
         if not ((value > low if above else value >= low) and (high is None or value <= high)):
@@ -83,9 +84,13 @@ def pick_model(positional: str | None, option: str | None, metavar: str) -> tupl
 def add_compilation_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the mutually exclusive `--compilation-cache DIR` / `--no-compilation-cache` to `parser`."""
     cache = parser.add_mutually_exclusive_group()
-    cache.add_argument("--compilation-cache", metavar="DIR", default=None,
-                       help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
-                            "else $XDG_CACHE_HOME/mtp_jax/jax_cache, i.e. ~/.cache/mtp_jax/jax_cache)")
+    cache.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache directory (default: $MTP_JAX_CACHE/jax_cache, "
+        "else $XDG_CACHE_HOME/mtp_jax/jax_cache, i.e. ~/.cache/mtp_jax/jax_cache)",
+    )
     cache.add_argument("--no-compilation-cache", action="store_true", help="compile from scratch, cache nothing")
 
 
@@ -114,14 +119,18 @@ def configure_compilation_cache(args: argparse.Namespace) -> pathlib.Path | None
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
-    path = None if args.no_compilation_cache else pathlib.Path(args.compilation_cache or
-                                                               default_compilation_cache_dir())
+    path = (
+        None if args.no_compilation_cache else pathlib.Path(args.compilation_cache or default_compilation_cache_dir())
+    )
     problem = None if path is None else _check_cache_dir(path)
     if problem and args.compilation_cache:
         raise ValueError(f"--compilation-cache: {problem}")
     if problem:
-        print(f"mtp-jax {args.command}: warning: the default compilation cache {problem}: compiling without a "
-              "persistent cache (set --compilation-cache DIR or --no-compilation-cache)", file=sys.stderr)
+        print(
+            f"mtp-jax {args.command}: warning: the default compilation cache {problem}: compiling without a "
+            "persistent cache (set --compilation-cache DIR or --no-compilation-cache)",
+            file=sys.stderr,
+        )
         path = None
     compilation_cache.reset_cache()  # an earlier call in this process may have used another directory
     jax.config.update("jax_enable_compilation_cache", path is not None)
@@ -151,6 +160,10 @@ def corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> dat
     if c.get("source") != "stdlib":
         raise ValueError(f"the run in {run_dir} was trained on in-memory documents, not the stdlib corpus")
     given = c.get("tokenizer_source") == "given"
-    return data.prepare_corpus(data_dir or c["work_dir"], vocab_size=c["vocab_size"],
-                               heldout_fraction=c["heldout_fraction"],
-                               tokenizer_path=run_dir / "tokenizer.json" if given else None, verbose=True)
+    return data.prepare_corpus(
+        data_dir or c["work_dir"],
+        vocab_size=c["vocab_size"],
+        heldout_fraction=c["heldout_fraction"],
+        tokenizer_path=run_dir / "tokenizer.json" if given else None,
+        verbose=True,
+    )

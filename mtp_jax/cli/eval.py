@@ -16,14 +16,17 @@ from mtp_jax.training.trainer import load_run
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `eval` (held-out loss, bits/byte, per-depth MTP loss and agreement) on argparse subparsers."""
     p = subparsers.add_parser(
-        "eval", help="held-out loss, bits/byte and per-depth MTP agreement of a model",
+        "eval",
+        help="held-out loss, bits/byte and per-depth MTP agreement of a model",
         description="Evaluate a model on the held-out split of the Python stdlib corpus: main loss (nats/token), "
-                    "bits/byte, and per MTP depth its loss and agreement with the main model's argmax "
-                    "(teacher-forced). --model DIR names the model: a saved model directory (config.json, "
-                    "safetensors, tokenizer.json). PATH is a run dir (its latest readable checkpoint, or --step) "
-                    "or a saved model directory; give PATH or --model. Prints the metrics as JSON.")
-    p.add_argument("path", metavar="PATH", nargs="?",
-                   help="a run dir (latest checkpoint, or --step) or a saved model directory")
+        "bits/byte, and per MTP depth its loss and agreement with the main model's argmax "
+        "(teacher-forced). --model DIR names the model: a saved model directory (config.json, "
+        "safetensors, tokenizer.json). PATH is a run dir (its latest readable checkpoint, or --step) "
+        "or a saved model directory; give PATH or --model. Prints the metrics as JSON.",
+    )
+    p.add_argument(
+        "path", metavar="PATH", nargs="?", help="a run dir (latest checkpoint, or --step) or a saved model directory"
+    )
     p.add_argument("--model", metavar="DIR", help=MODEL_HELP)
     p.add_argument("--step", type=bounded(int, 0), help="checkpoint step of a run dir (default the latest)")
     p.add_argument("--data-dir", help="corpus cache (default: the run's, or one keyed by the tokenizer)")
@@ -44,8 +47,10 @@ def _load_model_dir(path: pathlib.Path, spelling: str):
         return checkpoint.load_hf_checkpoint(path), tokenizer_path
     if not tokenizer_path.is_file():
         run_dir = f"; {path} is a run dir: give it as PATH" if (path / "run.json").is_file() else ""
-        raise ValueError(f"--model: no tokenizer.json in {path} (a saved model directory holds config.json, "
-                         f"safetensors, tokenizer.json){run_dir}")
+        raise ValueError(
+            f"--model: no tokenizer.json in {path} (a saved model directory holds config.json, "
+            f"safetensors, tokenizer.json){run_dir}"
+        )
     try:
         return checkpoint.load_hf_checkpoint(path), tokenizer_path
     except (OSError, ValueError) as error:  # missing config.json or weights, corrupt or mismatched checkpoints
@@ -57,8 +62,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if given is None:
         raise ValueError("name the model: PATH (a run dir or a saved model directory) or --model DIR")
     if spelling == "--model" and args.step is not None:
-        raise ValueError(f"--step {args.step} picks a checkpoint of a run dir (PATH); --model {given} is a saved "
-                         "model directory")
+        raise ValueError(
+            f"--step {args.step} picks a checkpoint of a run dir (PATH); --model {given} is a saved model directory"
+        )
     path = pathlib.Path(given)
     seq_len = args.seq_len
     if spelling == "PATH" and (path / "run.json").is_file():
@@ -67,9 +73,19 @@ def run_eval(args: argparse.Namespace) -> int:
         seq_len = seq_len or run["train_config"]["seq_len"]
     else:
         model, tokenizer_path = _load_model_dir(path, spelling)
-        corpus = data.prepare_corpus(args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
-                                     tokenizer_path=tokenizer_path, verbose=True)
-    result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=args.batch_size,
-                      seq_len=seq_len or 256, mtp_lambda=args.mtp_lambda, max_batches=args.max_batches)
+        corpus = data.prepare_corpus(
+            args.data_dir or default_data_dir(tokenizer_path=tokenizer_path),
+            tokenizer_path=tokenizer_path,
+            verbose=True,
+        )
+    result = evaluate(
+        model,
+        corpus.heldout,
+        data.token_byte_lengths(corpus.tokenizer),
+        batch_size=args.batch_size,
+        seq_len=seq_len or 256,
+        mtp_lambda=args.mtp_lambda,
+        max_batches=args.max_batches,
+    )
     print(json.dumps(result, indent=1))
     return 0

@@ -22,39 +22,74 @@ persistent compilation cache, --compilation-cache, makes it short on later runs)
 real run, compiled code only: tokens generated / wall time of prefill plus decode)."""
 
 # Parameters of the library that a `generate` flag sets: errors naming them name the flag too.
-_GENERATE_FLAGS = {r"\bmax_new_tokens\b": "--max-new-tokens", r"\bmax_length\b": "--max-length",
-                   r"\btemperature\b": "--temperature", r"\btop_k\b": "--top-k", r"\btop_p\b": "--top-p",
-                   r"\bseed\b": "--seed", r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
-                   r"\bmtp_style\b|\bno MTP modules\b": "--speculative", r"\bmesh\b": "--mesh"}
+_GENERATE_FLAGS = {
+    r"\bmax_new_tokens\b": "--max-new-tokens",
+    r"\bmax_length\b": "--max-length",
+    r"\btemperature\b": "--temperature",
+    r"\btop_k\b": "--top-k",
+    r"\btop_p\b": "--top-p",
+    r"\bseed\b": "--seed",
+    r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
+    r"\bmtp_style\b|\bno MTP modules\b": "--speculative",
+    r"\bmesh\b": "--mesh",
+}
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `generate` (plain or speculative decoding of text prompts) on an argparse subparsers."""
-    p = subparsers.add_parser("generate", help="generate text from prompts with a model directory",
-                              description=GENERATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
-                   help=f"{MODEL_HELP}; default: the bundled demo model")
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text from prompts with a model directory",
+        description=GENERATE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", metavar="DIR", default=str(DEFAULT_MODEL), help=f"{MODEL_HELP}; default: the bundled demo model"
+    )
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="cache capacity in tokens, prompt included, at most the model's max positions (the default)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="cache capacity in tokens, prompt included, at most the model's max positions (the default)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the first row, in [0, 2**32); row b uses seed + b, which must stay below 2**32")
-    p.add_argument("--speculative", default="none", choices=["none", "vanilla", "eagle", "parallel"],
-                   help="MTP speculative decoding method (default: none, plain decoding)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K, drafts per step, 1..16 (default: the model's MTP modules, for eagle 3)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the first row, in [0, 2**32); row b uses seed + b, which must stay below 2**32",
+    )
+    p.add_argument(
+        "--speculative",
+        default="none",
+        choices=["none", "vanilla", "eagle", "parallel"],
+        help="MTP speculative decoding method (default: none, plain decoding)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K, drafts per step, 1..16 (default: the model's MTP modules, for eagle 3)",
+    )
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-                        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
+        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
+    )
     add_compilation_cache_arguments(p)
-    add_mesh_arguments(p, mesh_help="The number of prompts must be a multiple of data x fsdp (an error otherwise: "
-                                    "no dummy rows are added).")
+    add_mesh_arguments(
+        p,
+        mesh_help="The number of prompts must be a multiple of data x fsdp (an error otherwise: "
+        "no dummy rows are added).",
+    )
     p.set_defaults(func=run_generate)
     return p
 
@@ -68,9 +103,10 @@ def _prompts(args) -> tuple[list[str], list[str]]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:  # undecodable argv bytes arrive as lone surrogates
-            bad = text[error.start:error.end].encode("utf-8", "surrogateescape")
-            raise ValueError(f"--prompt: prompt {i} is not valid UTF-8 (bytes {bad!r} at character "
-                             f"{error.start})") from None
+            bad = text[error.start : error.end].encode("utf-8", "surrogateescape")
+            raise ValueError(
+                f"--prompt: prompt {i} is not valid UTF-8 (bytes {bad!r} at character {error.start})"
+            ) from None
         texts.append(text)
         sources.append("--prompt")
     for path in args.prompt_file or []:
@@ -102,13 +138,22 @@ def _generate_kwargs(args, model, num_prompts: int, mesh=None) -> dict:
     from mtp_jax.decode.speculative import SpeculativeConfig
 
     if 0 <= args.seed <= MAX_SEED < args.seed + num_prompts - 1:
-        raise ValueError(f"--seed {args.seed}: row b samples with seed + b, and row {num_prompts - 1} would get "
-                         f"{args.seed + num_prompts - 1}, past the largest seed 2**32 - 1")
-    sampling = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
-                for b in range(num_prompts)]
+        raise ValueError(
+            f"--seed {args.seed}: row b samples with seed + b, and row {num_prompts - 1} would get "
+            f"{args.seed + num_prompts - 1}, past the largest seed 2**32 - 1"
+        )
+    sampling = [
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
+        for b in range(num_prompts)
+    ]
     speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
-    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, max_length=args.max_length,
-                speculative=speculative, mesh=mesh)
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        max_length=args.max_length,
+        speculative=speculative,
+        mesh=mesh,
+    )
 
 
 def _warm_up(model, prompts: list[list[int]], kwargs: dict, streaming: bool) -> float:
@@ -164,8 +209,10 @@ def run_generate(args) -> int:
     texts, sources = _prompts(args)
     check_num_prompts(args, mesh, len(texts))
     if Path(args.model).exists() and not Path(args.model).is_dir():
-        raise ValueError(f"--model: {args.model} is not a directory (a model directory holds config.json, "
-                         "safetensors weights and tokenizer.json)")
+        raise ValueError(
+            f"--model: {args.model} is not a directory (a model directory holds config.json, "
+            "safetensors weights and tokenizer.json)"
+        )
     begin = time.perf_counter()
     try:
         dtype, why = inference_dtype(args.model, args.dtype)
@@ -193,11 +240,12 @@ def run_generate(args) -> int:
         raise _name_flags(error, sources) from error
     cache = f"persistent cache {cache_dir}" if cache_dir is not None else "no persistent cache"
     rate = num_generated / decode_seconds if decode_seconds > 0 else float("nan")
-    print(f"--- load {load_seconds:.2f} s | compile {compile_seconds:.2f} s (warm-up run, {cache}) | "
-          f"decode {num_generated} tokens in {decode_seconds:.4f} s: {rate:.1f} tokens/s (compiled, prefill included)",
-          file=sys.stderr)
+    print(
+        f"--- load {load_seconds:.2f} s | compile {compile_seconds:.2f} s (warm-up run, {cache}) | "
+        f"decode {num_generated} tokens in {decode_seconds:.4f} s: {rate:.1f} tokens/s (compiled, prefill included)",
+        file=sys.stderr,
+    )
     spec = kwargs["speculative"]
     if spec is not None:
-        print(f"--- {args.speculative}, K = {spec.num_speculative_tokens}: {result.metrics.summary()}",
-              file=sys.stderr)
+        print(f"--- {args.speculative}, K = {spec.num_speculative_tokens}: {result.metrics.summary()}", file=sys.stderr)
     return 0

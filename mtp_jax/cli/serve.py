@@ -35,37 +35,75 @@ plain "<|role|>" template (mtp_jax.serving.chat_template). Compiled programs go 
 compilation cache (--compilation-cache), which makes the warm-up short after the first start."""
 
 # ServingEngine parameters named in its errors, and their flags.
-_FLAGS = {"max_batch": "--max-batch", "max_length": "--max-length", "prefill_chunk": "--prefill-chunk",
-          "max_queue": "--max-queue", "num_speculative_tokens": "--num-speculative-tokens"}
+_FLAGS = {
+    "max_batch": "--max-batch",
+    "max_length": "--max-length",
+    "prefill_chunk": "--prefill-chunk",
+    "max_queue": "--max-queue",
+    "num_speculative_tokens": "--num-speculative-tokens",
+}
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `serve` on an argparse subparsers."""
-    p = subparsers.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
-                              description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=DefaultModelDir(DEFAULT_MODEL_DIR),
-                   help="the same as --model DIR (give one of them)")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over HTTP with OpenAI's API",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model_dir",
+        metavar="MODEL_DIR",
+        nargs="?",
+        default=DefaultModelDir(DEFAULT_MODEL_DIR),
+        help="the same as --model DIR (give one of them)",
+    )
     p.add_argument("--model", metavar="DIR", default=None, help=f"{MODEL_HELP}; default: the bundled demo model")
-    p.add_argument("--speculative", default="eagle", choices=["none", "eagle", "vanilla", "parallel"],
-                   help="MTP speculative decoding method (default eagle; none: plain decoding)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-                        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)")
+    p.add_argument(
+        "--speculative",
+        default="eagle",
+        choices=["none", "eagle", "vanilla", "parallel"],
+        help="MTP speculative decoding method (default eagle; none: plain decoding)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
+        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per slot, prompt + output (default: the model's max positions)")
-    p.add_argument("--prefill-chunk", type=int, default=64,
-                   help="prompt tokens per prefill call, >= K + 1 (default 64)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="waiting requests before new ones get 429 (default 256)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="tokens per slot, prompt + output (default: the model's max positions)",
+    )
+    p.add_argument(
+        "--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call, >= K + 1 (default 64)"
+    )
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429 (default 256)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (default 8000; 0: a free one)")
-    p.add_argument("--served-model-name", metavar="NAME", default=None,
-                   help="the model name requests must give (default: the model directory's name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default info)")
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name requests must give (default: the model directory's name)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info)",
+    )
     add_compilation_cache_arguments(p)
     add_mesh_arguments(p, mesh_help="--max-batch must be a multiple of data x fsdp.")
     p.set_defaults(func=run_serve)
@@ -93,11 +131,22 @@ def _build_engine(args: argparse.Namespace, mesh):
     name = args.served_model_name or model_dir.resolve().name
     try:
         speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
-        metrics = PrometheusMetrics(name, 0 if speculative is None else speculative.num_speculative_tokens,
-                                    max_model_len=args.max_length or model.config.max_position_embeddings)
-        engine = ServingEngine(model, speculative, tokenizer=tokenizer, max_batch=args.max_batch,
-                               max_length=args.max_length, prefill_chunk=args.prefill_chunk,
-                               max_queue=args.max_queue, mesh=mesh, stats=metrics)
+        metrics = PrometheusMetrics(
+            name,
+            0 if speculative is None else speculative.num_speculative_tokens,
+            max_model_len=args.max_length or model.config.max_position_embeddings,
+        )
+        engine = ServingEngine(
+            model,
+            speculative,
+            tokenizer=tokenizer,
+            max_batch=args.max_batch,
+            max_length=args.max_length,
+            prefill_chunk=args.prefill_chunk,
+            max_queue=args.max_queue,
+            mesh=mesh,
+            stats=metrics,
+        )
     except ValueError as error:
         raise name_flags(error, _FLAGS) from error
     return engine, tokenizer, name, metrics, chat_template
@@ -111,8 +160,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import jax
 
     if jax.process_count() > 1:
-        raise ValueError(f"--num-processes {jax.process_count()}: serving spans one process (the devices of one "
-                         "host); the engine steps of several processes are not driven in lockstep yet")
+        raise ValueError(
+            f"--num-processes {jax.process_count()}: serving spans one process (the devices of one "
+            "host); the engine steps of several processes are not driven in lockstep yet"
+        )
     from mtp_jax.serving.async_engine import AsyncEngine
     from mtp_jax.serving.server import bind, serve
 
@@ -123,13 +174,24 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine, tokenizer, name, metrics, chat_template = _build_engine(args, mesh)
         configure_compilation_cache(args)  # the warm-up compiles every engine step: cached after a first start
-        print(f"mtp-jax serve: warming up {name} ({args.speculative}, max batch {engine.max_batch}, "
-              f"max length {engine.max_length}) ...", file=sys.stderr, flush=True)
+        print(
+            f"mtp-jax serve: warming up {name} ({args.speculative}, max batch {engine.max_batch}, "
+            f"max length {engine.max_length}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         engine.warm_up()
     except BaseException:
         sock.close()
         raise
-    serve(AsyncEngine(engine), tokenizer, name, metrics=metrics, chat_template=chat_template, sock=sock,
-          log_level=args.log_level,
-          on_listening=lambda url: print(f"mtp-jax serve: {name} at {url}/v1", file=sys.stderr, flush=True))
+    serve(
+        AsyncEngine(engine),
+        tokenizer,
+        name,
+        metrics=metrics,
+        chat_template=chat_template,
+        sock=sock,
+        log_level=args.log_level,
+        on_listening=lambda url: print(f"mtp-jax serve: {name} at {url}/v1", file=sys.stderr, flush=True),
+    )
     return 0

@@ -26,55 +26,79 @@ from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 from mtp_jax.training.trainer import check_run_dir, train
 
 # (flag, TrainConfig field, argparse type) of `mtp-jax train`'s training settings.
-_TRAIN_FLAGS = (("--steps", "num_steps", bounded(int, 1)), ("--batch-size", "batch_size", bounded(int, 1)),
-                ("--seq-len", "seq_len", bounded(int, 2)), ("--lr", "learning_rate", bounded(float, 0, above=True)),
-                ("--warmup", "warmup_steps", bounded(int, 0)),
-                ("--min-lr-ratio", "min_lr_ratio", bounded(float, 0, 1)),
-                ("--weight-decay", "weight_decay", bounded(float, 0)),
-                ("--grad-clip", "grad_clip_norm", bounded(float, 0)),
-                ("--mtp-lambda", "mtp_lambda", bounded(float, 0)),
-                ("--seed", "seed", int), ("--checkpoint-every", "checkpoint_every", bounded(int, 1)),
-                ("--eval-every", "eval_every", bounded(int, 0)), ("--eval-batches", "eval_batches", bounded(int, 1)),
-                ("--log-every", "log_every", bounded(int, 1)))
+_TRAIN_FLAGS = (
+    ("--steps", "num_steps", bounded(int, 1)),
+    ("--batch-size", "batch_size", bounded(int, 1)),
+    ("--seq-len", "seq_len", bounded(int, 2)),
+    ("--lr", "learning_rate", bounded(float, 0, above=True)),
+    ("--warmup", "warmup_steps", bounded(int, 0)),
+    ("--min-lr-ratio", "min_lr_ratio", bounded(float, 0, 1)),
+    ("--weight-decay", "weight_decay", bounded(float, 0)),
+    ("--grad-clip", "grad_clip_norm", bounded(float, 0)),
+    ("--mtp-lambda", "mtp_lambda", bounded(float, 0)),
+    ("--seed", "seed", int),
+    ("--checkpoint-every", "checkpoint_every", bounded(int, 1)),
+    ("--eval-every", "eval_every", bounded(int, 0)),
+    ("--eval-batches", "eval_batches", bounded(int, 1)),
+    ("--log-every", "log_every", bounded(int, 1)),
+)
 _FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only": "--mtp-only"}
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `train` (from scratch, `--resume`, `--mtp-only --model DIR`) on an argparse subparsers."""
     p = subparsers.add_parser(
-        "train", help="train a model with MTP modules on the Python stdlib corpus",
+        "train",
+        help="train a model with MTP modules on the Python stdlib corpus",
         description="Train a decoder with DeepSeek-V3-style MTP modules on the Python standard library's source "
-                    "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). --model names "
-                    "the model: a saved model directory (config.json, safetensors, tokenizer.json) to start from, "
-                    "or a preset name for a fresh model (default demo). run_dir gets "
-                    "run.json, checkpoints/, log.jsonl and, at the end, export/ (a Hugging Face-format model). "
-                    "--resume continues a run exactly (flags may only raise or lower --steps and change "
-                    "bookkeeping); --overwrite restarts a run dir and never deletes any other folder; one trainer "
-                    "at a time per run dir; a non-finite loss stops the run before it is saved.")
+        "(main next-token loss + mtp_lambda x mean MTP loss, AdamW, orbax checkpoints). --model names "
+        "the model: a saved model directory (config.json, safetensors, tokenizer.json) to start from, "
+        "or a preset name for a fresh model (default demo). run_dir gets "
+        "run.json, checkpoints/, log.jsonl and, at the end, export/ (a Hugging Face-format model). "
+        "--resume continues a run exactly (flags may only raise or lower --steps and change "
+        "bookkeeping); --overwrite restarts a run dir and never deletes any other folder; one trainer "
+        "at a time per run dir; a non-finite loss stops the run before it is saved.",
+    )
     p.add_argument("run_dir", help="the run's directory (checkpoints, log.jsonl, export/)")
     mode = p.add_argument_group("mode")
     start = mode.add_mutually_exclusive_group()  # continue the run, or delete it and start again: not both
     start.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
-    start.add_argument("--overwrite", action="store_true",
-                      help="delete the run in run_dir and start again (only a run dir: one with its run.json)")
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in run_dir and start again (only a run dir: one with its run.json)",
+    )
     mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
-    mode.add_argument("--init-from", metavar="DIR",
-                      help=f"{MODEL_HELP} to initialise from, the same as --model DIR (give one of them); its "
-                           "tokenizer is used for the corpus")
+    mode.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help=f"{MODEL_HELP} to initialise from, the same as --model DIR (give one of them); its "
+        "tokenizer is used for the corpus",
+    )
     model = p.add_argument_group("model")
-    model.add_argument("--model", metavar="PRESET_OR_DIR",
-                       help=f"{MODEL_HELP}, or a preset name ({', '.join(sorted(PRESETS))}; default demo). A preset "
-                            "name wins over a directory of that name (write ./demo for the directory). A "
-                            "directory starts from that model, its tokenizer used for the corpus")
-    model.add_argument("--mtp-layers", type=bounded(int, 0),
-                       help="D, the number of MTP modules (default: the preset's, 3 for demo; with a model "
-                            "directory, the checkpoint's)")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"),
-                       help="compute dtype (a fresh model keeps float32 weights; with a model directory, both)")
+    model.add_argument(
+        "--model",
+        metavar="PRESET_OR_DIR",
+        help=f"{MODEL_HELP}, or a preset name ({', '.join(sorted(PRESETS))}; default demo). A preset "
+        "name wins over a directory of that name (write ./demo for the directory). A "
+        "directory starts from that model, its tokenizer used for the corpus",
+    )
+    model.add_argument(
+        "--mtp-layers",
+        type=bounded(int, 0),
+        help="D, the number of MTP modules (default: the preset's, 3 for demo; with a model "
+        "directory, the checkpoint's)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="compute dtype (a fresh model keeps float32 weights; with a model directory, both)",
+    )
     corpus = p.add_argument_group("corpus")
     corpus.add_argument("--vocab-size", type=bounded(int, 1), help="BPE vocabulary to train (default 4096)")
-    corpus.add_argument("--heldout-fraction", type=bounded(float, 0, 1),
-                        help=f"default {data.DEFAULT_HELDOUT_FRACTION}")
+    corpus.add_argument(
+        "--heldout-fraction", type=bounded(float, 0, 1), help=f"default {data.DEFAULT_HELDOUT_FRACTION}"
+    )
     corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
     opt = p.add_argument_group("training")
     d = TrainConfig()
@@ -82,10 +106,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         opt.add_argument(flag, dest=field, type=kind, default=None, help=f"default {getattr(d, field)}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="do not write run_dir/export at the end")
-    add_mesh_arguments(p, mesh_help="--batch-size must be a multiple of data x fsdp; data=N replicates the "
-                                    "parameters and optimizer state (data parallel), fsdp=N splits them along the "
-                                    "hidden size (FSDP), tensor=N along heads, FFN width and vocabulary. A run "
-                                    "may resume on another mesh.")
+    add_mesh_arguments(
+        p,
+        mesh_help="--batch-size must be a multiple of data x fsdp; data=N replicates the "
+        "parameters and optimizer state (data parallel), fsdp=N splits them along the "
+        "hidden size (FSDP), tensor=N along heads, FFN width and vocabulary. A run "
+        "may resume on another mesh.",
+    )
     p.set_defaults(func=run_train)
     return p
 
@@ -123,8 +150,10 @@ def _model_choice(args: argparse.Namespace) -> _ModelChoice:
     if name is None:
         return _ModelChoice(None, args.init_from, "--init-from" if args.init_from is not None else None)
     if args.init_from is not None:
-        raise ValueError(f"--model {name} and --init-from {args.init_from} both name the model to train: give one "
-                         "of them (--model DIR means --init-from DIR)")
+        raise ValueError(
+            f"--model {name} and --init-from {args.init_from} both name the model to train: give one "
+            "of them (--model DIR means --init-from DIR)"
+        )
     if name in PRESETS:
         return _ModelChoice(name, None, None)
     path = pathlib.Path(name)
@@ -134,13 +163,16 @@ def _model_choice(args: argparse.Namespace) -> _ModelChoice:
         found = "a directory without config.json"
     else:
         found = "a file, not a directory" if path.exists() else "no such directory"
-    raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a saved model "
-                     f"directory ({found}; a model directory needs a config.json, safetensors weights and "
-                     "tokenizer.json)")
+    raise ValueError(
+        f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a saved model "
+        f"directory ({found}; a model directory needs a config.json, safetensors weights and "
+        "tokenizer.json)"
+    )
 
 
-def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict,
-                   choice: _ModelChoice | None = None) -> TrainConfig:
+def _resume_config(
+    args: argparse.Namespace, run_dir: pathlib.Path, run: dict, choice: _ModelChoice | None = None
+) -> TrainConfig:
     """The settings `--resume` continues with: the run's, with the flags given (`choice`: what --model and
     --init-from name, `_model_choice(args)` by default).
 
@@ -149,29 +181,42 @@ def _resume_config(args: argparse.Namespace, run_dir: pathlib.Path, run: dict,
     """
     saved = _saved_train_config(run_dir, run)
     config = _train_config_from_args(args, base=saved)
-    differ = [f"{_FLAG_OF_FIELD.get(k, k)} (saved {v!r}, given {getattr(config, k)!r})"
-              for k, v in dataclasses.asdict(saved).items() if getattr(config, k) != v and k not in RESUMABLE_FIELDS]
+    differ = [
+        f"{_FLAG_OF_FIELD.get(k, k)} (saved {v!r}, given {getattr(config, k)!r})"
+        for k, v in dataclasses.asdict(saved).items()
+        if getattr(config, k) != v and k not in RESUMABLE_FIELDS
+    ]
     saved_model, saved_corpus = _saved_model_config(run_dir, run), run["corpus"]
-    checks = [("--mtp-layers", args.mtp_layers, saved_model.num_nextn_predict_layers),
-              ("--dtype", args.dtype, saved_model.dtype),
-              ("--heldout-fraction", args.heldout_fraction, saved_corpus.get("heldout_fraction"))]
+    checks = [
+        ("--mtp-layers", args.mtp_layers, saved_model.num_nextn_predict_layers),
+        ("--dtype", args.dtype, saved_model.dtype),
+        ("--heldout-fraction", args.heldout_fraction, saved_corpus.get("heldout_fraction")),
+    ]
     if saved_corpus.get("tokenizer_source") != "given":
         checks.append(("--vocab-size", args.vocab_size, saved_corpus.get("vocab_size")))
     differ += [f"{flag} (saved {old!r}, given {new!r})" for flag, new, old in checks if new is not None and new != old]
     choice = choice or _model_choice(args)
     if choice.preset is not None:
+
         def as_run(preset):
-            return preset.replace(vocab_size=saved_model.vocab_size, eos_token_id=saved_model.eos_token_id,
-                                  num_nextn_predict_layers=saved_model.num_nextn_predict_layers,
-                                  dtype=saved_model.dtype)
+            return preset.replace(
+                vocab_size=saved_model.vocab_size,
+                eos_token_id=saved_model.eos_token_id,
+                num_nextn_predict_layers=saved_model.num_nextn_predict_layers,
+                dtype=saved_model.dtype,
+            )
+
         old = next((name for name, preset in PRESETS.items() if as_run(preset) == saved_model), None)
         if old != choice.preset:
             differ.append(f"--model (saved {old or 'a model of no preset'!r}, given {choice.preset!r})")
     if choice.directory is not None:
         differ.append(f"{choice.flag} (given {choice.directory!r}; a resume restores the model from the checkpoint)")
     if differ:
-        raise ValueError(f"--resume: flags differ from the run in {run_dir} where a resume cannot change them: "
-                         + "; ".join(differ) + ". Drop them to continue the run, or start a new one")
+        raise ValueError(
+            f"--resume: flags differ from the run in {run_dir} where a resume cannot change them: "
+            + "; ".join(differ)
+            + ". Drop them to continue the run, or start a new one"
+        )
     return config
 
 
@@ -183,8 +228,17 @@ def run_train(args: argparse.Namespace) -> int:
     except (RunDirInUseError, NonFiniteError) as error:
         print(f"mtp-jax train: error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({"step": result.step, "stopped_early": result.stopped_early, "train": result.train_metrics,
-                      "heldout": result.eval_metrics}, indent=1))
+    print(
+        json.dumps(
+            {
+                "step": result.step,
+                "stopped_early": result.stopped_early,
+                "train": result.train_metrics,
+                "heldout": result.eval_metrics,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
@@ -210,21 +264,34 @@ def _read_run(run_dir: pathlib.Path) -> dict:
     if corpus.get("source") == "stdlib":
         for key, kinds in (("work_dir", str), ("vocab_size", int), ("heldout_fraction", (int, float))):
             if not isinstance(corpus.get(key), kinds) or isinstance(corpus.get(key), bool):
-                raise ValueError(f"{file}: corpus.{key} must be {_TYPE_NAMES[kinds]}, "
-                                 f"got {_json_kind(corpus.get(key))}")
+                raise ValueError(
+                    f"{file}: corpus.{key} must be {_TYPE_NAMES[kinds]}, got {_json_kind(corpus.get(key))}"
+                )
     return run
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", (int, float): "a number", bool: "true or false",
-               str: "a string", type(None): "null"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    (int, float): "a number",
+    bool: "true or false",
+    str: "a string",
+    type(None): "null",
+}
 
 
 def _json_kind(value) -> str:
     """`value` (from JSON) and its JSON type, for messages: "'4' (a string)", "nothing" when missing."""
     if value is None:
         return "null or nothing"
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    kind = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
     return f"{json.dumps(value)[:60]} ({kind})"
 
 
@@ -278,11 +345,15 @@ def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> Non
     the flag): an MLA model (training packs documents into rows, segment_ids, which MLA attention does
     not take yet: `mtp_jax.layers.decoder`), and --mtp-only for a model without MTP modules."""
     if config.attention_type == "mla":
-        raise ValueError(f"{source}: the model has attention_type='mla', and training packs documents into rows "
-                         "(segment_ids), which MLA does not support yet; train a model with attention_type='gqa'")
+        raise ValueError(
+            f"{source}: the model has attention_type='mla', and training packs documents into rows "
+            "(segment_ids), which MLA does not support yet; train a model with attention_type='gqa'"
+        )
     if mtp_only and config.num_nextn_predict_layers == 0:
-        raise ValueError(f"{source}: --mtp-only trains the MTP modules and the model has none "
-                         "(num_nextn_predict_layers is 0): add them with --mtp-layers N")
+        raise ValueError(
+            f"{source}: --mtp-only trains the MTP modules and the model has none "
+            "(num_nextn_predict_layers is 0): add them with --mtp-layers N"
+        )
 
 
 def _pretrained_config(path: pathlib.Path) -> ModelConfig | None:
@@ -304,8 +375,15 @@ def _train_from_args(args: argparse.Namespace):
         train_config = _resume_config(args, run_dir, run, choice)
         _refuse_untrainable(_saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
         corpus = corpus_of_run(run_dir, run, args.data_dir)
-        return train(run_dir, corpus, train_config=train_config, resume=True, progress=not args.no_progress,
-                     export=not args.no_export, mesh=mesh)
+        return train(
+            run_dir,
+            corpus,
+            train_config=train_config,
+            resume=True,
+            progress=not args.no_progress,
+            export=not args.no_export,
+            mesh=mesh,
+        )
     train_config = _train_config_from_args(args)
     vocab_size = 4096 if args.vocab_size is None else args.vocab_size
     heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
@@ -320,8 +398,9 @@ def _train_from_args(args: argparse.Namespace):
             if args.mtp_layers is not None:
                 pretrained = pretrained.replace(num_nextn_predict_layers=args.mtp_layers)
             _refuse_untrainable(pretrained, train_config.mtp_only, source)
-        model = init_from_pretrained(choice.directory, num_nextn_predict_layers=args.mtp_layers,
-                                     seed=train_config.seed, dtype=args.dtype)
+        model = init_from_pretrained(
+            choice.directory, num_nextn_predict_layers=args.mtp_layers, seed=train_config.seed, dtype=args.dtype
+        )
         model_config = model.config
         _refuse_untrainable(model_config, train_config.mtp_only, source)
         if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
@@ -331,8 +410,14 @@ def _train_from_args(args: argparse.Namespace):
         layers = {} if args.mtp_layers is None else {"num_nextn_predict_layers": args.mtp_layers}
         _refuse_untrainable(base.replace(**layers), train_config.mtp_only, f"--model {choice.preset or 'demo'}")
     data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
-    corpus = data.prepare_corpus(data_dir, vocab_size=vocab_size, heldout_fraction=heldout_fraction,
-                                 tokenizer_path=tokenizer_path, eos_token=eos_token or data.EOS_TOKEN, verbose=True)
+    corpus = data.prepare_corpus(
+        data_dir,
+        vocab_size=vocab_size,
+        heldout_fraction=heldout_fraction,
+        tokenizer_path=tokenizer_path,
+        eos_token=eos_token or data.EOS_TOKEN,
+        verbose=True,
+    )
     if base is not None:
         changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
         if args.mtp_layers is not None:
@@ -341,7 +426,18 @@ def _train_from_args(args: argparse.Namespace):
             changes["dtype"] = args.dtype
         model_config = base.replace(**changes)
     if train_config.mtp_only and choice.directory is None:
-        print("warning: --mtp-only without a model directory (--model DIR) trains MTP modules on a random main "
-              "model", file=sys.stderr)
-    return train(run_dir, corpus, model_config=model_config, train_config=train_config, model=model,
-                 overwrite=args.overwrite, progress=not args.no_progress, export=not args.no_export, mesh=mesh)
+        print(
+            "warning: --mtp-only without a model directory (--model DIR) trains MTP modules on a random main model",
+            file=sys.stderr,
+        )
+    return train(
+        run_dir,
+        corpus,
+        model_config=model_config,
+        train_config=train_config,
+        model=model,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        export=not args.no_export,
+        mesh=mesh,
+    )

@@ -61,8 +61,9 @@ def phase_after(thinking: jax.Array, token: jax.Array, speculative: SpeculativeC
     return jnp.where(token == speculative.think_end_token_id, False, thinking)
 
 
-def update_phase(speculative: SpeculativeConfig | None, thinking: jax.Array, tokens: jax.Array,
-                 num: jax.Array) -> jax.Array:
+def update_phase(
+    speculative: SpeculativeConfig | None, thinking: jax.Array, tokens: jax.Array, num: jax.Array
+) -> jax.Array:
     """The thinking phase (bool [B]) after committing `tokens[:, :num]` (int32 [B, N], num int32 [B]).
     Tracked only under relaxed acceptance; unchanged otherwise."""
     if speculative is None or not speculative.relaxed:
@@ -83,8 +84,15 @@ def initial_phase(prompt: Sequence[int], speculative: SpeculativeConfig | None) 
 
 
 @jax.named_scope("accept")
-def accept(speculative: SpeculativeConfig | None, target: Target, draft_tokens: jax.Array, draft_probs: jax.Array,
-           sampling: SamplingState, lengths: jax.Array, thinking: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept(
+    speculative: SpeculativeConfig | None,
+    target: Target,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    sampling: SamplingState,
+    lengths: jax.Array,
+    thinking: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance for a batch.
 
     Args:
@@ -108,16 +116,18 @@ def accept(speculative: SpeculativeConfig | None, target: Target, draft_tokens: 
         return zero, sample_from(p[:, 0], logits[:, 0], sampling, lengths, STREAM_TARGET)
     greedy_drafts = draft_probs.shape[-1] == 0
     p_draft = jnp.take_along_axis(p[:, :num_drafts], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
-    q_draft = (jnp.ones_like(p_draft) if greedy_drafts
-               else jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0])  # [B, K]
+    q_draft = (
+        jnp.ones_like(p_draft)
+        if greedy_drafts
+        else jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    )  # [B, K]
     positions = lengths[:, None] + jnp.arange(num_drafts)[None, :]  # [B, K]
 
     def draw_uniforms(positions):  # one per draft; all-greedy batches need none (p, q are one-hot)
         keys = jax.vmap(lambda pos: row_keys(sampling, pos, STREAM_ACCEPT), in_axes=1, out_axes=1)(positions)
         return jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, K]
 
-    uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms,
-                            positions)
+    uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms, positions)
     accepted = uniforms * q_draft < p_draft  # [B, K]; p = 0 is never accepted, even for u = 0
     if speculative.relaxed:
         probs = jnp.exp(target.logprobs[:, :num_drafts])  # [B, K, V], softmax of the raw logits

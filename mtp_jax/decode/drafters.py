@@ -46,8 +46,13 @@ class DraftState:
     oracle_tokens: jax.Array  # int32 [B, R]: the sequences the oracle replays (otherwise [B, 1], unused)
 
 
-def init_draft_state(model: Transformer, speculative: SpeculativeConfig | None, batch_size: int, max_length: int,
-                     oracle_tokens: np.ndarray | None = None) -> DraftState:
+def init_draft_state(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    batch_size: int,
+    max_length: int,
+    oracle_tokens: np.ndarray | None = None,
+) -> DraftState:
     """The drafter's empty state for B rows of capacity S (`speculative` None: no drafts, K = 0).
 
     `oracle_tokens`: int [B, R] for method "oracle" (row b's full sequence, prompt first; positions
@@ -60,23 +65,35 @@ def init_draft_state(model: Transformer, speculative: SpeculativeConfig | None, 
         raise ValueError("oracle_tokens is required with method='oracle' and only there")
     if oracle:
         oracle_tokens = np.asarray(oracle_tokens)
-        if oracle_tokens.ndim != 2 or oracle_tokens.shape[0] != batch_size or not np.issubdtype(
-                oracle_tokens.dtype, np.integer):
-            raise ValueError(f"oracle_tokens must be an int array [B={batch_size}, R], got shape "
-                             f"{oracle_tokens.shape} and dtype {oracle_tokens.dtype}")
+        if (
+            oracle_tokens.ndim != 2
+            or oracle_tokens.shape[0] != batch_size
+            or not np.issubdtype(oracle_tokens.dtype, np.integer)
+        ):
+            raise ValueError(
+                f"oracle_tokens must be an int array [B={batch_size}, R], got shape "
+                f"{oracle_tokens.shape} and dtype {oracle_tokens.dtype}"
+            )
     vocab = config.vocab_size if speculative is not None and speculative.draft_sampling == "sample" else 0
     window = 0 if speculative is None else speculative.hidden_window
-    host = dict(tokens=np.zeros((batch_size, k_max), np.int32), probs=np.zeros((batch_size, k_max, vocab), np.float32),
-                hidden_window=np.zeros((batch_size, window, config.hidden_size), config.compute_dtype),
-                oracle_tokens=np.asarray(oracle_tokens if oracle else np.zeros((batch_size, 1)), np.int32))
-    return DraftState(**jax.device_put(host),  # (jnp.zeros would compile a small program per array)
-                      caches=() if speculative is None else tuple(
-                          model.mtp[j].init_cache(batch_size, max_length) for j in range(speculative.num_caches)))
+    host = dict(
+        tokens=np.zeros((batch_size, k_max), np.int32),
+        probs=np.zeros((batch_size, k_max, vocab), np.float32),
+        hidden_window=np.zeros((batch_size, window, config.hidden_size), config.compute_dtype),
+        oracle_tokens=np.asarray(oracle_tokens if oracle else np.zeros((batch_size, 1)), np.int32),
+    )
+    return DraftState(
+        **jax.device_put(host),  # (jnp.zeros would compile a small program per array)
+        caches=()
+        if speculative is None
+        else tuple(model.mtp[j].init_cache(batch_size, max_length) for j in range(speculative.num_caches)),
+    )
     # (not [B, 0]: on a mesh jitted calls return that empty array with varying specs, and recompile)
 
 
-def _pick_draft(speculative: SpeculativeConfig, logits: jax.Array, sampling: SamplingState,
-                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _pick_draft(
+    speculative: SpeculativeConfig, logits: jax.Array, sampling: SamplingState, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """A draft token per row from MTP logits [B, V] for `positions`, and q ([B, V], or [B, 0] if greedy)."""
     if speculative.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
         return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
@@ -96,22 +113,39 @@ def _tokens_at(tokens: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.take_along_axis(tokens, jnp.clip(positions, 0, tokens.shape[1] - 1), axis=1)
 
 
-def draft_oracle(model: Transformer, speculative: SpeculativeConfig, sampling: SamplingState, tokens: jax.Array,
-                 state: DraftState, hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> DraftState:
+def draft_oracle(
+    model: Transformer,
+    speculative: SpeculativeConfig,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
     """Drafts the oracle's tokens at positions L .. L + K - 1 (token 0 past its end); runs no module."""
     positions = lengths[:, None] + jnp.arange(speculative.num_speculative_tokens)[None, :]  # [B, K]
     reference = jnp.pad(state.oracle_tokens, ((0, 0), (0, speculative.num_speculative_tokens)))  # past R: token 0
     return state.replace(tokens=_tokens_at(reference, positions))
 
 
-def draft_eagle(model: Transformer, speculative: SpeculativeConfig, sampling: SamplingState, tokens: jax.Array,
-                state: DraftState, hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> DraftState:
+def draft_eagle(
+    model: Transformer,
+    speculative: SpeculativeConfig,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
     """MTP Eagle: module 1 over the window drafts position L; then K - 1 one-token passes of the same
     module, each over its own last hidden state and the token it just drafted, draft L + 1 .. L + K - 1."""
     k_max, module, call = speculative.num_speculative_tokens, model.mtp[0], dict(embed=model.embed, head=model.head)
     window, last = _window(hidden, start, lengths)
-    logits, chained, cache = module(hidden, _tokens_at(tokens, window + 1), window, state.caches[0], logits_at=last,
-                                    **call)
+    logits, chained, cache = module(
+        hidden, _tokens_at(tokens, window + 1), window, state.caches[0], logits_at=last, **call
+    )
     token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths)
     drafts = jnp.zeros((token.shape[0], k_max), token.dtype).at[:, 0].set(token)  # [B, K]
     probs = jnp.zeros((q.shape[0], k_max, q.shape[1]), q.dtype).at[:, 0].set(q)  # [B, K, V] or [B, K, 0]
@@ -128,16 +162,31 @@ def draft_eagle(model: Transformer, speculative: SpeculativeConfig, sampling: Sa
     return state.replace(tokens=drafts, probs=probs, caches=(cache,))
 
 
-def draft_vanilla(model: Transformer, speculative: SpeculativeConfig, sampling: SamplingState, tokens: jax.Array,
-                  state: DraftState, hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> DraftState:
+def draft_vanilla(
+    model: Transformer,
+    speculative: SpeculativeConfig,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
     """MTP Vanilla: module k = 1..K over the window, each reading the hidden states module k - 1 wrote
     (h^0 for k = 1) and the tokens k positions ahead, drafts included; module k drafts position L + k - 1."""
     window, last = _window(hidden, start, lengths)
     drafts, probs, caches = [], [], []
     for j in range(speculative.num_speculative_tokens):  # D distinct modules: unrolled
         # module j + 1 at position i reads t_{i+j+1}, a draft where i + j + 1 >= L
-        logits, hidden, cache = model.mtp[j](hidden, _tokens_at(tokens, window + j + 1), window, state.caches[j],
-                                             logits_at=last, embed=model.embed, head=model.head)
+        logits, hidden, cache = model.mtp[j](
+            hidden,
+            _tokens_at(tokens, window + j + 1),
+            window,
+            state.caches[j],
+            logits_at=last,
+            embed=model.embed,
+            head=model.head,
+        )
         token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths + j)
         tokens = write_at(tokens, token[:, None], (lengths + j)[:, None])  # the next module reads it
         drafts.append(token)
@@ -146,14 +195,23 @@ def draft_vanilla(model: Transformer, speculative: SpeculativeConfig, sampling: 
     return state.replace(tokens=jnp.stack(drafts, axis=1), probs=jnp.stack(probs, axis=1), caches=tuple(caches))
 
 
-def draft_parallel(model: Transformer, speculative: SpeculativeConfig, sampling: SamplingState, tokens: jax.Array,
-                   state: DraftState, hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> DraftState:
+def draft_parallel(
+    model: Transformer,
+    speculative: SpeculativeConfig,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
     """Gloeckle et al.'s heads: head k = 1..K over the main model's h^0 alone drafts position L + k - 1."""
     window, last = _window(hidden, start, lengths)
     drafts, probs, caches = [], [], []
     for j in range(speculative.num_speculative_tokens):
-        logits, _, cache = model.mtp[j](hidden, window, window, state.caches[j], logits_at=last, embed=model.embed,
-                                        head=model.head)  # (the heads read no tokens)
+        logits, _, cache = model.mtp[j](
+            hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=model.head
+        )  # (the heads read no tokens)
         token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths + j)
         drafts.append(token)
         probs.append(q)
@@ -162,13 +220,25 @@ def draft_parallel(model: Transformer, speculative: SpeculativeConfig, sampling:
 
 
 Drafter = Callable[..., DraftState]
-DRAFTERS: dict[str, Drafter] = {"eagle": draft_eagle, "vanilla": draft_vanilla, "parallel": draft_parallel,
-                                "oracle": draft_oracle}
+DRAFTERS: dict[str, Drafter] = {
+    "eagle": draft_eagle,
+    "vanilla": draft_vanilla,
+    "parallel": draft_parallel,
+    "oracle": draft_oracle,
+}
 
 
 @jax.named_scope("draft")
-def draft(model: Transformer, speculative: SpeculativeConfig | None, sampling: SamplingState, tokens: jax.Array,
-          state: DraftState, hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> DraftState:
+def draft(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
     """Drafts K tokens per row with the drafter of `speculative.method` (`speculative` None: none).
 
     Args:
@@ -196,9 +266,16 @@ def _last_hidden(h0: jax.Array, first: jax.Array, lengths: jax.Array, width: int
     return jnp.take_along_axis(h0, jnp.clip(index, 0, h0.shape[1] - 1)[..., None], axis=1)
 
 
-def draft_after_prefill(model: Transformer, speculative: SpeculativeConfig | None, sampling: SamplingState,
-                        tokens: jax.Array, state: DraftState, h0: jax.Array, lengths: jax.Array,
-                        start: jax.Array | None = None) -> DraftState:
+def draft_after_prefill(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    h0: jax.Array,
+    lengths: jax.Array,
+    start: jax.Array | None = None,
+) -> DraftState:
     """The first drafts, from the prefill's h^0 [B, P, E] at positions 0 .. P - 1 (L committed tokens,
     int32 [B]); vanilla keeps h^0 at positions L-1-W .. L-2 for its next window.
 
@@ -220,9 +297,16 @@ def draft_after_prefill(model: Transformer, speculative: SpeculativeConfig | Non
     return state
 
 
-def draft_after_verify(model: Transformer, speculative: SpeculativeConfig | None, sampling: SamplingState,
-                       tokens: jax.Array, state: DraftState, h0: jax.Array, lengths: jax.Array,
-                       num_committed: jax.Array) -> DraftState:
+def draft_after_verify(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    h0: jax.Array,
+    lengths: jax.Array,
+    num_committed: jax.Array,
+) -> DraftState:
     """The next drafts after a verify pass whose h^0 [B, K+1, E] sits at positions L-1 .. L-1+K, L the
     lengths before the step (int32 [B]) and `num_committed` (int32 [B]) the tokens the step committed.
 

@@ -56,10 +56,17 @@ _release_jit = jax.jit(release_rows, donate_argnames=("state",))
 def compiled_counts() -> dict[str, int]:
     """Programs compiled so far by each jitted call of this module (tests and serving check that
     nothing compiles after a warm-up)."""
-    return {name: fn._cache_size() for name, fn in (
-        ("_prefill_jit", _prefill_jit), ("_step_jit", _step_jit), ("_run_jit", _run_jit),
-        ("_step_with_output_jit", _step_with_output_jit), ("_insert_jit", _insert_jit),
-        ("_release_jit", _release_jit))}
+    return {
+        name: fn._cache_size()
+        for name, fn in (
+            ("_prefill_jit", _prefill_jit),
+            ("_step_jit", _step_jit),
+            ("_run_jit", _run_jit),
+            ("_step_with_output_jit", _step_with_output_jit),
+            ("_insert_jit", _insert_jit),
+            ("_release_jit", _release_jit),
+        )
+    }
 
 
 class DecodeEngine:
@@ -107,8 +114,9 @@ class DecodeEngine:
             padded = place(padded, named_shardings(padded, P("batch", None), self.mesh))
         return state, padded
 
-    def prefill(self, state: DecodeState, padded_prompts: jax.Array, start: jax.Array | None = None, *,
-                final: bool = True) -> DecodeState:
+    def prefill(
+        self, state: DecodeState, padded_prompts: jax.Array, start: jax.Array | None = None, *, final: bool = True
+    ) -> DecodeState:
         """The prompts through the model, the first token committed, the first drafts made; or one
         chunk of them at positions `start` .. (int32 [B]; see `prefill`)."""
         return self._call(_prefill_jit, state, padded_prompts, start, final=final)

@@ -22,10 +22,17 @@ from mtp_jax.model import Transformer
 from mtp_jax.sharding import to_host
 
 
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
-             sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-             stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
-             mesh: Mesh | None = None) -> GenerationResult:
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int] = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    max_length: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+    speculative: SpeculativeConfig | None = None,
+    mesh: Mesh | None = None,
+) -> GenerationResult:
     """Generates up to `max_new_tokens` tokens for each prompt, the whole loop on device.
 
     Args:
@@ -52,18 +59,26 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
       model cannot serve `speculative` (no MTP modules, vanilla/parallel with K > D, ...).
     """
     engine = DecodeEngine(model, speculative, mesh=mesh)
-    state, padded = engine.init_state(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      max_length=max_length, stop_tokens=stop_tokens)
+    state, padded = engine.init_state(
+        prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_length=max_length, stop_tokens=stop_tokens
+    )
     start = time.perf_counter()
     state = engine.run(engine.prefill(state, padded))
     jax.block_until_ready(state.lengths)
     return engine.result(state, time.perf_counter() - start)
 
 
-def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
-           sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-           stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
-           mesh: Mesh | None = None) -> Generator[list[list[int]], None, GenerationResult]:
+def stream(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int] = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    max_length: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+    speculative: SpeculativeConfig | None = None,
+    mesh: Mesh | None = None,
+) -> Generator[list[list[int]], None, GenerationResult]:
     """Like `generate`, one step at a time: yields, per step, the tokens each row just committed.
 
     A finished row yields empty lists. The concatenation of everything yielded for a row equals
@@ -73,14 +88,15 @@ def stream(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_toke
     `generate`, at the first `next`.
     """
     engine = DecodeEngine(model, speculative, mesh=mesh)
-    state, padded = engine.init_state(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      max_length=max_length, stop_tokens=stop_tokens)
+    state, padded = engine.init_state(
+        prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_length=max_length, stop_tokens=stop_tokens
+    )
     before = to_host(state.lengths)
     start = time.perf_counter()
     state = engine.prefill(state, padded)
     while True:
         tokens, lengths, done = to_host((state.tokens, state.lengths, state.done))
-        yield [tokens[b, before[b]: lengths[b]].tolist() for b in range(len(before))]
+        yield [tokens[b, before[b] : lengths[b]].tolist() for b in range(len(before))]
         if done.all():
             return engine.result(state, time.perf_counter() - start)
         before = lengths

@@ -26,9 +26,13 @@ class SpeculativeCounters:
 
     @classmethod
     def zeros(cls, batch_size: int, num_speculative_tokens: int) -> SpeculativeCounters:
-        shapes = dict(num_steps=(batch_size,), num_drafts=(batch_size,), num_accepted=(batch_size,),
-                      accepted_per_position=(batch_size, num_speculative_tokens),
-                      accepted_length_histogram=(batch_size, num_speculative_tokens + 1))
+        shapes = dict(
+            num_steps=(batch_size,),
+            num_drafts=(batch_size,),
+            num_accepted=(batch_size,),
+            accepted_per_position=(batch_size, num_speculative_tokens),
+            accepted_length_histogram=(batch_size, num_speculative_tokens + 1),
+        )
         # distinct buffers (the decode state is donated), placed without compiling anything
         return cls(**jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()}))
 
@@ -38,11 +42,13 @@ class SpeculativeCounters:
         k_max = self.accepted_per_position.shape[1]
         counted = jnp.where(active, accepted, 0)
         return SpeculativeCounters(
-            num_steps=self.num_steps + active, num_drafts=self.num_drafts + k_max * active,
+            num_steps=self.num_steps + active,
+            num_drafts=self.num_drafts + k_max * active,
             num_accepted=self.num_accepted + counted,
             accepted_per_position=self.accepted_per_position + (jnp.arange(k_max)[None, :] < counted[:, None]),
             accepted_length_histogram=self.accepted_length_histogram
-            + (active[:, None] & (jnp.arange(k_max + 1)[None, :] == counted[:, None])))
+            + (active[:, None] & (jnp.arange(k_max + 1)[None, :] == counted[:, None])),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +81,17 @@ class SpeculativeMetrics:
     @classmethod
     def from_counters(cls, metrics: SpeculativeCounters) -> SpeculativeMetrics:
         m = jax.device_get(metrics)
-        return cls(num_steps=int(m.num_steps.sum()), num_drafts=int(m.num_drafts.sum()),
-                   num_accepted=int(m.num_accepted.sum()),
-                   accepted_per_position=m.accepted_per_position.sum(0).tolist(),
-                   accepted_length_histogram=m.accepted_length_histogram.sum(0).tolist())
+        return cls(
+            num_steps=int(m.num_steps.sum()),
+            num_drafts=int(m.num_drafts.sum()),
+            num_accepted=int(m.num_accepted.sum()),
+            accepted_per_position=m.accepted_per_position.sum(0).tolist(),
+            accepted_length_histogram=m.accepted_length_histogram.sum(0).tolist(),
+        )
 
     def summary(self) -> str:
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
-        return (f"mean acceptance length {self.mean_acceptance_length:.2f} over {self.num_steps} verify steps; "
-                f"draft acceptance rate {self.draft_acceptance_rate:.2f}; per-position acceptance [{rates}]")
+        return (
+            f"mean acceptance length {self.mean_acceptance_length:.2f} over {self.num_steps} verify steps; "
+            f"draft acceptance rate {self.draft_acceptance_rate:.2f}; per-position acceptance [{rates}]"
+        )

@@ -34,35 +34,46 @@ class Request:
 def _prompt_ids(prompt, i: int, vocab_size: int, max_length: int) -> list[int]:
     """Prompt i as a list of Python ints, checked (see `validate_prompts`)."""
     if isinstance(prompt, _TEXT):
-        raise TypeError(f"prompt {i} is a {type(prompt).__name__}: prompts are token ids "
-                        "(e.g. tokenizer.encode(text).ids), not text")
+        raise TypeError(
+            f"prompt {i} is a {type(prompt).__name__}: prompts are token ids "
+            "(e.g. tokenizer.encode(text).ids), not text"
+        )
     if isinstance(prompt, (np.ndarray, jax.Array)):
         if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise TypeError(f"prompt {i} is an array of shape {prompt.shape} and dtype {prompt.dtype}: "
-                            "a prompt array must be 1-D with an integer dtype")
+            raise TypeError(
+                f"prompt {i} is an array of shape {prompt.shape} and dtype {prompt.dtype}: "
+                "a prompt array must be 1-D with an integer dtype"
+            )
         ids = np.asarray(prompt).tolist()
     elif isinstance(prompt, Sequence):
         for j, t in enumerate(prompt):
             if not is_integer(t):
-                raise TypeError(f"prompt {i} has {t!r} ({type(t).__name__}) at index {j}: token ids must be "
-                                "ints (floats and bools are rejected, not truncated)")
+                raise TypeError(
+                    f"prompt {i} has {t!r} ({type(t).__name__}) at index {j}: token ids must be "
+                    "ints (floats and bools are rejected, not truncated)"
+                )
         ids = [int(t) for t in prompt]
     else:
-        raise TypeError(f"prompt {i} is {prompt!r} ({type(prompt).__name__}), not a list of token ids: prompts "
-                        "is a batch (wrap a single prompt in a list: [ids])")
+        raise TypeError(
+            f"prompt {i} is {prompt!r} ({type(prompt).__name__}), not a list of token ids: prompts "
+            "is a batch (wrap a single prompt in a list: [ids])"
+        )
     if not ids:
         raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
     if len(ids) >= max_length:
-        raise ValueError(f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
-                         "must exceed the prompt length to leave room for generated tokens")
+        raise ValueError(
+            f"prompt {i} has {len(ids)} tokens: the cache capacity max_length={max_length} "
+            "must exceed the prompt length to leave room for generated tokens"
+        )
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={vocab_size})")
     return ids
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
-                     max_length: int) -> list[list[int]]:
+def validate_prompts(
+    prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: int, max_length: int
+) -> list[list[int]]:
     """Checks a batch of prompts on the host; returns it as B lists of Python ints.
 
     `prompts`: B prompts, each a sequence of Python or NumPy ints or a 1-D integer array; or one
@@ -72,8 +83,9 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, vocab_size: 
     `max_length` tokens, or an id outside [0, vocab_size).
     """
     if isinstance(prompts, _TEXT):
-        raise TypeError(f"prompts is a {type(prompts).__name__}: pass token ids "
-                        "(e.g. [tokenizer.encode(text).ids]), not text")
+        raise TypeError(
+            f"prompts is a {type(prompts).__name__}: pass token ids (e.g. [tokenizer.encode(text).ids]), not text"
+        )
     if isinstance(prompts, (np.ndarray, jax.Array)):
         if prompts.ndim != 2:
             raise TypeError(f"prompts as an array must be 2-D [B, P], got shape {prompts.shape}")
@@ -96,10 +108,10 @@ def per_row(value, num_rows: int, name: str) -> list:
 def _stop_ids(stop_tokens, vocab_size: int) -> list[int]:
     """Any collection of token ids (a list, tuple, set or 1-D array; order and repeats do not matter),
     sorted and distinct."""
-    if (isinstance(stop_tokens, _TEXT) or not isinstance(stop_tokens, Iterable)
-            or getattr(stop_tokens, "ndim", 1) == 0):
-        raise TypeError(f"stop_tokens must be a collection of token ids (a list, tuple, set or 1-D array), "
-                        f"got {stop_tokens!r}")
+    if isinstance(stop_tokens, _TEXT) or not isinstance(stop_tokens, Iterable) or getattr(stop_tokens, "ndim", 1) == 0:
+        raise TypeError(
+            f"stop_tokens must be a collection of token ids (a list, tuple, set or 1-D array), got {stop_tokens!r}"
+        )
     stop_tokens = list(stop_tokens)  # an iterator is read once
     for t in stop_tokens:
         if not is_integer(t):
@@ -113,9 +125,15 @@ def _stop_ids(stop_tokens, vocab_size: int) -> list[int]:
     return stop
 
 
-def check_request(config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-                  stop_tokens: Iterable[int] | None = None) -> Request:
+def check_request(
+    config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    max_length: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+) -> Request:
     """Checks a generation request against the model's config.
 
     Integers may be Python or NumPy ints or 0-d integer arrays (NumPy or JAX); stop_tokens may be
@@ -131,9 +149,11 @@ def check_request(config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_
         raise TypeError(f"max_length must be an int (tokens), got {max_length!r}")
     max_length = int(max_length)
     if not 2 <= max_length <= config.max_position_embeddings:
-        raise ValueError(f"max_length={max_length} must be in [2, {config.max_position_embeddings}]: the cache "
-                         "capacity cannot exceed the model's positions (config.max_position_embeddings="
-                         f"{config.max_position_embeddings})")
+        raise ValueError(
+            f"max_length={max_length} must be in [2, {config.max_position_embeddings}]: the cache "
+            "capacity cannot exceed the model's positions (config.max_position_embeddings="
+            f"{config.max_position_embeddings})"
+        )
     prompts = validate_prompts(prompts, config.vocab_size, max_length)
     new_tokens = per_row(max_new_tokens, len(prompts), "max_new_tokens")
     for n in new_tokens:
@@ -146,5 +166,10 @@ def check_request(config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(p).__name__}")
     stop = _stop_ids(config.eos_token_ids if stop_tokens is None else stop_tokens, config.vocab_size)
-    return Request(prompts=prompts, max_new_tokens=[min(int(n), 2**31 - 1) for n in new_tokens], sampling=params,
-                   max_length=max_length, stop_tokens=stop)
+    return Request(
+        prompts=prompts,
+        max_new_tokens=[min(int(n), 2**31 - 1) for n in new_tokens],
+        sampling=params,
+        max_length=max_length,
+        stop_tokens=stop,
+    )

@@ -81,10 +81,16 @@ class SamplingState:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingState:
-        return cls(**jax.device_put(dict(temperature=np.asarray([p.temperature for p in params], np.float32),
-                                         top_k=np.asarray([p.top_k for p in params], np.int32),
-                                         top_p=np.asarray([p.top_p for p in params], np.float32),
-                                         seed=np.asarray([p.seed for p in params], np.uint32))))
+        return cls(
+            **jax.device_put(
+                dict(
+                    temperature=np.asarray([p.temperature for p in params], np.float32),
+                    top_k=np.asarray([p.top_k for p in params], np.int32),
+                    top_p=np.asarray([p.top_p for p in params], np.float32),
+                    seed=np.asarray([p.seed for p in params], np.uint32),
+                )
+            )
+        )
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
@@ -153,8 +159,13 @@ def row_keys(sampling: SamplingState, positions: Int[Array, " B"], stream: int =
     return jax.vmap(key)(sampling.seed, positions)
 
 
-def sample_from(probs: Float[Array, "B V"], logits: Float[Array, "B V"], sampling: SamplingState,
-                positions: Int[Array, " B"], stream: int = 0) -> jax.Array:
+def sample_from(
+    probs: Float[Array, "B V"],
+    logits: Float[Array, "B V"],
+    sampling: SamplingState,
+    positions: Int[Array, " B"],
+    stream: int = 0,
+) -> jax.Array:
     """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -166,8 +177,9 @@ def sample_from(probs: Float[Array, "B V"], logits: Float[Array, "B V"], samplin
     return jax.lax.cond(all_greedy(sampling), lambda _: greedy, draw, probs)
 
 
-def sample(logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, " B"],
-           stream: int = 0) -> jax.Array:
+def sample(
+    logits: Float[Array, "B V"], sampling: SamplingState, positions: Int[Array, " B"], stream: int = 0
+) -> jax.Array:
     """Draw one token per row (int32 [B]) from `target_probs(logits)`; greedy rows take the argmax exactly.
 
     `positions[b]` is the absolute position of the token drawn (it selects the random key, with

@@ -66,8 +66,9 @@ class SpeculativeConfig:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             object.__setattr__(self, name, int(value))  # NumPy ints become ints: the config is a static arg
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}"
+            )
         if self.draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {self.draft_sampling!r}")
         if self.relaxed_top_n < 0:
@@ -82,8 +83,9 @@ class SpeculativeConfig:
             raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
 
     @classmethod
-    def from_flags(cls, method: str, num_speculative_tokens: int | None,
-                   model: Transformer) -> SpeculativeConfig | None:
+    def from_flags(
+        cls, method: str, num_speculative_tokens: int | None, model: Transformer
+    ) -> SpeculativeConfig | None:
         """The CLI's `--speculative METHOD --num-speculative-tokens K`: None for method "none"; K
         defaults to 3 for eagle, else to the model's MTP modules (at least 1)."""
         if method == "none":
@@ -106,11 +108,15 @@ class SpeculativeConfig:
         if self.method == "parallel" and c.mtp_style != "parallel":
             raise ValueError(f"method 'parallel' needs parallel heads, the model has mtp_style={c.mtp_style!r}")
         if self.method in ("vanilla", "eagle") and c.mtp_style != "deepseek":
-            raise ValueError(f"method {self.method!r} needs DeepSeek-style MTP modules, the model has "
-                             f"mtp_style={c.mtp_style!r}; use method='parallel'")
+            raise ValueError(
+                f"method {self.method!r} needs DeepSeek-style MTP modules, the model has "
+                f"mtp_style={c.mtp_style!r}; use method='parallel'"
+            )
         if self.method in ("vanilla", "parallel") and k > depth:
-            raise ValueError(f"method {self.method!r} drafts one token per module: num_speculative_tokens={k} "
-                             f"exceeds the model's {depth} MTP modules (use method='eagle' for K > D)")
+            raise ValueError(
+                f"method {self.method!r} drafts one token per module: num_speculative_tokens={k} "
+                f"exceeds the model's {depth} MTP modules (use method='eagle' for K > D)"
+            )
         if self.relaxed_top_n > vocab_size:
             raise ValueError(f"relaxed_top_n={self.relaxed_top_n} exceeds vocab_size={vocab_size}")
         for name in ("think_start_token_id", "think_end_token_id"):

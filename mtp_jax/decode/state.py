@@ -54,8 +54,10 @@ class DecodeState:
         everywhere, the caches as `mtp_jax.cache.logical_axes` names them, the draft distributions'
         vocabulary over "vocab"."""
         axes = jax.tree.map(lambda x: P("batch", *([None] * (x.ndim - 1))), self)
-        return axes.replace(cache=cache_axes(self.cache), draft=axes.draft.replace(
-            probs=P("batch", None, "vocab"), caches=cache_axes(self.draft.caches)))
+        return axes.replace(
+            cache=cache_axes(self.cache),
+            draft=axes.draft.replace(probs=P("batch", None, "vocab"), caches=cache_axes(self.draft.caches)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +91,17 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
 
 
-def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-               sampling: SamplingParams | Sequence[SamplingParams] | None = None, max_length: int | None = None,
-               stop_tokens: Iterable[int] | None = None, speculative: SpeculativeConfig | None = None,
-               oracle_tokens: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
+def init_state(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    max_length: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+    speculative: SpeculativeConfig | None = None,
+    oracle_tokens: np.ndarray | None = None,
+) -> tuple[DecodeState, jax.Array]:
     """Checks the request and builds the initial state and the padded prompt array int32 [B, P].
 
     The request's arguments are `generate`'s (checked by `mtp_jax.decode.request.check_request`, which
@@ -103,8 +112,14 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
     config = model.config
     if speculative is not None:
         speculative.check_model(model, config.vocab_size)
-    request = check_request(config, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                            max_length=max_length, stop_tokens=stop_tokens)
+    request = check_request(
+        config,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        max_length=max_length,
+        stop_tokens=stop_tokens,
+    )
     prompts, capacity, batch = request.prompts, request.max_length, len(request.prompts)
     prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
     bucket = min(-(-int(prompt_lengths.max()) // PROMPT_BUCKET) * PROMPT_BUCKET, capacity)
@@ -117,19 +132,29 @@ def init_state(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_
     k_max = 0 if speculative is None else speculative.num_speculative_tokens
     # Host arrays go to the device with `device_put`: `jnp.asarray` / `jnp.zeros` would compile a small
     # program for each (the first call of a process paid ~0.3 s for them).
-    host = dict(tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths.copy(),
-                max_new_tokens=np.asarray(request.max_new_tokens, np.int32), done=np.zeros((batch,), bool),
-                stop_tokens=np.asarray([stop] * batch, np.int32), logprobs=np.zeros((batch, capacity), np.float32),
-                thinking=np.asarray([initial_phase(p, speculative) for p in prompts], bool))
-    state = DecodeState(**jax.device_put(host), cache=model.init_cache(batch, capacity),
-                        sampling=SamplingState.from_params(request.sampling),
-                        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
-                        metrics=SpeculativeCounters.zeros(batch, k_max))
+    host = dict(
+        tokens=tokens,
+        lengths=prompt_lengths,
+        prompt_lengths=prompt_lengths.copy(),
+        max_new_tokens=np.asarray(request.max_new_tokens, np.int32),
+        done=np.zeros((batch,), bool),
+        stop_tokens=np.asarray([stop] * batch, np.int32),
+        logprobs=np.zeros((batch, capacity), np.float32),
+        thinking=np.asarray([initial_phase(p, speculative) for p in prompts], bool),
+    )
+    state = DecodeState(
+        **jax.device_put(host),
+        cache=model.init_cache(batch, capacity),
+        sampling=SamplingState.from_params(request.sampling),
+        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
+        metrics=SpeculativeCounters.zeros(batch, k_max),
+    )
     return state, jax.device_put(padded)
 
 
-def _finish_reason(row_tokens: np.ndarray, length: int, prompt_length: int, max_new: int, capacity: int,
-                   stop: set[int]) -> str:
+def _finish_reason(
+    row_tokens: np.ndarray, length: int, prompt_length: int, max_new: int, capacity: int, stop: set[int]
+) -> str:
     if length > prompt_length and int(row_tokens[length - 1]) in stop:
         return "stop"
     if length - prompt_length >= max_new:
@@ -140,14 +165,33 @@ def _finish_reason(row_tokens: np.ndarray, length: int, prompt_length: int, max_
 def results_from_state(state: DecodeState, seconds: float, *, speculating: bool) -> GenerationResult:
     """Host-side view of a state; `num_steps` counts the decode (verify) steps, metrics only when speculating."""
     tokens, lengths, prompt_lengths, logprobs, max_new, stop, steps = to_host(
-        (state.tokens, state.lengths, state.prompt_lengths, state.logprobs, state.max_new_tokens, state.stop_tokens,
-         state.metrics.num_steps))
+        (
+            state.tokens,
+            state.lengths,
+            state.prompt_lengths,
+            state.logprobs,
+            state.max_new_tokens,
+            state.stop_tokens,
+            state.metrics.num_steps,
+        )
+    )
     capacity = tokens.shape[1]
     rows = range(tokens.shape[0])
     return GenerationResult(
-        tokens=[tokens[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
-        logprobs=[logprobs[b, prompt_lengths[b]: lengths[b]].tolist() for b in rows],
-        finish_reasons=[_finish_reason(tokens[b], int(lengths[b]), int(prompt_lengths[b]), int(max_new[b]),
-                                       capacity, {int(t) for t in stop[b] if t >= 0}) for b in rows],
-        num_steps=int(steps.max()), seconds=seconds,
-        metrics=SpeculativeMetrics.from_counters(to_host(state.metrics)) if speculating else None)
+        tokens=[tokens[b, prompt_lengths[b] : lengths[b]].tolist() for b in rows],
+        logprobs=[logprobs[b, prompt_lengths[b] : lengths[b]].tolist() for b in rows],
+        finish_reasons=[
+            _finish_reason(
+                tokens[b],
+                int(lengths[b]),
+                int(prompt_lengths[b]),
+                int(max_new[b]),
+                capacity,
+                {int(t) for t in stop[b] if t >= 0},
+            )
+            for b in rows
+        ],
+        num_steps=int(steps.max()),
+        seconds=seconds,
+        metrics=SpeculativeMetrics.from_counters(to_host(state.metrics)) if speculating else None,
+    )

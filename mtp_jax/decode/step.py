@@ -46,16 +46,18 @@ def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, t
     """
     last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
     window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
-    _, hidden, cache = model(window, sequence_positions(*window.shape, state.lengths - 1), state.cache,
-                             with_logits=False)
+    _, hidden, cache = model(
+        window, sequence_positions(*window.shape, state.lengths - 1), state.cache, with_logits=False
+    )
     normed = model.norm(hidden)
     target = Target.from_logits(model.head(normed), state.sampling)
     return target, initial_hidden(model, hidden, normed), cache
 
 
 @jax.named_scope("commit")
-def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
-           candidate_logprobs: jax.Array) -> tuple[DecodeState, jax.Array]:
+def commit(
+    state: DecodeState, candidates: jax.Array, num_candidates: jax.Array, candidate_logprobs: jax.Array
+) -> tuple[DecodeState, jax.Array]:
     """Appends up to N candidate tokens per unfinished row and applies the stop conditions.
 
     Row b offers `candidates[b, :num_candidates[b]]` (int32 [B, N]) with their raw logprobs (float32
@@ -75,21 +77,28 @@ def commit(state: DecodeState, candidates: jax.Array, num_candidates: jax.Array,
     tokens = write_at(state.tokens, candidates, positions)
     logprobs = write_at(state.logprobs, candidate_logprobs, positions)
     lengths = state.lengths + num
-    done = (state.done | jnp.any(is_stop & taken, axis=-1) | (lengths - state.prompt_lengths >= state.max_new_tokens)
-            | (lengths >= capacity))
+    done = (
+        state.done
+        | jnp.any(is_stop & taken, axis=-1)
+        | (lengths - state.prompt_lengths >= state.max_new_tokens)
+        | (lengths >= capacity)
+    )
     return state.replace(tokens=tokens, logprobs=logprobs, lengths=lengths, done=done), num
 
 
-def accept_and_commit(speculative: SpeculativeConfig | None, state: DecodeState, target: Target,
-                      drafts: jax.Array, draft_probs: jax.Array) -> tuple[DecodeState, jax.Array, jax.Array]:
+def accept_and_commit(
+    speculative: SpeculativeConfig | None, state: DecodeState, target: Target, drafts: jax.Array, draft_probs: jax.Array
+) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Accepts `drafts` (int32 [B, K], their q in `draft_probs`) against `target` (K+1 outputs), commits
     the accepted ones and the emitted token. Returns the state and, per row (int32 [B]), the tokens
     committed and the drafts accepted."""
-    num_accepted, token = accept(speculative, target, drafts, draft_probs, state.sampling, state.lengths,
-                                 state.thinking)
+    num_accepted, token = accept(
+        speculative, target, drafts, draft_probs, state.sampling, state.lengths, state.thinking
+    )
     index = jnp.arange(drafts.shape[1] + 1)[None, :]
-    candidates = jnp.where(index < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
-                           token[:, None])  # [B, K+1]: accepted drafts, then the emitted token
+    candidates = jnp.where(
+        index < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), token[:, None]
+    )  # [B, K+1]: accepted drafts, then the emitted token
     new, num = commit(state, candidates, num_accepted + 1, target.logprobs_at(candidates))
     return new.replace(thinking=update_phase(speculative, state.thinking, candidates, num)), num, num_accepted
 
@@ -101,8 +110,15 @@ def commit_first_token(speculative: SpeculativeConfig | None, state: DecodeState
     return accept_and_commit(speculative, state, target, *no_drafts)[0]
 
 
-def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, padded_prompts: jax.Array,
-            start: jax.Array | None = None, *, final: bool = True) -> DecodeState:
+def prefill(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    state: DecodeState,
+    padded_prompts: jax.Array,
+    start: jax.Array | None = None,
+    *,
+    final: bool = True,
+) -> DecodeState:
     """Prompts int32 [B, C] (right-padded) through the main model, the first token committed (as a
     step with no drafts commits it), the first drafts made. Not a step: the metrics count none.
 
@@ -115,8 +131,9 @@ def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: De
     offset = jnp.zeros_like(state.lengths) if start is None else start
     positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
     if final:
-        logits, hidden, cache = model(padded_prompts, positions, state.cache,
-                                      logits_at=state.prompt_lengths - 1 - offset)
+        logits, hidden, cache = model(
+            padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1 - offset
+        )
         target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
         state = commit_first_token(speculative, state.replace(cache=cache), target)
         lengths = state.lengths
@@ -124,8 +141,11 @@ def prefill(model: Transformer, speculative: SpeculativeConfig | None, state: De
         _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False)
         state = state.replace(cache=cache)
         lengths = offset + padded_prompts.shape[1] + 1  # as if the chunk's next token were committed too
-    state = state.replace(draft=draft_after_prefill(model, speculative, state.sampling, state.tokens, state.draft,
-                                                    initial_hidden(model, hidden), lengths, start))
+    state = state.replace(
+        draft=draft_after_prefill(
+            model, speculative, state.sampling, state.tokens, state.draft, initial_hidden(model, hidden), lengths, start
+        )
+    )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
@@ -133,11 +153,13 @@ def decode_step(model: Transformer, speculative: SpeculativeConfig | None, state
     """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
     target, h0, cache = verify(model, state)  # h0: [B, K+1, E] at positions L-1 .. L-1+K
     before = state
-    state, num, num_accepted = accept_and_commit(speculative, state.replace(cache=cache), target,
-                                                  state.draft.tokens, state.draft.probs)
+    state, num, num_accepted = accept_and_commit(
+        speculative, state.replace(cache=cache), target, state.draft.tokens, state.draft.probs
+    )
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
-    state = state.replace(draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0,
-                                                   before.lengths, num))
+    state = state.replace(
+        draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num)
+    )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
@@ -161,16 +183,21 @@ class StepOutput:
     done: jax.Array  # bool [B], after the step
 
 
-def step_with_output(model: Transformer, speculative: SpeculativeConfig | None,
-                     state: DecodeState) -> tuple[DecodeState, StepOutput]:
+def step_with_output(
+    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState
+) -> tuple[DecodeState, StepOutput]:
     """`decode_step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
     new = decode_step(model, speculative, state)
-    positions = jnp.minimum(state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :],
-                            state.tokens.shape[1] - 1)  # [B, K+1]
-    return new, StepOutput(num_committed=new.lengths - state.lengths,
-                           tokens=jnp.take_along_axis(new.tokens, positions, axis=1),
-                           logprobs=jnp.take_along_axis(new.logprobs, positions, axis=1),
-                           num_accepted=new.metrics.num_accepted - state.metrics.num_accepted, done=new.done)
+    positions = jnp.minimum(
+        state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
+    )  # [B, K+1]
+    return new, StepOutput(
+        num_committed=new.lengths - state.lengths,
+        tokens=jnp.take_along_axis(new.tokens, positions, axis=1),
+        logprobs=jnp.take_along_axis(new.logprobs, positions, axis=1),
+        num_accepted=new.metrics.num_accepted - state.metrics.num_accepted,
+        done=new.done,
+    )
 
 
 def insert_row(state: DecodeState, rows: DecodeState, slot: jax.Array) -> DecodeState:

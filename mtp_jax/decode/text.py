@@ -43,7 +43,7 @@ class TextStream:
         final = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if not final.startswith(self.text):  # DecodeStream emits only prefixes of the full decode
             raise RuntimeError(f"streamed text {self.text!r} is not a prefix of the decoded {final!r}")
-        rest, self.text = final[len(self.text):], final
+        rest, self.text = final[len(self.text) :], final
         return rest
 
 

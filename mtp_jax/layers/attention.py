@@ -75,8 +75,9 @@ def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
     kv_spec = context_spec(P("batch", None, "kv_heads", None), k.shape)
     if q_spec[2] != kv_spec[2]:  # the KV heads are not split like the query heads: split rows only
         q_spec, kv_spec = P(q_spec[0], None, None, None), P(q_spec[0], None, None, None)
-    return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0])), out_specs=q_spec,
-                         check_vma=False)(q, k, v, lengths)
+    return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0])), out_specs=q_spec, check_vma=False)(
+        q, k, v, lengths
+    )
 
 
 def segment_attention_reference(
@@ -128,8 +129,14 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.qkv_proj = linear(config, config.hidden_size, (h + 2 * g) * d, rngs, config.attention_bias,
-                               axes=("embed", ("heads", (h // g + 2) * d)))  # splits between KV groups
+        self.qkv_proj = linear(
+            config,
+            config.hidden_size,
+            (h + 2 * g) * d,
+            rngs,
+            config.attention_bias,
+            axes=("embed", ("heads", (h // g + 2) * d)),
+        )  # splits between KV groups
         self.o_proj = linear(config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"))
         if config.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
@@ -167,8 +174,9 @@ class Attention(nnx.Module):
         q, k = self._rope(q, positions), self._rope(k, positions)
         cache = cache.write(positions, k, v)
         if segment_ids is None:  # `attend` counts each row's entries including the T new ones
-            out = attend(q, cache.k, cache.v, positions[:, -1] + 1, scale=c.attention_scale,
-                         impl=c.attention_impl)  # [B, T, H, D]
+            out = attend(
+                q, cache.k, cache.v, positions[:, -1] + 1, scale=c.attention_scale, impl=c.attention_impl
+            )  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only
             out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, num_new, h * d)), cache

@@ -52,8 +52,13 @@ class DecoderLayer(nnx.Module):
         cache_type = MLACache if self.config.attention_type == "mla" else KVCache
         return cache_type.init(self.config, batch_size, max_length)
 
-    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: KVCache | MLACache,
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, KVCache | MLACache]:
+    def __call__(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        cache: KVCache | MLACache,
+        segment_ids: Int[Array, "B T"] | None = None,
+    ) -> tuple[jax.Array, KVCache | MLACache]:
         """x + attn(norm(x)), then + ffn(norm(.)), for T new tokens at `positions`; returns it and the cache.
 
         Raises ValueError for `segment_ids` (packed training rows) with MLA, which has no segment mask yet.
@@ -95,8 +100,13 @@ class DecoderStack(nnx.Module):
         one = self.layer.init_cache(batch_size, max_length)
         return StackedCache(jax.tree.map(lambda x: jnp.zeros((self.num_layers, *x.shape), x.dtype), one))
 
-    def __call__(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], cache: StackedCache,
-                 segment_ids: Int[Array, "B T"] | None = None) -> tuple[jax.Array, StackedCache]:
+    def __call__(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        cache: StackedCache,
+        segment_ids: Int[Array, "B T"] | None = None,
+    ) -> tuple[jax.Array, StackedCache]:
         """`DecoderLayer.__call__` of each layer in turn (a scan over the layer axis); returns x and the cache.
 
         The stacked cache is the scan's carry: layer i reads slice i and writes it back in place.

@@ -32,8 +32,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
         width = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_up_proj = linear(config, config.hidden_size, 2 * width, rngs,
-                                   axes=("embed", ("mlp", 2)))  # splits between (gate, up) pairs
+        self.gate_up_proj = linear(
+            config, config.hidden_size, 2 * width, rngs, axes=("embed", ("mlp", 2))
+        )  # splits between (gate, up) pairs
         self.down_proj = linear(config, width, config.hidden_size, rngs, axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:

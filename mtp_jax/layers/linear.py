@@ -10,8 +10,9 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None,
-                **kwargs) -> jax.Array:
+def dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
+) -> jax.Array:
     """`jax.lax.dot_general`, with half-precision operands on the CPU backend accumulated in float32:
     the result is `preferred_element_type` when given, else float32 cast back to the operands' dtype.
 
@@ -28,23 +29,32 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
     """
     half = lhs.dtype in (jnp.bfloat16, jnp.float16) and rhs.dtype == lhs.dtype
     if not half or jax.default_backend() != "cpu":
-        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                   preferred_element_type=preferred_element_type, **kwargs)
+        return jax.lax.dot_general(
+            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, **kwargs
+        )
     out_dtype = lhs.dtype if preferred_element_type is None else preferred_element_type
     (lhs_contract, _), (lhs_batch, _) = dimension_numbers
     free = [axis for axis in range(lhs.ndim) if axis not in (*lhs_contract, *lhs_batch)]
     pad = not lhs_batch and bool(free) and all(lhs.shape[axis] == 1 for axis in free)
     if pad:  # one row: [.., 1, ..] -> [.., 2, ..] on its first free axis, the second row zeros
         lhs = jnp.pad(lhs, [(0, 1 if axis == free[0] else 0) for axis in range(lhs.ndim)])
-    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                              preferred_element_type=jnp.float32, **kwargs)
+    out = jax.lax.dot_general(
+        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32, **kwargs
+    )
     if pad:  # the result's leading axes are lhs's free axes, in order: row 0 of the first is the real one
         out = jax.lax.slice_in_dim(out, 0, 1, axis=0)
     return out.astype(out_dtype)
 
 
-def linear(config: ModelConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, bias: bool = False, *,
-           axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None]) -> nnx.Linear:
+def linear(
+    config: ModelConfig,
+    fan_in: int,
+    fan_out: int,
+    rngs: nnx.Rngs,
+    bias: bool = False,
+    *,
+    axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None],
+) -> nnx.Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
     `config.compute_dtype` (through `dot_general`: on a CPU, half precision accumulated in float32);
     an optional bias (zeros).

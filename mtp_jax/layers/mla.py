@@ -57,8 +57,10 @@ class MLACache:
     k_rope: jax.Array
 
     # `mtp_jax.sharding` names (`mtp_jax.cache.logical_axes`): no head axis, so whole over `tensor`.
-    LOGICAL_AXES: ClassVar[dict[str, P]] = {"latent": P("batch", "cache_sequence", "latent"),
-                                             "k_rope": P("batch", "cache_sequence", None)}
+    LOGICAL_AXES: ClassVar[dict[str, P]] = {
+        "latent": P("batch", "cache_sequence", "latent"),
+        "k_rope": P("batch", "cache_sequence", None),
+    }
 
     @property
     def max_length(self) -> int:
@@ -76,11 +78,13 @@ class MLACache:
             k_rope=jnp.zeros((batch_size, max_length, config.qk_rope_head_dim), dtype),
         )
 
-    def write(self, positions: Int[Array, "B T"], latent: Float[Array, "B T C"],
-              k_rope: Float[Array, "B T R"]) -> MLACache:
+    def write(
+        self, positions: Int[Array, "B T"], latent: Float[Array, "B T C"], k_rope: Float[Array, "B T R"]
+    ) -> MLACache:
         """The cache with the new entries at `positions` (outside [0, S): dropped, never clamped)."""
-        return MLACache(latent=write_at(self.latent, latent, positions),
-                        k_rope=write_at(self.k_rope, k_rope, positions))
+        return MLACache(
+            latent=write_at(self.latent, latent, positions), k_rope=write_at(self.k_rope, k_rope, positions)
+        )
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -121,18 +125,26 @@ class MLAttention(nnx.Module):
         kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank is None:
             self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", ("heads", qk_dim)))
-            self.kv_a_proj_with_mqa = linear(c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias,
-                                             axes=("embed", None))
+            self.kv_a_proj_with_mqa = linear(
+                c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias, axes=("embed", None)
+            )
         else:
-            self.fused_qkv_a_proj = linear(c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias,
-                                           axes=("embed", None))
+            self.fused_qkv_a_proj = linear(
+                c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias, axes=("embed", None)
+            )
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
             self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", ("heads", qk_dim)))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
-        self.kv_b_proj = linear(c, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), rngs,
-                                 axes=("latent", ("heads", c.qk_nope_head_dim + c.v_head_dim)))
-        self.o_proj = linear(c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias,
-                             axes=(("heads", c.v_head_dim), "embed"))
+        self.kv_b_proj = linear(
+            c,
+            c.kv_lora_rank,
+            heads * (c.qk_nope_head_dim + c.v_head_dim),
+            rngs,
+            axes=("latent", ("heads", c.qk_nope_head_dim + c.v_head_dim)),
+        )
+        self.o_proj = linear(
+            c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias, axes=(("heads", c.v_head_dim), "embed")
+        )
 
     def __call__(
         self,
@@ -166,12 +178,12 @@ class MLAttention(nnx.Module):
             q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)  # [B, T, H (N + R)], [B, T, C + R]
         else:
             qkv_a = self.fused_qkv_a_proj(x)  # [B, T, q_lora_rank + C + R]
-            q_a, kv = qkv_a[..., : c.q_lora_rank], qkv_a[..., c.q_lora_rank:]  # [B, T, q_lora_rank], [B, T, C + R]
+            q_a, kv = qkv_a[..., : c.q_lora_rank], qkv_a[..., c.q_lora_rank :]  # [B, T, q_lora_rank], [B, T, C + R]
             q = self.q_b_proj(self.q_a_layernorm(q_a))  # [B, T, H (N + R)]
         q = q.reshape(batch, num_new, heads, nope + rope)  # [B, T, H, N + R]
         q_nope, q_rope = q[..., :nope], self._rope(q[..., nope:], positions)  # [B, T, H, N], [B, T, H, R]
         latent = self.kv_a_layernorm(kv[..., : c.kv_lora_rank])  # [B, T, C]
-        k_rope = self._rope(kv[..., None, c.kv_lora_rank:], positions)[:, :, 0]  # [B, T, 1, R] -> [B, T, R]
+        k_rope = self._rope(kv[..., None, c.kv_lora_rank :], positions)[:, :, 0]  # [B, T, 1, R] -> [B, T, R]
 
         cache = cache.write(positions, latent, k_rope)
 

@@ -124,22 +124,31 @@ class Router(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         shape = (config.n_routed_experts, config.hidden_size)
-        self.weight = nnx.Param(nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32),
-                                 logical_axes=(None, "embed"))  # small: whole on every device
+        self.weight = nnx.Param(
+            nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32),
+            logical_axes=(None, "embed"),
+        )  # small: whole on every device
         self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
         logits = jnp.einsum("ne,re->nr", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))  # [N, R]
-        choose = functools.partial(route, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
-                                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
-                                   scoring_func=c.scoring_func)
+        choose = functools.partial(
+            route,
+            top_k=c.num_experts_per_tok,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            scoring_func=c.scoring_func,
+        )
         rows = context_spec(P("batch", None), logits.shape)  # None: no mesh
         if rows is None or rows == P(None, None):
             return choose(logits, self.e_score_correction_bias[...])
         # Row by row, so per device on its rows (GSPMD gathers the rows for lax.top_k otherwise).
-        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows),
-                             check_vma=False)(logits, self.e_score_correction_bias[...])
+        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows), check_vma=False)(
+            logits, self.e_score_correction_bias[...]
+        )
 
 
 class Experts(nnx.Module):
@@ -156,10 +165,12 @@ class Experts(nnx.Module):
         self.config = config
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
-        self.gate_up_proj = nnx.Param(init(rngs.params(), (r, e, 2 * i), config.weight_dtype),
-                                      logical_axes=("experts", "embed", "moe_mlp"))
-        self.down_proj = nnx.Param(init(rngs.params(), (r, i, e), config.weight_dtype),
-                                   logical_axes=("experts", "moe_mlp", "embed"))
+        self.gate_up_proj = nnx.Param(
+            init(rngs.params(), (r, e, 2 * i), config.weight_dtype), logical_axes=("experts", "embed", "moe_mlp")
+        )
+        self.down_proj = nnx.Param(
+            init(rngs.params(), (r, i, e), config.weight_dtype), logical_axes=("experts", "moe_mlp", "embed")
+        )
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
         dtype = self.config.compute_dtype
@@ -170,8 +181,9 @@ class Experts(nnx.Module):
         return _experts_on_mesh(x, indices, weights, gate_up, down, rows)
 
 
-def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                first: jax.Array | int) -> jax.Array:
+def _expert_sum(
+    x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *, first: jax.Array | int
+) -> jax.Array:
     """`Experts.__call__` over the experts `first .. first + R' - 1` that `gate_up` [R', E, 2I] and `down`
     [R', I, E] hold (all R of them, or one device's share under expert parallelism): assignments to
     other experts contribute nothing. Returns [N, E] in x's dtype."""
@@ -193,8 +205,9 @@ def _expert_sum(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: j
     return out.astype(x.dtype)
 
 
-def _experts_on_mesh(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
-                     rows: P) -> jax.Array:
+def _experts_on_mesh(
+    x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, rows: P
+) -> jax.Array:
     """`_expert_sum` per device under `shard_map` on the context mesh (`mtp_jax.sharding`): tokens stay
     where their rows are (`rows`, the batch axes) and whole over `expert`; the experts are split over
     `expert` (n devices): each device runs its R / n experts on every token routed to them, and one
@@ -203,8 +216,10 @@ def _experts_on_mesh(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_
     divide R."""
     num_experts, n = gate_up.shape[0], axis_size("expert")
     if num_experts % n:
-        raise ValueError(f"expert parallelism needs n_routed_experts ({num_experts}) to be a multiple of the "
-                         f"mesh's expert axis ({n})")
+        raise ValueError(
+            f"expert parallelism needs n_routed_experts ({num_experts}) to be a multiple of the "
+            f"mesh's expert axis ({n})"
+        )
     experts = P("expert", None, None)
 
     def local(x, indices, weights, gate_up, down):
@@ -212,8 +227,9 @@ def _experts_on_mesh(x: jax.Array, indices: jax.Array, weights: jax.Array, gate_
         y = _expert_sum(x, indices, weights, gate_up, down, first=first)
         return jax.lax.psum(y, "expert") if n > 1 else y
 
-    return jax.shard_map(local, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
-                         check_vma=False)(x, indices, weights, gate_up, down)
+    return jax.shard_map(local, in_specs=(rows, rows, rows, experts, experts), out_specs=rows, check_vma=False)(
+        x, indices, weights, gate_up, down
+    )
 
 
 class MoE(nnx.Module):
@@ -232,7 +248,9 @@ class MoE(nnx.Module):
         self.experts = Experts(config, rngs)
         self.shared_experts = (
             MLP(config, rngs, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
-            if config.n_shared_experts > 0 else None)
+            if config.n_shared_experts > 0
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, e = x.shape

@@ -60,8 +60,9 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token = template, bos_token, eos_token
         self._template = None
         if template is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             self._template = env.from_string(template)
@@ -90,8 +91,9 @@ class ChatTemplate:
         if not isinstance(template, str):
             return cls()
         try:
-            return cls(template, bos_token=_token_text(config.get("bos_token")),
-                       eos_token=_token_text(config.get("eos_token")))
+            return cls(
+                template, bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token"))
+            )
         except jinja2.TemplateError as error:
             raise ValueError(f"{file}: chat_template does not compile: {error}") from None
 
@@ -102,7 +104,8 @@ class ChatTemplate:
         if self._template is None:
             return plain_prompt(messages)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                         eos_token=self.eos_token)
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+            )
         except Exception as error:  # TemplateError, and whatever a template's expressions raise
             raise ValueError(f"the chat template cannot render these messages: {error}") from None

@@ -54,12 +54,74 @@ from mtp_jax.serving.outputs import FINISH_REASONS, RequestOutput
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                         20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -99,55 +161,84 @@ class PrometheusMetrics:
         def histogram(name, doc, buckets):
             return metric(Histogram, name, doc, buckets=buckets)
 
-        self.num_requests_running = metric(Gauge, "vllm:num_requests_running",
-                                           "Number of requests in model execution batches.")
-        self.num_requests_waiting = metric(Gauge, "vllm:num_requests_waiting",
-                                           "Number of requests waiting to be processed.")
+        self.num_requests_running = metric(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = metric(
+            Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
         self.kv_cache_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labelnames=labels + ("finished_reason",), registry=self.registry)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labelnames=labels + ("finished_reason",),
+            registry=self.registry,
+        )
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
 
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS
+        )
         self.request_time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
-            TOKEN_LATENCY_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
-                                            "Histogram of time spent in WAITING phase for request.",
-                                            REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                              "Histogram of time spent in PREFILL phase for request.",
-                                              REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
-                                             "Histogram of time spent in DECODE phase for request.",
-                                             REQUEST_LATENCY_BUCKETS)
-        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
-                                                "Histogram of time spent in RUNNING phase for request.",
-                                                REQUEST_LATENCY_BUCKETS)
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
 
         if num_speculative_tokens:
-            self.spec_decode_num_drafts = metric(Counter, "vllm:spec_decode_num_drafts",
-                                                 "Number of spec decoding drafts.")
-            self.spec_decode_num_draft_tokens = metric(Counter, "vllm:spec_decode_num_draft_tokens",
-                                                       "Number of draft tokens.")
-            self.spec_decode_num_accepted_tokens = metric(Counter, "vllm:spec_decode_num_accepted_tokens",
-                                                          "Number of accepted tokens.")
-            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                              labelnames=labels + ("position",), registry=self.registry)
-            self.spec_decode_num_accepted_tokens_per_pos = [per_pos.labels(*values, str(j))
-                                                            for j in range(num_speculative_tokens)]
+            self.spec_decode_num_drafts = metric(
+                Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+            )
+            self.spec_decode_num_draft_tokens = metric(
+                Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+            )
+            self.spec_decode_num_accepted_tokens = metric(
+                Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+            )
+            per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labelnames=labels + ("position",),
+                registry=self.registry,
+            )
+            self.spec_decode_num_accepted_tokens_per_pos = [
+                per_pos.labels(*values, str(j)) for j in range(num_speculative_tokens)
+            ]
 
     # ------------------------------------------------------------------------------------------
     # The engine's listener

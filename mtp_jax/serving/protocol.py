@@ -40,14 +40,22 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 class RequestError(ValueError):
     """A request the server refuses (400 unless `status` says otherwise), naming the parameter."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error JSON."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -118,10 +126,17 @@ class _Sampled(BaseModel):
         top_k = self.top_k or 0
         sampling = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
-            seed=secrets.randbits(32) if self.seed is None else self.seed)
-        return dict(max_tokens=self.resolved_max_tokens(), sampling=sampling, stop=tuple(self.stop or ()),
-                    stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos))
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            seed=secrets.randbits(32) if self.seed is None else self.seed,
+        )
+        return dict(
+            max_tokens=self.resolved_max_tokens(),
+            sampling=sampling,
+            stop=tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -218,8 +233,11 @@ class ChatCompletionRequest(_Sampled):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def token_strings(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
@@ -239,37 +257,85 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: li
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float]) -> dict:
     """The chat `logprobs` object (`top_logprobs` empty: only the chosen tokens)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(token_strings(tokenizer, token_ids), logprobs, strict=True)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(token_strings(tokenizer, token_ids), logprobs, strict=True)
+        ]
+    }
 
 
 def _envelope(kind: str, request_id: str, model: str, created: int | None) -> dict:
-    return {"id": request_id, "object": kind, "created": int(time.time()) if created is None else created,
-            "model": model}
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+    }
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        stop_reason: str | int | None, usage_: dict | None, logprobs: dict | None = None, *,
-                        created: int | None = None) -> dict:
+def completion_response(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    usage_: dict | None,
+    logprobs: dict | None = None,
+    *,
+    created: int | None = None,
+) -> dict:
     """A `text_completion` object (also each streamed chunk's shape, with `usage` null until the end)."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-              "stop_reason": stop_reason}
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return {**_envelope("text_completion", request_id, model, created), "choices": [choice], "usage": usage_}
 
 
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None, stop_reason: str | int | None,
-                  usage_: dict, logprobs: dict | None = None, *, created: int | None = None) -> dict:
+def chat_response(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    usage_: dict,
+    logprobs: dict | None = None,
+    *,
+    created: int | None = None,
+) -> dict:
     """A `chat.completion` object."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return {**_envelope("chat.completion", request_id, model, created), "choices": [choice], "usage": usage_}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
-               stop_reason: str | int | None = None, logprobs: dict | None = None, *, created: int) -> dict:
+def chat_chunk(
+    request_id: str,
+    model: str,
+    delta: dict,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    logprobs: dict | None = None,
+    *,
+    created: int,
+) -> dict:
     """A `chat.completion.chunk` with one choice."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-              "stop_reason": stop_reason}
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return {**_envelope("chat.completion.chunk", request_id, model, created), "choices": [choice], "usage": None}
 
 

@@ -43,24 +43,43 @@ class ServedRequest:
     text_end: int | None = None  # where a stop string cut the text
 
     @classmethod
-    def checked(cls, config: ModelConfig, prompt: Sequence[int], *, max_length: int, max_tokens: int | None,
-                sampling: SamplingParams | None, stop_token_ids: Iterable[int], ignore_eos: bool, stop: Iterable[str],
-                tokenizer: Tokenizer | None, oracle: bool, oracle_tokens: Sequence[int] | None,
-                num_speculative_tokens: int) -> ServedRequest:
+    def checked(
+        cls,
+        config: ModelConfig,
+        prompt: Sequence[int],
+        *,
+        max_length: int,
+        max_tokens: int | None,
+        sampling: SamplingParams | None,
+        stop_token_ids: Iterable[int],
+        ignore_eos: bool,
+        stop: Iterable[str],
+        tokenizer: Tokenizer | None,
+        oracle: bool,
+        oracle_tokens: Sequence[int] | None,
+        num_speculative_tokens: int,
+    ) -> ServedRequest:
         """A request checked as `ServingEngine.add_request` documents (its arguments, raising its errors),
         not yet given its id and arrival time."""
         eos = [] if ignore_eos else list(config.eos_token_ids)
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
-        checked = check_request(config, [prompt], max_new_tokens=1 if max_tokens is None else max_tokens,
-                                sampling=sampling, max_length=max_length,
-                                stop_tokens=eos + list(stop_token_ids))
+        checked = check_request(
+            config,
+            [prompt],
+            max_new_tokens=1 if max_tokens is None else max_tokens,
+            sampling=sampling,
+            max_length=max_length,
+            stop_tokens=eos + list(stop_token_ids),
+        )
         prompt = checked.prompts[0]
         room = max_length - len(prompt)
         max_tokens = room if max_tokens is None else checked.max_new_tokens[0]
         if max_tokens > room:
-            raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens and a slot "
-                             f"holds max_length={max_length} (prompt + max_tokens <= {max_length})")
+            raise ValueError(
+                f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens and a slot "
+                f"holds max_length={max_length} (prompt + max_tokens <= {max_length})"
+            )
         if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
             raise TypeError(f"stop must be a list of strings, got {stop!r}")
         stop = tuple(s for s in stop)
@@ -72,13 +91,24 @@ class ServedRequest:
             raise ValueError("oracle_tokens is required with speculative method 'oracle' and only there")
         if oracle:
             oracle_tokens = np.asarray(oracle_tokens)
-            if oracle_tokens.ndim != 1 or not np.issubdtype(oracle_tokens.dtype, np.integer) or len(
-                    oracle_tokens) > max_length:
+            if (
+                oracle_tokens.ndim != 1
+                or not np.issubdtype(oracle_tokens.dtype, np.integer)
+                or len(oracle_tokens) > max_length
+            ):
                 raise ValueError(f"oracle_tokens must be at most max_length={max_length} int token ids")
-        return cls(id="", prompt=prompt, max_tokens=max_tokens, sampling=checked.sampling[0],
-                   stop_token_ids=checked.stop_tokens, eos_ids=frozenset(eos), stop=stop, oracle_tokens=oracle_tokens,
-                   metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=num_speculative_tokens),
-                   text=None if tokenizer is None else TextStream(tokenizer))
+        return cls(
+            id="",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=checked.sampling[0],
+            stop_token_ids=checked.stop_tokens,
+            eos_ids=frozenset(eos),
+            stop=stop,
+            oracle_tokens=oracle_tokens,
+            metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=num_speculative_tokens),
+            text=None if tokenizer is None else TextStream(tokenizer),
+        )
 
     def take(self, tokens: list[int], now: float) -> int:
         """Appends `tokens` (one step's committed block) up to the first stop condition, which sets
@@ -121,6 +151,6 @@ class ServedRequest:
         else:
             self.text.finish()  # what DecodeStream held back at the end
             end = len(self.text.text)
-        piece = self.text.text[self.text_sent: max(end, self.text_sent)]
+        piece = self.text.text[self.text_sent : max(end, self.text_sent)]
         self.text_sent = max(end, self.text_sent)
         return piece

@@ -54,6 +54,7 @@ from mtp_jax.validation import is_integer
 
 __all__ = ["FINISH_REASONS", "QueueFull", "RequestMetrics", "RequestOutput", "ServingEngine"]
 
+
 class QueueFull(RuntimeError):
     """`add_request` when `max_queue` requests are already waiting (the server answers 429)."""
 
@@ -93,20 +94,35 @@ class ServingEngine:
     Method "oracle" (tests, benchmarks) drafts each request's `oracle_tokens` (`add_request`).
     """
 
-    def __init__(self, model: Transformer, speculative: SpeculativeConfig | None = None, *,
-                 tokenizer: Tokenizer | None = None, max_batch: int = 8, max_length: int | None = None,
-                 prefill_chunk: int = 64, max_queue: int = 256, mesh: Mesh | None = None,
-                 clock: Callable[[], float] = time.perf_counter, stats=None):
+    def __init__(
+        self,
+        model: Transformer,
+        speculative: SpeculativeConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        max_batch: int = 8,
+        max_length: int | None = None,
+        prefill_chunk: int = 64,
+        max_queue: int = 256,
+        mesh: Mesh | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        stats=None,
+    ):
         config = model.config
         max_length = config.max_position_embeddings if max_length is None else max_length
         k = 0 if speculative is None else speculative.num_speculative_tokens
-        for name, value, low in (("max_batch", max_batch, 1), ("max_length", max_length, 2),
-                                 ("prefill_chunk", prefill_chunk, max(1, k + 1)), ("max_queue", max_queue, 1)):
+        for name, value, low in (
+            ("max_batch", max_batch, 1),
+            ("max_length", max_length, 2),
+            ("prefill_chunk", prefill_chunk, max(1, k + 1)),
+            ("max_queue", max_queue, 1),
+        ):
             if not is_integer(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if max_length > config.max_position_embeddings:
-            raise ValueError(f"max_length={max_length} exceeds config.max_position_embeddings="
-                             f"{config.max_position_embeddings}")
+            raise ValueError(
+                f"max_length={max_length} exceeds config.max_position_embeddings={config.max_position_embeddings}"
+            )
         rows = batch_rows(mesh)
         if max_batch % rows:
             raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
@@ -118,8 +134,12 @@ class ServingEngine:
         self._staging_rows = rows
         self._oracle = speculative is not None and speculative.method == "oracle"
         state, _ = self.decode.init_state(
-            [[0]] * self.max_batch, max_new_tokens=1, max_length=self.max_length, stop_tokens=[],
-            oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None)
+            [[0]] * self.max_batch,
+            max_new_tokens=1,
+            max_length=self.max_length,
+            stop_tokens=[],
+            oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None,
+        )
         self._state = self.decode.release(self._placed(state), np.ones(self.max_batch, bool))  # every slot free
         self._slots: list[ServedRequest | None] = [None] * self.max_batch
         self._waiting: collections.deque[ServedRequest] = collections.deque()
@@ -132,10 +152,18 @@ class ServingEngine:
     # ------------------------------------------------------------------------------------------
     # Requests in
 
-    def add_request(self, prompt: Sequence[int], *, max_tokens: int | None = None,
-                    sampling: SamplingParams | None = None, stop_token_ids: Iterable[int] = (),
-                    ignore_eos: bool = False, stop: Iterable[str] = (), request_id: str | None = None,
-                    oracle_tokens: Sequence[int] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        stop: Iterable[str] = (),
+        request_id: str | None = None,
+        oracle_tokens: Sequence[int] | None = None,
+    ) -> str:
         """Queues a request; returns its id. Any thread.
 
         prompt: token ids. max_tokens: tokens to generate, default all the slot holds (max_length -
@@ -150,9 +178,19 @@ class ServingEngine:
         use, ...) and `QueueFull` when `max_queue` requests wait already.
         """
         request = ServedRequest.checked(
-            self.model.config, prompt, max_length=self.max_length, max_tokens=max_tokens, sampling=sampling,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, stop=stop, tokenizer=self.tokenizer,
-            oracle=self._oracle, oracle_tokens=oracle_tokens, num_speculative_tokens=self.num_speculative_tokens)
+            self.model.config,
+            prompt,
+            max_length=self.max_length,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            stop=stop,
+            tokenizer=self.tokenizer,
+            oracle=self._oracle,
+            oracle_tokens=oracle_tokens,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
         now = self.clock()
         with self._lock:
             if request_id is None:
@@ -160,8 +198,10 @@ class ServingEngine:
             if request_id in self._ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} requests waiting, max_queue="
-                                f"{self.max_queue}); retry later")
+                raise QueueFull(
+                    f"the request queue is full ({self.max_queue} requests waiting, max_queue="
+                    f"{self.max_queue}); retry later"
+                )
             request.id, request.metrics.arrival_time = request_id, now
             self._ids.add(request_id)
             self._waiting.append(request)
@@ -240,9 +280,16 @@ class ServingEngine:
         try:
             for n in range(3):
                 before = self.compiled_counts()
-                ids = [self.add_request(p, max_tokens=min(2, self.max_length - len(p)), ignore_eos=True,
-                                        request_id=f"warm-up-{n}-{i}", oracle_tokens=p if self._oracle else None)
-                       for i, p in enumerate(prompts)]
+                ids = [
+                    self.add_request(
+                        p,
+                        max_tokens=min(2, self.max_length - len(p)),
+                        ignore_eos=True,
+                        request_id=f"warm-up-{n}-{i}",
+                        oracle_tokens=p if self._oracle else None,
+                    )
+                    for i, p in enumerate(prompts)
+                ]
                 while any(i in self._ids for i in ids):
                     self.step()
                 if self.compiled_counts() == before:
@@ -272,7 +319,8 @@ class ServingEngine:
     def _decode_step(self) -> list[RequestOutput]:
         self._state, out = self.decode.step_with_output(self._state)
         num, tokens, logprobs, accepted, done = to_host(
-            (out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done))
+            (out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)
+        )
         now = self.clock()
         outputs, released = [], np.zeros(self.max_batch, bool)
         for slot, r in enumerate(self._slots):
@@ -324,9 +372,13 @@ class ServingEngine:
             oracle = np.zeros((self._staging_rows, self.max_length), np.int32)
             oracle[0, : len(request.oracle_tokens)] = request.oracle_tokens
         state, _ = self.decode.init_state(
-            [request.prompt] + [[0]] * dummies, max_new_tokens=[request.max_tokens] + [1] * dummies,
-            sampling=[request.sampling] + [SamplingParams()] * dummies, max_length=self.max_length,
-            stop_tokens=request.stop_token_ids, oracle_tokens=oracle)
+            [request.prompt] + [[0]] * dummies,
+            max_new_tokens=[request.max_tokens] + [1] * dummies,
+            sampling=[request.sampling] + [SamplingParams()] * dummies,
+            max_length=self.max_length,
+            stop_tokens=request.stop_token_ids,
+            oracle_tokens=oracle,
+        )
         state = self._placed(state)
         self._staging = _Staging(request=request, state=state, slot=free[0])  # the slot stays free until then
         return True
@@ -341,7 +393,7 @@ class ServingEngine:
     def _prefill_chunk(self, staging: _Staging, final: bool) -> None:
         prompt, size, start = staging.request.prompt, self.prefill_chunk, staging.start
         chunk = np.zeros((self._staging_rows, size), np.int32)
-        part = prompt[start: start + size]
+        part = prompt[start : start + size]
         chunk[0, : len(part)] = part
         starts = np.zeros(self._staging_rows, np.int32)
         starts[0] = start
@@ -367,12 +419,20 @@ class ServingEngine:
     # ------------------------------------------------------------------------------------------
     # Host-side bookkeeping
 
-    def _absorb(self, r: ServedRequest, tokens: list[int], logprobs: list[float], num_committed: int,
-                num_accepted: int, now: float) -> RequestOutput:
+    def _absorb(
+        self,
+        r: ServedRequest,
+        tokens: list[int],
+        logprobs: list[float],
+        num_committed: int,
+        num_accepted: int,
+        now: float,
+    ) -> RequestOutput:
         """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
         taken = r.take(tokens, now)
-        return self._output(r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed,
-                            min(num_accepted, taken), now)
+        return self._output(
+            r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed, min(num_accepted, taken), now
+        )
 
     def _output(self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
         if r.finish_reason is not None:
@@ -381,12 +441,20 @@ class ServingEngine:
                 self._slots[r.slot] = None
             with self._lock:
                 self._ids.discard(r.id)
-        return RequestOutput(request_id=r.id, token_ids=tokens, logprobs=logprobs, text=text,
-                             num_committed=num_committed, num_accepted=num_accepted, prompt_tokens=len(r.prompt),
-                             completion_tokens=len(r.token_ids), finish_reason=r.finish_reason,
-                             stop_reason=r.stop_reason, metrics=r.metrics)
+        return RequestOutput(
+            request_id=r.id,
+            token_ids=tokens,
+            logprobs=logprobs,
+            text=text,
+            num_committed=num_committed,
+            num_accepted=num_accepted,
+            prompt_tokens=len(r.prompt),
+            completion_tokens=len(r.token_ids),
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            metrics=r.metrics,
+        )
 
     def _finish(self, r: ServedRequest, reason: str, tokens, logprobs) -> RequestOutput:
         r.finish_reason = reason
-        return self._output(r, tokens, logprobs, r.text_delta() if reason != "abort" else "", 0, 0,
-                            self.clock())
+        return self._output(r, tokens, logprobs, r.text_delta() if reason != "abort" else "", 0, 0, self.clock())

@@ -48,14 +48,22 @@ from mtp_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, R
 from mtp_jax.serving.scheduler import QueueFull
 
 # The parameter an engine / SamplingParams message is about, first match wins.
-_PARAM_PATTERNS = ((r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"), (r"\bprompt\b", "prompt"),
-                   (r"^temperature\b", "temperature"), (r"^top_k\b", "top_k"), (r"^top_p\b", "top_p"),
-                   (r"^seed\b", "seed"), (r"\bstop tokens?\b|\bstop_token", "stop_token_ids"), (r"^stop\b", "stop"))
+_PARAM_PATTERNS = (
+    (r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"),
+    (r"\bprompt\b", "prompt"),
+    (r"^temperature\b", "temperature"),
+    (r"^top_k\b", "top_k"),
+    (r"^top_p\b", "top_p"),
+    (r"^seed\b", "seed"),
+    (r"\bstop tokens?\b|\bstop_token", "stop_token_ids"),
+    (r"^stop\b", "stop"),
+)
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members in `loc`
 
 
-def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
@@ -79,8 +87,9 @@ def refusal(error: Exception, prompt_param: str = "prompt") -> JSONResponse:
 def _validation_error(error: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 as OpenAI's 400, naming the first offending field."""
     first = error.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p).lower() not in _TYPE_TAGS
-           and "[" not in str(p)]
+    loc = [
+        str(p) for p in first.get("loc", ()) if p != "body" and str(p).lower() not in _TYPE_TAGS and "[" not in str(p)
+    ]
     if first.get("type") == "json_invalid":
         return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     if not loc:
@@ -131,19 +140,29 @@ class _OpenAIServer:
         self.engine, self.tokenizer, self.model_name, self.chat_template = engine, tokenizer, model_name, chat_template
 
     def model_card(self, created: int) -> dict:
-        return {"id": self.model_name, "object": "model", "created": created, "owned_by": "mtp-jax",
-                "max_model_len": self.engine.engine.max_length}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "mtp-jax",
+            "max_model_len": self.engine.engine.max_length,
+        }
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise RequestError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                               "model", status=404, code="model_not_found")
+            raise RequestError(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
 
     def _submit(self, body, prompt_ids: list[int], request_id: str) -> RequestStream:
         return self.engine.add_request(prompt_ids, request_id=request_id, **body.engine_kwargs())
 
     async def _collect(self, stream: RequestStream, request: Request) -> _Collected | None:
         """All the request's outputs; None when the client disconnected first (the request is aborted)."""
+
         async def drain():
             collected = _Collected()
             async for out in stream:
@@ -179,14 +198,27 @@ class _OpenAIServer:
         if done is None:
             return Response(status_code=499)  # nobody reads it
         last = done.last
-        logprobs = None if body.logprobs is None else protocol.completion_logprobs(
-            self.tokenizer, done.token_ids, done.logprobs, 0)
-        return JSONResponse(protocol.completion_response(
-            request_id, self.model_name, "".join(done.text), last.finish_reason, last.stop_reason,
-            protocol.usage(last.prompt_tokens, last.completion_tokens), logprobs, created=created))
+        logprobs = (
+            None
+            if body.logprobs is None
+            else protocol.completion_logprobs(self.tokenizer, done.token_ids, done.logprobs, 0)
+        )
+        return JSONResponse(
+            protocol.completion_response(
+                request_id,
+                self.model_name,
+                "".join(done.text),
+                last.finish_reason,
+                last.stop_reason,
+                protocol.usage(last.prompt_tokens, last.completion_tokens),
+                logprobs,
+                created=created,
+            )
+        )
 
-    async def _completion_events(self, body: CompletionRequest, stream: RequestStream,
-                                 created: int) -> AsyncIterator[str]:
+    async def _completion_events(
+        self, body: CompletionRequest, stream: RequestStream, created: int
+    ) -> AsyncIterator[str]:
         offset, last = 0, None
         try:
             async for out in stream:
@@ -195,13 +227,28 @@ class _OpenAIServer:
                     logprobs = protocol.completion_logprobs(self.tokenizer, out.token_ids, out.logprobs, offset)
                     offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 if out.text or out.finished or logprobs:
-                    yield _sse(protocol.completion_response(stream.request_id, self.model_name, out.text,
-                                                            out.finish_reason, out.stop_reason, None, logprobs,
-                                                            created=created))
+                    yield _sse(
+                        protocol.completion_response(
+                            stream.request_id,
+                            self.model_name,
+                            out.text,
+                            out.finish_reason,
+                            out.stop_reason,
+                            None,
+                            logprobs,
+                            created=created,
+                        )
+                    )
             if body.include_usage:
-                yield _sse(protocol.usage_chunk("text_completion", stream.request_id, self.model_name,
-                                                protocol.usage(last.prompt_tokens, last.completion_tokens),
-                                                created=created))
+                yield _sse(
+                    protocol.usage_chunk(
+                        "text_completion",
+                        stream.request_id,
+                        self.model_name,
+                        protocol.usage(last.prompt_tokens, last.completion_tokens),
+                        created=created,
+                    )
+                )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
         yield "data: [DONE]\n\n"
@@ -235,35 +282,62 @@ class _OpenAIServer:
             return Response(status_code=499)
         last = done.last
         logprobs = protocol.chat_logprobs(self.tokenizer, done.token_ids, done.logprobs) if body.logprobs else None
-        return JSONResponse(protocol.chat_response(
-            request_id, self.model_name, "".join(done.text), last.finish_reason, last.stop_reason,
-            protocol.usage(last.prompt_tokens, last.completion_tokens), logprobs, created=created))
+        return JSONResponse(
+            protocol.chat_response(
+                request_id,
+                self.model_name,
+                "".join(done.text),
+                last.finish_reason,
+                last.stop_reason,
+                protocol.usage(last.prompt_tokens, last.completion_tokens),
+                logprobs,
+                created=created,
+            )
+        )
 
-    async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
-                           created: int) -> AsyncIterator[str]:
+    async def _chat_events(
+        self, body: ChatCompletionRequest, stream: RequestStream, created: int
+    ) -> AsyncIterator[str]:
         rid, last = stream.request_id, None
         try:
-            yield _sse(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""},
-                                           created=created))
+            yield _sse(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, created=created))
             async for out in stream:
                 last = out
-                logprobs = protocol.chat_logprobs(self.tokenizer, out.token_ids, out.logprobs) if (
-                    body.logprobs and out.token_ids) else None
+                logprobs = (
+                    protocol.chat_logprobs(self.tokenizer, out.token_ids, out.logprobs)
+                    if (body.logprobs and out.token_ids)
+                    else None
+                )
                 if out.text or out.finished or logprobs:
                     delta = {"content": out.text} if out.text else {}
-                    yield _sse(protocol.chat_chunk(rid, self.model_name, delta, out.finish_reason, out.stop_reason,
-                                                   logprobs, created=created))
+                    yield _sse(
+                        protocol.chat_chunk(
+                            rid, self.model_name, delta, out.finish_reason, out.stop_reason, logprobs, created=created
+                        )
+                    )
             if body.include_usage:
-                yield _sse(protocol.usage_chunk("chat.completion.chunk", rid, self.model_name,
-                                                protocol.usage(last.prompt_tokens, last.completion_tokens),
-                                                created=created))
+                yield _sse(
+                    protocol.usage_chunk(
+                        "chat.completion.chunk",
+                        rid,
+                        self.model_name,
+                        protocol.usage(last.prompt_tokens, last.completion_tokens),
+                        created=created,
+                    )
+                )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
         yield "data: [DONE]\n\n"
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metrics: PrometheusMetrics | None = None,
-              *, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    metrics: PrometheusMetrics | None = None,
+    *,
+    chat_template: ChatTemplate | None = None,
+) -> FastAPI:
     """The FastAPI app of the endpoints above over `engine` (started and stopped by the caller, see
     `serve`); `chat_template` defaults to the plain one (`ChatTemplate.from_model_dir` reads a
     model's)."""
@@ -305,10 +379,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, metric
     async def health():
         if engine.is_running:
             return {"status": "ok"}
-        return _error(503, f"the engine is not running: {engine.error or 'stopped'}", "server_error",
-                      code="engine_unavailable")
+        return _error(
+            503, f"the engine is not running: {engine.error or 'stopped'}", "server_error", code="engine_unavailable"
+        )
 
     if metrics is not None:
+
         @app.get("/metrics")
         async def prometheus():
             return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -322,10 +398,19 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def serve(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, *, metrics: PrometheusMetrics | None = None,
-          chat_template: ChatTemplate | None = None, host: str = "127.0.0.1", port: int = 8000,
-          sock: socket.socket | None = None, log_level: str = "info",
-          on_listening: Callable[[str], None] | None = None) -> None:
+def serve(
+    engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    *,
+    metrics: PrometheusMetrics | None = None,
+    chat_template: ChatTemplate | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    sock: socket.socket | None = None,
+    log_level: str = "info",
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
     """Serves `build_app(...)` with uvicorn until interrupted (Ctrl-C, SIGTERM): on `sock` (default
     `bind(host, port)`), calls `on_listening(url)`, starts the engine thread, and shuts it down at the
     end (in-flight requests get 5 seconds, then are cancelled and aborted). Closes the socket."""

@@ -42,14 +42,15 @@ class TokenizedSplit:
         return int(self.offsets[-1])
 
     def document(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
 
 def segment_ids_from_documents(document_ids: Int[np.ndarray, "... T"]) -> Int[np.ndarray, "... T"]:
     """Per-row segment ids 1, 2, ...: a new segment starts wherever the document id changes."""
     changes = (document_ids[..., 1:] != document_ids[..., :-1]).astype(np.int32)  # [..., T-1]
-    return np.concatenate([np.ones_like(document_ids[..., :1], np.int32), 1 + np.cumsum(changes, axis=-1,
-                                                                                         dtype=np.int32)], axis=-1)
+    return np.concatenate(
+        [np.ones_like(document_ids[..., :1], np.int32), 1 + np.cumsum(changes, axis=-1, dtype=np.int32)], axis=-1
+    )
 
 
 class PackedBatches:
@@ -101,8 +102,8 @@ class PackedBatches:
             epoch, offset = divmod(start, self.tokens_per_epoch)
             take = min(length, self.tokens_per_epoch - offset)
             epoch_tokens, epoch_docs = self._epoch(epoch)
-            tokens.append(epoch_tokens[offset:offset + take])
-            document_ids.append(epoch_docs[offset:offset + take])
+            tokens.append(epoch_tokens[offset : offset + take])
+            document_ids.append(epoch_docs[offset : offset + take])
             start, length = start + take, length - take
         return np.concatenate(tokens), np.concatenate(document_ids)
 
@@ -119,7 +120,7 @@ class PackedBatches:
             if len(self._rounds) >= 2:
                 del self._rounds[min(self._rounds)]
             self._rounds[round_] = np.random.default_rng([self.seed, round_, 1]).permutation(self.rows_per_round)
-        order = self._rounds[round_][m * self.batch_size:(m + 1) * self.batch_size]
+        order = self._rounds[round_][m * self.batch_size : (m + 1) * self.batch_size]
         return round_ * self.rows_per_round + order
 
     def batch(self, step: int) -> tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]:
@@ -136,8 +137,9 @@ class PackedBatches:
             step += 1
 
 
-def heldout_batches(split: TokenizedSplit, batch_size: int, seq_len: int, *, pad_id: int = 0,
-                    max_batches: int | None = None) -> Iterator[tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]]:
+def heldout_batches(
+    split: TokenizedSplit, batch_size: int, seq_len: int, *, pad_id: int = 0, max_batches: int | None = None
+) -> Iterator[tuple[Int[np.ndarray, "B T"], Int[np.ndarray, "B T"]]]:
     """One pass over `split` in document order: (tokens, segment_ids) int32 [B, T] per batch.
 
     Every token appears exactly once; the last rows are padded with `pad_id` and segment id 0, so

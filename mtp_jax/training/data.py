@@ -95,8 +95,9 @@ def is_heldout(relpath: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION)
     return int.from_bytes(digest[:8], "big") < heldout_fraction * 2**64
 
 
-def split_documents(documents: Mapping[str, str],
-                    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> tuple[dict[str, str], dict[str, str]]:
+def split_documents(
+    documents: Mapping[str, str], heldout_fraction: float = DEFAULT_HELDOUT_FRACTION
+) -> tuple[dict[str, str], dict[str, str]]:
     """(train, heldout): the documents partitioned by `is_heldout`, each sorted by path."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
@@ -136,8 +137,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, min_frequen
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=False,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -198,10 +204,16 @@ def _fingerprint(documents: Mapping[str, str], **settings) -> str:
     return h.hexdigest()
 
 
-def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str] | None = None,
-                   vocab_size: int = 4096, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
-                   tokenizer_path: str | pathlib.Path | None = None, eos_token: str = EOS_TOKEN,
-                   verbose: bool = False) -> Corpus:
+def prepare_corpus(
+    work_dir: str | pathlib.Path,
+    *,
+    documents: Mapping[str, str] | None = None,
+    vocab_size: int = 4096,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    tokenizer_path: str | pathlib.Path | None = None,
+    eos_token: str = EOS_TOKEN,
+    verbose: bool = False,
+) -> Corpus:
     """Split, tokenize and cache a corpus in `work_dir`; reuse the cache when nothing changed.
 
     Args:
@@ -223,9 +235,12 @@ def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str]
     documents = stdlib_documents() if documents is None else dict(documents)
     given_tokenizer = pathlib.Path(tokenizer_path).read_text() if tokenizer_path is not None else None
     fingerprint = _fingerprint(
-        documents, vocab_size=None if given_tokenizer else vocab_size, heldout_fraction=heldout_fraction,
+        documents,
+        vocab_size=None if given_tokenizer else vocab_size,
+        heldout_fraction=heldout_fraction,
         tokenizer=hashlib.sha256(given_tokenizer.encode()).hexdigest() if given_tokenizer else None,
-        eos_token=eos_token)
+        eos_token=eos_token,
+    )
     meta_path = work_dir / "corpus.json"
     names = [f"{split}_{part}.npy" for split in ("train", "heldout") for part in ("tokens", "offsets")]
     if meta_path.exists() and all((work_dir / n).exists() for n in names + ["tokenizer.json"]):
@@ -234,17 +249,23 @@ def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str]
             if verbose:
                 print(f"corpus: using the cache in {work_dir}", file=sys.stderr)
             tokenizer = Tokenizer.from_file(str(work_dir / "tokenizer.json"))
-            train, heldout = (TokenizedSplit(np.load(work_dir / f"{s}_tokens.npy"),
-                                             np.load(work_dir / f"{s}_offsets.npy")) for s in ("train", "heldout"))
+            train, heldout = (
+                TokenizedSplit(np.load(work_dir / f"{s}_tokens.npy"), np.load(work_dir / f"{s}_offsets.npy"))
+                for s in ("train", "heldout")
+            )
             return Corpus(tokenizer, train, heldout, metadata["eos_id"], metadata, work_dir)
 
     train_docs, heldout_docs = split_documents(documents, heldout_fraction)
     if not train_docs or not heldout_docs:
-        raise ValueError(f"both splits need documents: {len(train_docs)} train, {len(heldout_docs)} held out "
-                         f"(of {len(documents)} at heldout_fraction={heldout_fraction})")
+        raise ValueError(
+            f"both splits need documents: {len(train_docs)} train, {len(heldout_docs)} held out "
+            f"(of {len(documents)} at heldout_fraction={heldout_fraction})"
+        )
     if verbose:
-        print(f"corpus: {len(train_docs)} train / {len(heldout_docs)} held-out files; tokenizing into {work_dir}",
-              file=sys.stderr)
+        print(
+            f"corpus: {len(train_docs)} train / {len(heldout_docs)} held-out files; tokenizing into {work_dir}",
+            file=sys.stderr,
+        )
     if given_tokenizer is not None:
         tokenizer = Tokenizer.from_str(given_tokenizer)
     else:
@@ -268,10 +289,15 @@ def prepare_corpus(work_dir: str | pathlib.Path, *, documents: Mapping[str, str]
         "eos_token": eos_token,
         "eos_id": eos_id,
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        **{f"num_{name}_{key}": value for name, docs, split in (("train", train_docs, train),
-                                                                ("heldout", heldout_docs, heldout))
-           for key, value in (("files", len(docs)), ("tokens", split.num_tokens),
-                              ("bytes", sum(len(t.encode("utf-8")) for t in docs.values())))},
+        **{
+            f"num_{name}_{key}": value
+            for name, docs, split in (("train", train_docs, train), ("heldout", heldout_docs, heldout))
+            for key, value in (
+                ("files", len(docs)),
+                ("tokens", split.num_tokens),
+                ("bytes", sum(len(t.encode("utf-8")) for t in docs.values())),
+            )
+        },
     }
     tokenizer.save(str(work_dir / "tokenizer.json"))
     for name, split in (("train", train), ("heldout", heldout)):

@@ -38,10 +38,16 @@ def all_finite(tree) -> jax.Array:
 def non_finite_error(run_dir: pathlib.Path, manager: ocp.CheckpointManager, step: int, what: str) -> NonFiniteError:
     """The error for a non-finite `what` at `step`, naming the run's latest (finite) checkpoint."""
     last = manager.latest_step()
-    where = ("no checkpoint was written" if last is None
-             else f"the last checkpoint, step {last}, is finite and a resume continues from it")
-    return NonFiniteError(f"{what} not finite at step {step} in {run_dir}: stopped without saving it ({where})",
-                          step=step, last_checkpoint=last)
+    where = (
+        "no checkpoint was written"
+        if last is None
+        else f"the last checkpoint, step {last}, is finite and a resume continues from it"
+    )
+    return NonFiniteError(
+        f"{what} not finite at step {step} in {run_dir}: stopped without saving it ({where})",
+        step=step,
+        last_checkpoint=last,
+    )
 
 
 @contextlib.contextmanager
@@ -56,8 +62,11 @@ def stop_requests() -> Iterator[threading.Event]:
         if signum == signal.SIGINT and stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        tqdm.write(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
-                   + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""), file=sys.stderr)
+        tqdm.write(
+            f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
+            + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""),
+            file=sys.stderr,
+        )
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

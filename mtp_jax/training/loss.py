@@ -50,9 +50,13 @@ def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
 
 
-def loss_from_logits(logits: Sequence[Float[Array, "B T V"]], tokens: Int[Array, "B T"],
-                     segment_ids: Int[Array, "B T"], *,
-                     mtp_lambda: float = 0.1) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_from_logits(
+    logits: Sequence[Float[Array, "B T V"]],
+    tokens: Int[Array, "B T"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    mtp_lambda: float = 0.1,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective from precomputed logits: `logits[0]` the main model's, `logits[k]` depth k's.
 
     Args:
@@ -84,8 +88,9 @@ def loss_from_logits(logits: Sequence[Float[Array, "B T V"]], tokens: Int[Array,
     return loss, metrics
 
 
-def compute_loss(model: Transformer, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"], *,
-                 mtp_lambda: float = 0.1) -> tuple[jax.Array, dict[str, jax.Array]]:
+def compute_loss(
+    model: Transformer, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"], *, mtp_lambda: float = 0.1
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """L = L_main + mtp_lambda * mean_k L_MTP_k over a batch of (packed) sequences.
 
     Runs the main model and its `model.mtp` modules with no cache and segment-aware attention,

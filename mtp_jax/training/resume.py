@@ -20,13 +20,15 @@ from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 def check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
     """Raises ValueError when the model cannot train on `corpus` with `train_config`."""
     if corpus.vocab_size > model_config.vocab_size:
-        raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is "
-                         f"{model_config.vocab_size}")
+        raise ValueError(
+            f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is {model_config.vocab_size}"
+        )
     if train_config.mtp_only and model_config.num_nextn_predict_layers == 0:
         raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0 (set it, or --mtp-layers)")
     if train_config.seq_len > model_config.max_position_embeddings:
-        raise ValueError(f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings "
-                         f"({model_config.max_position_embeddings})")
+        raise ValueError(
+            f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings ({model_config.max_position_embeddings})"
+        )
 
 
 def differences(saved, given) -> dict[str, tuple]:
@@ -34,9 +36,13 @@ def differences(saved, given) -> dict[str, tuple]:
     return {k: (v, getattr(given, k)) for k, v in dataclasses.asdict(saved).items() if getattr(given, k) != v}
 
 
-def resume_settings(run_dir: pathlib.Path, corpus: data.Corpus, model_config: ModelConfig | None,
-              train_config: TrainConfig | None,
-              model: Transformer | None) -> tuple[dict, ModelConfig, TrainConfig, TrainConfig]:
+def resume_settings(
+    run_dir: pathlib.Path,
+    corpus: data.Corpus,
+    model_config: ModelConfig | None,
+    train_config: TrainConfig | None,
+    model: Transformer | None,
+) -> tuple[dict, ModelConfig, TrainConfig, TrainConfig]:
     """(run.json dict, model config, saved train config, train config to resume with) of a run."""
     if model is not None:
         raise ValueError("resume restores the model from the checkpoint; do not pass model")
@@ -44,17 +50,24 @@ def resume_settings(run_dir: pathlib.Path, corpus: data.Corpus, model_config: Mo
     saved_model = model_config_from_dict(run["model_config"])
     saved_train = TrainConfig(**run["train_config"])
     if model_config is not None and model_config != saved_model:
-        raise ValueError(f"model_config differs from the run's in {run_dir}: "
-                         + "; ".join(f"{k} (saved {a!r}, given {b!r})"
-                                     for k, (a, b) in differences(saved_model, model_config).items()))
+        raise ValueError(
+            f"model_config differs from the run's in {run_dir}: "
+            + "; ".join(
+                f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in differences(saved_model, model_config).items()
+            )
+        )
     if train_config is None:
         train_config = saved_train
     fixed = {k: d for k, d in differences(saved_train, train_config).items() if k not in RESUMABLE_FIELDS}
     if fixed:
-        raise ValueError(f"train_config differs from the run's in {run_dir} in settings a resume cannot change: "
-                         + "; ".join(f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in fixed.items()))
-    if (run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
-            or corpus.tokenizer_path.read_bytes() != (run_dir / TOKENIZER_FILE).read_bytes()):
+        raise ValueError(
+            f"train_config differs from the run's in {run_dir} in settings a resume cannot change: "
+            + "; ".join(f"{k} (saved {a!r}, given {b!r})" for k, (a, b) in fixed.items())
+        )
+    if (
+        run["corpus"]["fingerprint"] != corpus.metadata["fingerprint"]
+        or corpus.tokenizer_path.read_bytes() != (run_dir / TOKENIZER_FILE).read_bytes()
+    ):
         raise ValueError(f"the corpus or tokenizer differs from the one the run in {run_dir} started with")
     return run, saved_model, saved_train, train_config
 
@@ -62,8 +75,9 @@ def resume_settings(run_dir: pathlib.Path, corpus: data.Corpus, model_config: Mo
 def record_resume(run_dir: pathlib.Path, run: dict, saved: TrainConfig, config: TrainConfig, step: int) -> None:
     """Checks a resume's settings against the restored step and writes changed ones to run.json."""
     if config.num_steps < step:
-        raise ValueError(f"num_steps must be >= {step}, the step of the checkpoint resumed from in {run_dir}, "
-                         f"got {config.num_steps}")
+        raise ValueError(
+            f"num_steps must be >= {step}, the step of the checkpoint resumed from in {run_dir}, got {config.num_steps}"
+        )
     changed = differences(saved, config)
     if changed:
         resumes = [*run.get("resumes", []), {"step": step, "changed": {k: list(d) for k, d in changed.items()}}]

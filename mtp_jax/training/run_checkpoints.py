@@ -48,12 +48,15 @@ def train_shardings(state: TrainState, frozen: nnx.State, mesh: Mesh | None) -> 
     if mesh is None:
         device = SingleDeviceSharding(jax.local_devices()[0])
         return jax.tree.map(lambda _: device, {"train": state, "frozen": frozen})
-    return {"train": train_state_shardings(state, mesh),
-            "frozen": named_shardings(frozen, param_logical_axes(frozen), mesh)}
+    return {
+        "train": train_state_shardings(state, mesh),
+        "frozen": named_shardings(frozen, param_logical_axes(frozen), mesh),
+    }
 
 
-def abstract_train_state(model_config: ModelConfig, train_config: TrainConfig,
-                    mesh: Mesh | None = None) -> tuple[nnx.GraphDef, dict]:
+def abstract_train_state(
+    model_config: ModelConfig, train_config: TrainConfig, mesh: Mesh | None = None
+) -> tuple[nnx.GraphDef, dict]:
     """(graphdef, the abstract {"train": TrainState, "frozen": ...} that a checkpoint restores into).
 
     Each leaf is a `jax.ShapeDtypeStruct` carrying its target sharding (`train_shardings`), so orbax reads
@@ -61,16 +64,23 @@ def abstract_train_state(model_config: ModelConfig, train_config: TrainConfig,
     """
     abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
     graphdef, params, frozen = split_model(abstract, train_config)
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                       opt_state=jax.eval_shape(StaticOptimizer(train_config).tx.init, params))
+    state = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params,
+        opt_state=jax.eval_shape(StaticOptimizer(train_config).tx.init, params),
+    )
     target = {"train": state, "frozen": frozen}
-    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), target,
-                          train_shardings(state, frozen, mesh))
+    target = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        target,
+        train_shardings(state, frozen, mesh),
+    )
     return graphdef, target
 
 
-def load_run(run_dir: str | os.PathLike, step: int | None = None, *,
-             mesh: Mesh | None = None) -> tuple[Transformer, dict]:
+def load_run(
+    run_dir: str | os.PathLike, step: int | None = None, *, mesh: Mesh | None = None
+) -> tuple[Transformer, dict]:
     """The model at checkpoint `step` of a run, and the run's `run.json` dict.
 
     Without `step`, the latest checkpoint that can be restored (falling back past unreadable ones

@@ -51,8 +51,16 @@ CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"
 CORRUPT_DIR = "corrupt_checkpoints"
 # What the trainer writes in a run dir: all that `overwrite` may delete.
-RUN_ENTRIES = (RUN_FILE, LOG_FILE, TOKENIZER_FILE, CHECKPOINTS_DIR, EXPORT_DIR, CORRUPT_DIR,
-               f"{RUN_FILE}.tmp", f"{LOG_FILE}.tmp")
+RUN_ENTRIES = (
+    RUN_FILE,
+    LOG_FILE,
+    TOKENIZER_FILE,
+    CHECKPOINTS_DIR,
+    EXPORT_DIR,
+    CORRUPT_DIR,
+    f"{RUN_FILE}.tmp",
+    f"{LOG_FILE}.tmp",
+)
 
 
 class RunDirInUseError(RuntimeError):
@@ -134,13 +142,17 @@ def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite
         raise FileExistsError(f"run dir {run_dir} exists and is not a directory")
     elif _entries(run_dir):
         if not overwrite:
-            raise FileExistsError(f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
-                                  "its run or overwrite=True (--overwrite) to delete it and start again")
+            raise FileExistsError(
+                f"run dir {run_dir} is not empty: pass resume=True (--resume) to continue "
+                "its run or overwrite=True (--overwrite) to delete it and start again"
+            )
         if not is_run_dir(run_dir):
-            raise FileExistsError(f"{run_dir} is not a run dir (it has no {RUN_FILE} written by "
-                                  "mtp_jax.training.trainer): "
-                                  "overwrite (--overwrite) deletes only a run dir, so nothing was deleted; "
-                                  "pick an empty or new directory")
+            raise FileExistsError(
+                f"{run_dir} is not a run dir (it has no {RUN_FILE} written by "
+                "mtp_jax.training.trainer): "
+                "overwrite (--overwrite) deletes only a run dir, so nothing was deleted; "
+                "pick an empty or new directory"
+            )
     if (run_dir / LOCK_FILE).is_file():
         with locked(run_dir):
             pass
@@ -158,8 +170,10 @@ def locked(run_dir: pathlib.Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise RunDirInUseError(f"run dir {run_dir} is in use by another trainer (process {holder} holds "
-                                   f"{run_dir / LOCK_FILE}); wait for it to end or stop it") from None
+            raise RunDirInUseError(
+                f"run dir {run_dir} is in use by another trainer (process {holder} holds "
+                f"{run_dir / LOCK_FILE}); wait for it to end or stop it"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above; the lock is the flock
         yield
@@ -172,8 +186,9 @@ def _clear_run_dir(run_dir: pathlib.Path, overwrite: bool) -> None:
     if not _entries(run_dir):
         return
     if not overwrite or not is_run_dir(run_dir):  # checked again under the lock: the dir may have changed
-        raise FileExistsError(f"run dir {run_dir} is not empty" + (" and not a run dir" if overwrite else "")
-                              + ": nothing was deleted")
+        raise FileExistsError(
+            f"run dir {run_dir} is not empty" + (" and not a run dir" if overwrite else "") + ": nothing was deleted"
+        )
     for name in RUN_ENTRIES:
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
@@ -232,8 +247,9 @@ def truncate_log(run_dir: pathlib.Path, step: int, num_steps: int) -> int:
 
 def checkpoint_manager(run_dir: pathlib.Path, *, max_to_keep: int) -> ocp.CheckpointManager:
     """The orbax manager of run_dir/checkpoints (synchronous saves, the latest `max_to_keep` kept)."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                           enable_async_checkpointing=False)  # the state is donated next step
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+    )  # the state is donated next step
     return ocp.CheckpointManager((run_dir / CHECKPOINTS_DIR).resolve(), options=options)
 
 
@@ -241,8 +257,11 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: Any, meta:
     """Saves the pytree `state` and JSON `meta` (plus "step") as checkpoint `step`, unless it is the latest."""
     if manager.latest_step() == step:
         return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               meta=ocp.args.JsonSave({**meta, "step": step})), force=True)
+    manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, "step": step})),
+        force=True,
+    )
     manager.wait_until_finished()
 
 
@@ -265,12 +284,14 @@ def restore_checkpoint(manager: ocp.CheckpointManager, run_dir: pathlib.Path, st
     try:
         return _restore(manager, step, target)
     except Exception as error:  # as in restore_latest
-        raise NoUsableCheckpointError(f"checkpoint step {step} in {run_dir / CHECKPOINTS_DIR} cannot be "
-                                      f"restored ({_describe(error)})") from error
+        raise NoUsableCheckpointError(
+            f"checkpoint step {step} in {run_dir / CHECKPOINTS_DIR} cannot be restored ({_describe(error)})"
+        ) from error
 
 
-def restore_latest(manager: ocp.CheckpointManager, run_dir: pathlib.Path, target: Any, *,
-                   move_unreadable: bool) -> tuple[int, Any]:
+def restore_latest(
+    manager: ocp.CheckpointManager, run_dir: pathlib.Path, target: Any, *, move_unreadable: bool
+) -> tuple[int, Any]:
     """(step, state) of the latest checkpoint that can be restored into the abstract pytree `target`.
 
     Later checkpoints that cannot be restored are named in a CheckpointFallbackWarning and, with
@@ -300,9 +321,13 @@ def restore_latest(manager: ocp.CheckpointManager, run_dir: pathlib.Path, target
                     shutil.move(pathlib.Path(manager.directory) / str(bad), moved_to)
                 manager.reload()
                 moved = f"; moved to {aside}"
-            warnings.warn(f"checkpoint step {', '.join(map(str, unreadable))} in {checkpoints} cannot "
-                          f"be restored ({'; '.join(unreadable.values())}); falling back to step {step}{moved}",
-                          CheckpointFallbackWarning, stacklevel=3)
+            warnings.warn(
+                f"checkpoint step {', '.join(map(str, unreadable))} in {checkpoints} cannot "
+                f"be restored ({'; '.join(unreadable.values())}); falling back to step {step}{moved}",
+                CheckpointFallbackWarning,
+                stacklevel=3,
+            )
         return step, restored
-    raise NoUsableCheckpointError(f"no checkpoint in {checkpoints} can be restored: "
-                                  + "; ".join(f"step {s}: {e}" for s, e in unreadable.items()))
+    raise NoUsableCheckpointError(
+        f"no checkpoint in {checkpoints} can be restored: " + "; ".join(f"step {s}: {e}" for s, e in unreadable.items())
+    )

@@ -82,8 +82,9 @@ class TrainConfig:
         if not 0 <= self.warmup_steps <= self.num_steps:
             raise ValueError(f"warmup_steps must be in [0, num_steps={self.num_steps}], got {self.warmup_steps}")
         if not self.learning_rate > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need learning_rate > 0 and min_lr_ratio in [0, 1], got {self.learning_rate}, "
-                             f"{self.min_lr_ratio}")
+            raise ValueError(
+                f"need learning_rate > 0 and min_lr_ratio in [0, 1], got {self.learning_rate}, {self.min_lr_ratio}"
+            )
         for name in ("weight_decay", "grad_clip_norm", "mtp_lambda", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -111,8 +112,12 @@ RESUMABLE_FIELDS = ("num_steps", "checkpoint_every", "keep_checkpoints", "eval_e
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
     """Linear warm-up from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio * learning_rate`."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-        decay_steps=config.num_steps, end_value=config.learning_rate * config.min_lr_ratio)
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        decay_steps=config.num_steps,
+        end_value=config.learning_rate * config.min_lr_ratio,
+    )
 
 
 class StaticOptimizer:
@@ -121,14 +126,32 @@ class StaticOptimizer:
     def __init__(self, config: TrainConfig):
         self.config = config
         clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
-        self.tx = optax.chain(*clip, optax.adamw(
-            learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
-            weight_decay=config.weight_decay, mask=_decayed))
+        self.tx = optax.chain(
+            *clip,
+            optax.adamw(
+                learning_rate_schedule(config),
+                b1=config.b1,
+                b2=config.b2,
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+                mask=_decayed,
+            ),
+        )
 
     def _key(self) -> tuple:
         c = self.config
-        return (c.learning_rate, c.warmup_steps, c.num_steps, c.min_lr_ratio, c.weight_decay, c.b1, c.b2, c.eps,
-                c.grad_clip_norm, c.mtp_lambda)
+        return (
+            c.learning_rate,
+            c.warmup_steps,
+            c.num_steps,
+            c.min_lr_ratio,
+            c.weight_decay,
+            c.b1,
+            c.b2,
+            c.eps,
+            c.grad_clip_norm,
+            c.mtp_lambda,
+        )
 
     def __hash__(self):
         return hash(self._key())
@@ -140,6 +163,7 @@ class StaticOptimizer:
 def _decayed(params: nnx.State) -> nnx.State:
     """AdamW's weight-decay mask: True for the matrices (kernels, embeddings, routers, experts), False for norms
     and biases, by the rank of one layer's parameter (a stacked layer group's layer axis does not count)."""
+
     def is_matrix(path, p):
         layer_axes = 1 if getattr(path[0], "key", None) == "layer_groups" else 0  # `ModelConfig.scan_layers`
         return p.ndim - layer_axes >= 2
@@ -186,8 +210,7 @@ def train_state_logical_axes(state: TrainState) -> TrainState:
     def mirrors_params(x) -> bool:
         return jax.tree.structure(x) == params_def
 
-    opt_state = jax.tree.map(lambda x: params if mirrors_params(x) else P(), state.opt_state,
-                             is_leaf=mirrors_params)
+    opt_state = jax.tree.map(lambda x: params if mirrors_params(x) else P(), state.opt_state, is_leaf=mirrors_params)
     return TrainState(step=P(), params=params, opt_state=opt_state)
 
 
@@ -209,11 +232,19 @@ def place_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh | None) 
 
 
 @partial(jax.jit, static_argnames=("graphdef", "optimizer"), donate_argnames=("state",))
-def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
-                graphdef: nnx.GraphDef, optimizer: StaticOptimizer) -> tuple[TrainState, dict[str, jax.Array]]:
+def _train_step(
+    state: TrainState,
+    frozen: nnx.State,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: StaticOptimizer,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     def loss_fn(params):
-        return compute_loss(nnx.merge(graphdef, params, frozen), tokens, segment_ids,
-                            mtp_lambda=optimizer.config.mtp_lambda)
+        return compute_loss(
+            nnx.merge(graphdef, params, frozen), tokens, segment_ids, mtp_lambda=optimizer.config.mtp_lambda
+        )
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
@@ -223,9 +254,16 @@ def _train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment
     return constrain_tree(state, train_state_logical_axes(state)), metrics
 
 
-def train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_ids: jax.Array, *,
-               graphdef: nnx.GraphDef, config: TrainConfig,
-               mesh: Mesh | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    frozen: nnx.State,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    config: TrainConfig,
+    mesh: Mesh | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a batch (tokens, segment_ids int32 [B, T]); `state` is donated.
 
     With `mesh`, `state` and `frozen` must already be on it (`sharding.place(state,
@@ -242,20 +280,37 @@ def train_step(state: TrainState, frozen: nnx.State, tokens: jax.Array, segment_
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mtp_lambda"))
-def _eval_step(params: nnx.State, tokens: jax.Array, segment_ids: jax.Array, token_bytes: jax.Array, *,
-               graphdef: nnx.GraphDef, mtp_lambda: float) -> dict[str, jax.Array]:
+def _eval_step(
+    params: nnx.State,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    token_bytes: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    mtp_lambda: float,
+) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
     _, metrics = compute_loss(model, tokens, segment_ids, mtp_lambda=mtp_lambda)
-    counts = {"num_tokens": jnp.sum(label_mask(segment_ids, 1)),
-              "num_bytes": jnp.sum(jnp.where(label_mask(segment_ids, 1), token_bytes[shift_left(tokens, 1)], 0))}
+    counts = {
+        "num_tokens": jnp.sum(label_mask(segment_ids, 1)),
+        "num_bytes": jnp.sum(jnp.where(label_mask(segment_ids, 1), token_bytes[shift_left(tokens, 1)], 0)),
+    }
     for k in range(1, model.config.num_nextn_predict_layers + 1):
         counts[f"num_tokens_{k}"] = jnp.sum(label_mask(segment_ids, k + 1))
     return {**metrics, **counts}
 
 
-def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.ndarray, *, batch_size: int,
-             seq_len: int, mtp_lambda: float = 0.1, max_batches: int | None = None,
-             mesh: Mesh | None = None) -> dict[str, float]:
+def evaluate(
+    model: Transformer,
+    split: data.TokenizedSplit,
+    token_bytes: np.ndarray,
+    *,
+    batch_size: int,
+    seq_len: int,
+    mtp_lambda: float = 0.1,
+    max_batches: int | None = None,
+    mesh: Mesh | None = None,
+) -> dict[str, float]:
     """Held-out metrics over `split` (one pass, `batches.heldout_batches`), pooled over tokens; with `mesh`,
     the model's parameters placed on it by their logical axes and each batch's rows split over data x fsdp.
 
@@ -269,8 +324,10 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
     multiple of the mesh's data x fsdp.
     """
     if batch_size < 1 or seq_len < 2 or (max_batches is not None and max_batches < 1):
-        raise ValueError(f"need batch_size >= 1, seq_len >= 2 and max_batches >= 1 (or None), got batch_size "
-                         f"{batch_size}, seq_len {seq_len}, max_batches {max_batches}")
+        raise ValueError(
+            f"need batch_size >= 1, seq_len >= 2 and max_batches >= 1 (or None), got batch_size "
+            f"{batch_size}, seq_len {seq_len}, max_batches {max_batches}"
+        )
     graphdef, params = nnx.split(model)
     token_bytes = np.asarray(token_bytes)
     if mesh is not None:
@@ -282,8 +339,7 @@ def evaluate(model: Transformer, split: data.TokenizedSplit, token_bytes: np.nda
     for tokens, segment_ids in heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
         tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
         with on_mesh(mesh):
-            m = to_host(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef,
-                                   mtp_lambda=mtp_lambda))
+            m = to_host(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef, mtp_lambda=mtp_lambda))
         weights = {"main_loss": m["num_tokens"]}
         weights.update({f"{name}_{k}": m[f"num_tokens_{k}"] for k in depths for name in ("mtp_loss", "mtp_agreement")})
         for name, weight in weights.items():

@@ -115,10 +115,20 @@ class TrainResult:
     eval_metrics: dict[str, float] | None
 
 
-def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: ModelConfig | None = None,
-          train_config: TrainConfig | None = None, model: Transformer | None = None, resume: bool = False,
-          overwrite: bool = False, stop_at_step: int | None = None, progress: bool = True,
-          export: bool = True, mesh: Mesh | None = None) -> TrainResult:
+def train(
+    run_dir: str | os.PathLike,
+    corpus: data.Corpus,
+    *,
+    model_config: ModelConfig | None = None,
+    train_config: TrainConfig | None = None,
+    model: Transformer | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_at_step: int | None = None,
+    progress: bool = True,
+    export: bool = True,
+    mesh: Mesh | None = None,
+) -> TrainResult:
     """Trains (or resumes) the run in `run_dir` on `corpus` and returns the model.
 
     The run dir is locked for the whole call (one trainer per run dir). Every step's loss and
@@ -182,15 +192,27 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         run_dir.mkdir(parents=True, exist_ok=True)
     with locked(run_dir) if primary else contextlib.nullcontext():
         if resume:
-            run, model_config, saved_train, train_config = resume_settings(run_dir, corpus, model_config, train_config,
-                                                                      model)
+            run, model_config, saved_train, train_config = resume_settings(
+                run_dir, corpus, model_config, train_config, model
+            )
             _check_mesh(train_config, mesh)
         else:
-            corpus_keys = ("fingerprint", "source", "python_version", "vocab_size", "heldout_fraction",
-                           "tokenizer_source")
-            run = {"model_config": config_to_dict(model_config), "train_config": config_to_dict(train_config),
-                   "corpus": {"work_dir": str(corpus.work_dir.resolve()),
-                              **{k: corpus.metadata.get(k) for k in corpus_keys}}}
+            corpus_keys = (
+                "fingerprint",
+                "source",
+                "python_version",
+                "vocab_size",
+                "heldout_fraction",
+                "tokenizer_source",
+            )
+            run = {
+                "model_config": config_to_dict(model_config),
+                "train_config": config_to_dict(train_config),
+                "corpus": {
+                    "work_dir": str(corpus.work_dir.resolve()),
+                    **{k: corpus.metadata.get(k) for k in corpus_keys},
+                },
+            }
             if primary:
                 start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
         _sync("mtp_jax.train: run dir ready")
@@ -208,14 +230,25 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
                 model = model if model is not None else init_model(model_config, train_config.seed)
                 graphdef, params, frozen = split_model(model, train_config)
                 params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
-                state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                   opt_state=make_optimizer(train_config).init(params))
+                state = TrainState(
+                    step=jnp.zeros((), jnp.int32), params=params, opt_state=make_optimizer(train_config).init(params)
+                )
                 if mesh is not None:
                     placed = place({"train": state, "frozen": frozen}, train_shardings(state, frozen, mesh))
                     state, frozen = placed["train"], placed["frozen"]
             end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
-            state, train_metrics, eval_metrics = _fit(run_dir, corpus, manager, graphdef, state, frozen,
-                                                      train_config, end=end, progress=progress and primary, mesh=mesh)
+            state, train_metrics, eval_metrics = _fit(
+                run_dir,
+                corpus,
+                manager,
+                graphdef,
+                state,
+                frozen,
+                train_config,
+                end=end,
+                progress=progress and primary,
+                mesh=mesh,
+            )
         finally:
             manager.close()
         step = int(to_host(state.step))
@@ -224,13 +257,15 @@ def train(run_dir: str | os.PathLike, corpus: data.Corpus, *, model_config: Mode
         if not stopped_early:
             eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step, mesh)
             if export:
-                host = model if jax.process_count() == 1 else nnx.merge(graphdef, to_host(state.params),
-                                                                       to_host(frozen))
+                host = (
+                    model if jax.process_count() == 1 else nnx.merge(graphdef, to_host(state.params), to_host(frozen))
+                )
                 if primary:
                     save_pretrained(host, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
     _sync("mtp_jax.train: done")  # the lock is released: a next call on any process finds the run dir free
-    return TrainResult(model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics,
-                       eval_metrics=eval_metrics)
+    return TrainResult(
+        model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics, eval_metrics=eval_metrics
+    )
 
 
 def _check_mesh(config: TrainConfig, mesh: Mesh | None) -> None:
@@ -273,21 +308,38 @@ def _log(run_dir: pathlib.Path, record: dict) -> None:
         append_log(run_dir, record)
 
 
-def _evaluate_and_log(run_dir: pathlib.Path, model: Transformer, corpus: data.Corpus, config: TrainConfig,
-                      step: int, mesh: Mesh | None) -> dict[str, float]:
-    result = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=config.batch_size,
-                      seq_len=config.seq_len, mtp_lambda=config.mtp_lambda, max_batches=config.eval_batches,
-                      mesh=mesh)
+def _evaluate_and_log(
+    run_dir: pathlib.Path, model: Transformer, corpus: data.Corpus, config: TrainConfig, step: int, mesh: Mesh | None
+) -> dict[str, float]:
+    result = evaluate(
+        model,
+        corpus.heldout,
+        data.token_byte_lengths(corpus.tokenizer),
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        mtp_lambda=config.mtp_lambda,
+        max_batches=config.eval_batches,
+        mesh=mesh,
+    )
     _log(run_dir, {"kind": "eval", "step": step, "tokens": step * config.tokens_per_step, **result})
     if jax.process_index() == 0:
-        tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()),
-                   file=sys.stderr)
+        tqdm.write(f"step {step} held-out: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), file=sys.stderr)
     return result
 
 
-def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointManager, graphdef: nnx.GraphDef,
-         state: TrainState, frozen: nnx.State, config: TrainConfig, *, end: int, progress: bool,
-         mesh: Mesh | None) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
+def _fit(
+    run_dir: pathlib.Path,
+    corpus: data.Corpus,
+    manager: ocp.CheckpointManager,
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    frozen: nnx.State,
+    config: TrainConfig,
+    *,
+    end: int,
+    progress: bool,
+    mesh: Mesh | None,
+) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
     """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics).
 
     With `mesh`, `state` and `frozen` are on it already; each batch is placed (`place_batch`) and every
@@ -310,8 +362,7 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
         while step < end:
             tokens, segment_ids = place_batch(*batches.batch(step), mesh)
             with on_mesh(mesh):
-                state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef,
-                                             optimizer=optimizer)
+                state, metrics = _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=optimizer)
             step += 1
             bar.update(1)
             loss, grad_norm = (float(x) for x in to_host((metrics["loss"], metrics["grad_norm"])))
@@ -324,13 +375,16 @@ def _fit(run_dir: pathlib.Path, corpus: data.Corpus, manager: ocp.CheckpointMana
                 tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
                 train_metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s)
-                _log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step,
-                               **train_metrics})
-                bar.set_postfix(loss=f"{train_metrics['loss']:.3f}", main=f"{train_metrics['main_loss']:.3f}",
-                                tok_s=f"{tokens_per_s:.0f}")
+                _log(run_dir, {"kind": "train", "step": step, "tokens": step * config.tokens_per_step, **train_metrics})
+                bar.set_postfix(
+                    loss=f"{train_metrics['loss']:.3f}",
+                    main=f"{train_metrics['main_loss']:.3f}",
+                    tok_s=f"{tokens_per_s:.0f}",
+                )
             if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
-                eval_metrics = _evaluate_and_log(run_dir, nnx.merge(graphdef, state.params, frozen), corpus, config,
-                                                 step, mesh)
+                eval_metrics = _evaluate_and_log(
+                    run_dir, nnx.merge(graphdef, state.params, frozen), corpus, config, step, mesh
+                )
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
             if step % config.checkpoint_every == 0 or step == end or stop.is_set():
                 with on_mesh(mesh):

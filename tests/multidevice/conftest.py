@@ -6,5 +6,7 @@ import pytest
 
 def pytest_configure(config):
     if jax.device_count() < 8:
-        raise pytest.UsageError("tests/multidevice needs 8 devices: run it with "
-                                "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_multidevice.py does)")
+        raise pytest.UsageError(
+            "tests/multidevice needs 8 devices: run it with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_multidevice.py does)"
+        )

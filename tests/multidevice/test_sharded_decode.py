@@ -27,13 +27,36 @@ from mtp_jax.layers.attention import attend
 from mtp_jax.model import init_model
 from mtp_jax.sharding import argmax_last, make_mesh
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=4, max_position_embeddings=128, num_nextn_predict_layers=2, initializer_range=0.2)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    num_nextn_predict_layers=2,
+    initializer_range=0.2,
+)
 GQA = ModelConfig(**_COMMON)
-DEEPSEEK = ModelConfig(**{**_COMMON, "num_nextn_predict_layers": 1}, attention_type="mla", q_lora_rank=24,
-                       kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_type="moe",
-                       moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-                       n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+DEEPSEEK = ModelConfig(
+    **{**_COMMON, "num_nextn_predict_layers": 1},
+    attention_type="mla",
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+)
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2], [7, 7, 1, 8]]  # mixed lengths, one bucket
 EAGLE = SpeculativeConfig(method="eagle", num_speculative_tokens=2)
 VANILLA = SpeculativeConfig(method="vanilla", num_speculative_tokens=2)
@@ -71,11 +94,11 @@ def one_device(model, spec, **kwargs):
         if "sampling" not in kwargs:
             seqs = np.zeros((len(PROMPTS), CAPACITY), np.int32)
             for b, (prompt, out) in enumerate(zip(PROMPTS, result.tokens, strict=True)):
-                seqs[b, :len(prompt) + len(out)] = prompt + out
+                seqs[b, : len(prompt) + len(out)] = prompt + out
             top2 = jax.lax.top_k(_full_logits(*nnx.split(model), jnp.asarray(seqs)), 2)[0]  # [B, S, 2]
             gaps = top2[..., 0] - top2[..., 1]
             for b, (prompt, out) in enumerate(zip(PROMPTS, result.tokens, strict=True)):
-                assert float(gaps[b, len(prompt) - 1: len(prompt) + len(out) - 1].min()) > 1e-3
+                assert float(gaps[b, len(prompt) - 1 : len(prompt) + len(out) - 1].min()) > 1e-3
         _ONE_DEVICE[key] = result
     return _ONE_DEVICE[key]
 
@@ -83,8 +106,9 @@ def one_device(model, spec, **kwargs):
 @pytest.mark.parametrize("spec", [None, EAGLE, VANILLA], ids=["plain", "eagle", "vanilla"])
 def test_gqa_greedy_on_data_2_tensor_4_equals_one_device(gqa, spec):
     one = one_device(gqa, spec)
-    sharded = generate(gqa, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=spec,
-                       mesh=make_mesh("data=2,tensor=4"))
+    sharded = generate(
+        gqa, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=spec, mesh=make_mesh("data=2,tensor=4")
+    )
     assert sharded.tokens == one.tokens
     assert sharded.finish_reasons == one.finish_reasons
     assert sharded.num_steps == one.num_steps
@@ -96,8 +120,9 @@ def test_gqa_greedy_on_data_2_tensor_4_equals_one_device(gqa, spec):
 @pytest.mark.parametrize("mesh_spec", ["data=2,expert=4", "expert=2,tensor=4"])
 def test_deepseek_v3_expert_parallel_greedy_equals_one_device(deepseek, mesh_spec):
     one = one_device(deepseek, EAGLE)
-    sharded = generate(deepseek, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=EAGLE,
-                       mesh=make_mesh(mesh_spec))
+    sharded = generate(
+        deepseek, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=EAGLE, mesh=make_mesh(mesh_spec)
+    )
     assert sharded.tokens == one.tokens
     assert sharded.metrics == one.metrics
 
@@ -107,8 +132,15 @@ def test_sampled_outputs_equal_one_device_for_the_same_seeds(gqa):
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=2, draft_sampling="sample")
     for speculative in (None, spec):
         one = one_device(gqa, speculative, sampling=tuple(sampling))
-        sharded = generate(gqa, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, sampling=sampling,
-                           speculative=speculative, mesh=make_mesh("data=2,tensor=4"))
+        sharded = generate(
+            gqa,
+            PROMPTS,
+            max_new_tokens=MAX_NEW,
+            max_length=CAPACITY,
+            sampling=sampling,
+            speculative=speculative,
+            mesh=make_mesh("data=2,tensor=4"),
+        )
         assert sharded.tokens == one.tokens
 
 
@@ -160,8 +192,10 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated():
     assert attn["qkv_proj"]["kernel"].sharding.spec == P(None, None)  # 2 KV groups: no whole-group split
     assert attn["o_proj"]["kernel"].sharding.spec == P("tensor", None)  # 4 query heads: one each
     one = generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY)
-    assert generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY,
-                    mesh=make_mesh("data=2,tensor=4")).tokens == one.tokens
+    assert (
+        generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY, mesh=make_mesh("data=2,tensor=4")).tokens
+        == one.tokens
+    )
 
 
 def test_a_batch_the_data_axis_does_not_divide_is_refused(gqa):
@@ -210,8 +244,14 @@ def test_scanned_layers_shard_with_a_leading_layer_axis():
     assert isinstance(state.cache[0], StackedCache)
     assert state.cache[0].layers.k.sharding.spec == P(None, "data", None, "tensor", None)
     one = generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=EAGLE)
-    sharded = generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=EAGLE,
-                       mesh=make_mesh("data=2,tensor=4"))
+    sharded = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=MAX_NEW,
+        max_length=CAPACITY,
+        speculative=EAGLE,
+        mesh=make_mesh("data=2,tensor=4"),
+    )
     assert sharded.tokens == one.tokens
 
 
@@ -227,8 +267,10 @@ def test_the_pallas_kernel_runs_per_shard_and_matches_one_device():
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr
     np.testing.assert_allclose(sharded, attend(q, k, v, lengths, impl="reference"), rtol=1e-5, atol=1e-5)
     one = generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY, speculative=EAGLE)
-    assert generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY, speculative=EAGLE,
-                    mesh=mesh).tokens == one.tokens
+    assert (
+        generate(model, PROMPTS, max_new_tokens=8, max_length=CAPACITY, speculative=EAGLE, mesh=mesh).tokens
+        == one.tokens
+    )
 
 
 def test_the_draft_argmax_combines_vocabulary_shards_with_the_lowest_index_on_ties():
@@ -281,8 +323,7 @@ def test_serving_engine_on_a_mesh_equals_one_device(request, model_name, mesh_sp
 
     model = request.getfixturevalue(model_name)
     one = one_device(model, EAGLE)
-    engine = ServingEngine(model, EAGLE, max_batch=2, max_length=CAPACITY, prefill_chunk=4,
-                           mesh=make_mesh(mesh_spec))
+    engine = ServingEngine(model, EAGLE, max_batch=2, max_length=CAPACITY, prefill_chunk=4, mesh=make_mesh(mesh_spec))
     engine.warm_up()
     compiled = engine.compiled_counts()
     ids, got = [], {}

@@ -34,21 +34,37 @@ from mtp_jax.training import data
 from mtp_jax.training import run_dir as run_dir_lib
 from mtp_jax.training import trainer as train
 
-CONFIG = train.TrainConfig(batch_size=8, seq_len=16, num_steps=3, learning_rate=0.5, warmup_steps=0, eps=1.0,
-                           checkpoint_every=100, log_every=1, eval_batches=1)
+CONFIG = train.TrainConfig(
+    batch_size=8,
+    seq_len=16,
+    num_steps=3,
+    learning_rate=0.5,
+    warmup_steps=0,
+    eps=1.0,
+    checkpoint_every=100,
+    log_every=1,
+    eval_batches=1,
+)
 NUM_STEPS = 2  # steps compared per mesh
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return data.prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=tiny_documents(24), vocab_size=300,
-                               heldout_fraction=0.2)
+    return data.prepare_corpus(
+        tmp_path_factory.mktemp("corpus"), documents=tiny_documents(24), vocab_size=300, heldout_fraction=0.2
+    )
 
 
 @pytest.fixture(scope="module")
 def model_config(corpus):
-    return ModelConfig.from_name("tiny", vocab_size=300, num_hidden_layers=1, num_key_value_heads=4,
-                                 num_nextn_predict_layers=1, eos_token_id=corpus.eos_id)
+    return ModelConfig.from_name(
+        "tiny",
+        vocab_size=300,
+        num_hidden_layers=1,
+        num_key_value_heads=4,
+        num_nextn_predict_layers=1,
+        eos_token_id=corpus.eos_id,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +75,9 @@ def batches(corpus):
 
 def _fresh(model_config, config):
     graphdef, params, frozen = train.split_model(init_model(model_config, seed=0), config)
-    state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                             opt_state=train.make_optimizer(config).init(params))
+    state = train.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=train.make_optimizer(config).init(params)
+    )
     return graphdef, state, frozen
 
 
@@ -74,8 +91,9 @@ def _run(model_config, batches, config, mesh):
     compiled = train._train_step._cache_size()
     losses, norms = [], []
     for tokens, segment_ids in batches:
-        state, metrics = train.train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, config=config,
-                                          mesh=mesh)
+        state, metrics = train.train_step(
+            state, frozen, tokens, segment_ids, graphdef=graphdef, config=config, mesh=mesh
+        )
         loss, norm = sharding.to_host((metrics["loss"], metrics["grad_norm"]))
         losses.append(float(loss))
         norms.append(float(norm))
@@ -102,14 +120,17 @@ def _kernel(tree, *path):
 
 def _assert_trees_close(a, b, rtol, atol):
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=rtol, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(y), np.asarray(x), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 # (mesh, the spec the rules give the attention's qkv_proj kernel [embed, heads] and the embedding [vocab, embed])
-MESHES = [("data=8", P(), P()),  # data parallel: everything replicated
-          ("data=2,fsdp=4", P("fsdp"), P(None, "fsdp")),  # FSDP: the "embed" axis split
-          ("fsdp=2,tensor=4", P("fsdp", "tensor"), P("tensor", "fsdp"))]
+MESHES = [
+    ("data=8", P(), P()),  # data parallel: everything replicated
+    ("data=2,fsdp=4", P("fsdp"), P(None, "fsdp")),  # FSDP: the "embed" axis split
+    ("fsdp=2,tensor=4", P("fsdp", "tensor"), P("tensor", "fsdp")),
+]
 
 
 @pytest.mark.parametrize("spec, qkv_spec, embed_spec", MESHES)
@@ -121,8 +142,10 @@ def test_sharded_steps_equal_the_one_device_steps(model_config, batches, referen
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     initial = jax.tree.leaves(_fresh(model_config, CONFIG)[1].params)
-    moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-                for x, y in zip(jax.tree.leaves(ref_state.params), initial, strict=True))
+    moved = max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(ref_state.params), initial, strict=True)
+    )
     assert moved > 1e-3  # the steps moved the parameters by far more than the tolerance below
     assert int(sharding.to_host(state.step)) == NUM_STEPS
     _assert_trees_close(ref_state.params, state.params, rtol=1e-5, atol=1e-6)
@@ -149,16 +172,29 @@ def test_sharded_steps_equal_the_one_device_steps(model_config, batches, referen
 
 def test_batch_the_mesh_cannot_split_is_refused(tmp_path, corpus, model_config):
     with pytest.raises(ValueError, match=r"batch_size 4 does not fit the mesh: batch size 4 is not a multiple"):
-        train.train(tmp_path / "run", corpus, model_config=model_config, train_config=CONFIG.replace(batch_size=4),
-                    mesh=sharding.make_mesh("fsdp=8"), progress=False, export=False)
+        train.train(
+            tmp_path / "run",
+            corpus,
+            model_config=model_config,
+            train_config=CONFIG.replace(batch_size=4),
+            mesh=sharding.make_mesh("fsdp=8"),
+            progress=False,
+            export=False,
+        )
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, corpus, model_config):
     """CONFIG's run on one device, in one go: what the sharded, resumed and multi-process runs end with."""
-    return train.train(tmp_path_factory.mktemp("straight") / "run", corpus, model_config=model_config,
-                       train_config=CONFIG, progress=False, export=False)
+    return train.train(
+        tmp_path_factory.mktemp("straight") / "run",
+        corpus,
+        model_config=model_config,
+        train_config=CONFIG,
+        progress=False,
+        export=False,
+    )
 
 
 def test_checkpoint_of_one_mesh_restores_and_resumes_on_others(tmp_path, corpus, model_config, batches, straight):
@@ -167,8 +203,16 @@ def test_checkpoint_of_one_mesh_restores_and_resumes_on_others(tmp_path, corpus,
         _run(model_config, batches, CONFIG, mesh)
     compiled = train._train_step._cache_size()
     run_dir = tmp_path / "run"
-    first = train.train(run_dir, corpus, model_config=model_config, train_config=CONFIG, stop_at_step=2,
-                        mesh=saving, progress=False, export=False)
+    first = train.train(
+        run_dir,
+        corpus,
+        model_config=model_config,
+        train_config=CONFIG,
+        stop_at_step=2,
+        mesh=saving,
+        progress=False,
+        export=False,
+    )
     assert first.step == 2 and first.stopped_early
     saved = nnx.state(first.model)
     assert _kernel(saved, "layers", 0, "self_attn", "qkv_proj", "kernel").sharding.spec == P("fsdp")
@@ -219,17 +263,33 @@ def test_two_processes_train_as_one_device(tmp_path, corpus, model_config, strai
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
-    spec = {"coordinator": f"localhost:{port}", "corpus_dir": str(corpus.work_dir), "documents": tiny_documents(24),
-            "model_config": run_dir_lib.config_to_dict(model_config),
-            "train_config": run_dir_lib.config_to_dict(CONFIG), "run_dir": str(run_dir)}
+    spec = {
+        "coordinator": f"localhost:{port}",
+        "corpus_dir": str(corpus.work_dir),
+        "documents": tiny_documents(24),
+        "model_config": run_dir_lib.config_to_dict(model_config),
+        "train_config": run_dir_lib.config_to_dict(CONFIG),
+        "run_dir": str(run_dir),
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     root = pathlib.Path(__file__).parents[2]  # the workers import this tree's mtp_jax, as this process does
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),
+    )
     env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "spec.json"), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(tmp_path / "spec.json"), str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [proc.communicate(timeout=600) for proc in procs]
     finally:
