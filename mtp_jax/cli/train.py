@@ -9,8 +9,6 @@ import dataclasses
 import json
 import pathlib
 import sys
-import types
-import typing
 
 from tokenizers import Tokenizer
 
@@ -21,7 +19,8 @@ from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 from mtp_jax.config import PRESETS, ModelConfig
 from mtp_jax.training import data
 from mtp_jax.training.guards import NonFiniteError
-from mtp_jax.training.run_dir import RunDirInUseError, model_config_from_dict
+from mtp_jax.training.run_dir import RunDirInUseError
+from mtp_jax.training.run_file import read_run_file, saved_model_config, saved_train_config
 from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 from mtp_jax.training.trainer import check_run_dir, train
 
@@ -179,14 +178,14 @@ def _resume_config(
     Raises ValueError naming each flag whose value differs from the run's (saved and given value)
     in a setting a resume cannot change (all but --steps and the bookkeeping flags).
     """
-    saved = _saved_train_config(run_dir, run)
+    saved = saved_train_config(run_dir, run)
     config = _train_config_from_args(args, base=saved)
     differ = [
         f"{_FLAG_OF_FIELD.get(k, k)} (saved {v!r}, given {getattr(config, k)!r})"
         for k, v in dataclasses.asdict(saved).items()
         if getattr(config, k) != v and k not in RESUMABLE_FIELDS
     ]
-    saved_model, saved_corpus = _saved_model_config(run_dir, run), run["corpus"]
+    saved_model, saved_corpus = saved_model_config(run_dir, run), run["corpus"]
     checks = [
         ("--mtp-layers", args.mtp_layers, saved_model.num_nextn_predict_layers),
         ("--dtype", args.dtype, saved_model.dtype),
@@ -246,100 +245,6 @@ def run_train(args: argparse.Namespace) -> int:
 # What is refused before the corpus is prepared (tokenizing it takes minutes on a first run).
 
 
-def _read_run(run_dir: pathlib.Path) -> dict:
-    """run_dir's run.json as far as `--resume` reads it; ValueError naming the file (and the key) otherwise."""
-    file = run_dir / "run.json"
-    try:
-        run = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"{file}: {error.strerror or error}") from None
-    except ValueError as error:  # not UTF-8, not JSON
-        raise ValueError(f"{file}: not valid JSON ({error})") from None
-    if not isinstance(run, dict):
-        raise ValueError(f"{file}: must hold a JSON object, got {_json_kind(run)}")
-    for key in ("train_config", "model_config", "corpus"):
-        if not isinstance(run.get(key), dict):
-            raise ValueError(f"{file}: {key!r} must be a JSON object, got {_json_kind(run.get(key))}")
-    corpus = run["corpus"]
-    if corpus.get("source") == "stdlib":
-        for key, kinds in (("work_dir", str), ("vocab_size", int), ("heldout_fraction", (int, float))):
-            if not isinstance(corpus.get(key), kinds) or isinstance(corpus.get(key), bool):
-                raise ValueError(
-                    f"{file}: corpus.{key} must be {_TYPE_NAMES[kinds]}, got {_json_kind(corpus.get(key))}"
-                )
-    return run
-
-
-_TYPE_NAMES = {
-    int: "an integer",
-    float: "a number",
-    (int, float): "a number",
-    bool: "true or false",
-    str: "a string",
-    type(None): "null",
-}
-
-
-def _json_kind(value) -> str:
-    """`value` (from JSON) and its JSON type, for messages: "'4' (a string)", "nothing" when missing."""
-    if value is None:
-        return "null or nothing"
-    kind = {
-        bool: "true or false",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(value), type(value).__name__)
-    return f"{json.dumps(value)[:60]} ({kind})"
-
-
-def _fits(value, hint) -> bool:
-    """Whether the JSON value `value` is of the annotated type `hint` (int, float, bool, str, a union of them)."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return any(_fits(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _hint_name(hint) -> str:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return " or ".join(_hint_name(h) for h in typing.get_args(hint))
-    return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-def _saved_train_config(run_dir: pathlib.Path, run: dict) -> TrainConfig:
-    """The TrainConfig of run.json's "train_config"; ValueError naming the file and the key it cannot take."""
-    file, saved = run_dir / "run.json", run["train_config"]
-    hints = typing.get_type_hints(TrainConfig)
-    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.init]
-    for key, value in saved.items():
-        if key not in fields:
-            raise ValueError(f"{file}: train_config has an unknown key {key!r} (the keys are {', '.join(fields)})")
-        if not _fits(value, hints[key]):
-            raise ValueError(f"{file}: train_config.{key} must be {_hint_name(hints[key])}, got {_json_kind(value)}")
-    try:
-        return TrainConfig(**saved)
-    except ValueError as error:
-        raise ValueError(f"{file}: train_config: {error}") from None
-
-
-def _saved_model_config(run_dir: pathlib.Path, run: dict) -> ModelConfig:
-    """The ModelConfig of run.json's "model_config"; ValueError naming the file when it cannot be one."""
-    try:
-        return model_config_from_dict(run["model_config"])
-    except KeyError as error:
-        raise ValueError(f"{run_dir / 'run.json'}: model_config has no key {error}") from None
-    except (TypeError, ValueError, AttributeError) as error:
-        raise ValueError(f"{run_dir / 'run.json'}: model_config: {error}") from None
-
-
 def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> None:
     """What `train` would refuse only once the corpus is ready, refused first (ValueError naming `source`,
     the flag): an MLA model (training packs documents into rows, segment_ids, which MLA attention does
@@ -371,9 +276,9 @@ def _train_from_args(args: argparse.Namespace):
     run_dir = pathlib.Path(args.run_dir)
     check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)  # fail before preparing the corpus
     if args.resume:
-        run = _read_run(run_dir)
+        run = read_run_file(run_dir)
         train_config = _resume_config(args, run_dir, run, choice)
-        _refuse_untrainable(_saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
+        _refuse_untrainable(saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
         corpus = corpus_of_run(run_dir, run, args.data_dir)
         return train(
             run_dir,
