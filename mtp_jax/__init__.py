@@ -13,6 +13,7 @@ metrics, fixed shapes).
 from mtp_jax import _moved
 from mtp_jax.cache import KVCache
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, save_pretrained
+from mtp_jax.compilation_cache import enable_compilation_cache
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate, stream
@@ -41,6 +42,7 @@ __all__ = [
     "SpeculativeMetrics",
     "TextStream",
     "Transformer",
+    "enable_compilation_cache",
     "generate",
     "init_model",
     "load_pretrained",

@@ -10,23 +10,15 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 
+from mtp_jax.compilation_cache import (  # noqa: F401  (cache_root: re-exported for the commands)
+    cache_dir_problem,
+    cache_root,
+    default_compilation_cache_dir,
+    set_compilation_cache,
+)
 from mtp_jax.training import data
-
-
-def cache_root() -> pathlib.Path:
-    """Where the CLI keeps what it can rebuild (tokenized corpora, compiled programs): `$MTP_JAX_CACHE`,
-    else `$XDG_CACHE_HOME/mtp_jax`, else `~/.cache/mtp_jax`."""
-    if os.environ.get("MTP_JAX_CACHE"):
-        return pathlib.Path(os.environ["MTP_JAX_CACHE"])
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "mtp_jax"
-
-
-def default_compilation_cache_dir() -> pathlib.Path:
-    """JAX's persistent compilation cache of the CLI: `cache_root() / "jax_cache"`."""
-    return cache_root() / "jax_cache"
 
 
 def bounded(kind: type, low: float, high: float | None = None, *, above: bool = False):
@@ -94,35 +86,18 @@ def add_compilation_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-compilation-cache", action="store_true", help="compile from scratch, cache nothing")
 
 
-def _check_cache_dir(path: pathlib.Path) -> str | None:
-    """Why `path` cannot hold the compilation cache (it is a file, cannot be created or is not writable);
-    None when it can. Creates the directory."""
-    if path.exists() and not path.is_dir():
-        return f"{path} is not a directory"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        return f"{path} is not a writable directory ({error.strerror or error})"
-    return None
-
-
 def configure_compilation_cache(args: argparse.Namespace) -> pathlib.Path | None:
     """Points JAX's persistent compilation cache at the directory the flags choose (None: off) for this
     process; returns it.
 
-    Every compiled function is cached, however quick its compile or small its executable. Raises
+    Every compiled function is cached (`mtp_jax.compilation_cache`). Raises
     ValueError naming --compilation-cache when that directory is a file, cannot be created or is not
     writable; the default directory in that state only gets a warning on stderr, and no cache.
     """
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
     path = (
         None if args.no_compilation_cache else pathlib.Path(args.compilation_cache or default_compilation_cache_dir())
     )
-    problem = None if path is None else _check_cache_dir(path)
+    problem = None if path is None else cache_dir_problem(path)
     if problem and args.compilation_cache:
         raise ValueError(f"--compilation-cache: {problem}")
     if problem:
@@ -132,11 +107,7 @@ def configure_compilation_cache(args: argparse.Namespace) -> pathlib.Path | None
             file=sys.stderr,
         )
         path = None
-    compilation_cache.reset_cache()  # an earlier call in this process may have used another directory
-    jax.config.update("jax_enable_compilation_cache", path is not None)
-    jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    set_compilation_cache(path)
     return path
 
 
