@@ -10,9 +10,12 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
-MOVED = {
+# old path -> the module that holds its names now, or the modules that share them (a new module then
+# carries their public names).
+MOVED: dict[str, str | tuple[str, ...]] = {
     "mtp_jax.acceptance": "mtp_jax.decode.acceptance",
     "mtp_jax.atomic_dir": "mtp_jax.checkpoints.atomic_dir",
     "mtp_jax.checkpoint": "mtp_jax.checkpoints",
@@ -23,7 +26,7 @@ MOVED = {
     "mtp_jax.hf_config": "mtp_jax.checkpoints.hf_config",
     "mtp_jax.loss": "mtp_jax.training.loss",
     "mtp_jax.metrics": "mtp_jax.decode.metrics",
-    "mtp_jax.pretrained": "mtp_jax.checkpoints.pretrained",
+    "mtp_jax.pretrained": ("mtp_jax.checkpoints.pretrained", "mtp_jax.decode.text"),  # TextStream went to decode
     "mtp_jax.request": "mtp_jax.decode.request",
     "mtp_jax.rope": "mtp_jax.layers.rope",
     "mtp_jax.run_dir": "mtp_jax.training.run_dir",
@@ -46,19 +49,28 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def create_module(self, spec):
+        new = MOVED[spec.name]
+        shown = new if isinstance(new, str) else " and ".join(new)
         warnings.warn(
-            f"{spec.name} moved to {MOVED[spec.name]}; the old path goes away in the next release",
+            f"{spec.name} moved to {shown}; the old path goes away in the next release",
             DeprecationWarning,
             stacklevel=2,
         )
-        module = importlib.import_module(MOVED[spec.name])
+        if isinstance(new, tuple):  # a module of its own, with the public names of each
+            module = types.ModuleType(spec.name, f"Deprecated: the names of {shown}.")
+            for source in map(importlib.import_module, new):
+                names = getattr(source, "__all__", [n for n in vars(source) if not n.startswith("_")])
+                module.__dict__.update({n: getattr(source, n) for n in names if n not in module.__dict__})
+            return module
+        module = importlib.import_module(new)
         self._specs[module.__name__] = module.__spec__
         return module
 
     def exec_module(self, module):
         # Already executed under its own name; the import system has just set its __spec__ to the old
-        # path's: give it back its own.
-        module.__spec__ = self._specs[module.__name__]
+        # path's: give it back its own (a module made of several keeps the old path's).
+        if module.__name__ in self._specs:
+            module.__spec__ = self._specs[module.__name__]
 
 
 def install() -> None:

@@ -89,6 +89,7 @@ from mtp_jax.training.run_dir import (
 )
 from mtp_jax.training.run_dir import check_run_dir as check_run_dir_here
 from mtp_jax.training.step import (  # re-exported: part of this module's interface
+    RESUMABLE_FIELDS,  # noqa: F401  (re-exported)
     StaticOptimizer,
     TrainConfig,
     TrainState,
@@ -99,6 +100,7 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
     place_batch,
     split_model,
     train_state_logical_axes,  # noqa: F401  (re-exported)
+    train_state_shardings,  # noqa: F401  (re-exported)
     train_step,  # noqa: F401  (re-exported)
     trainable_filter,  # noqa: F401  (re-exported)
 )
