@@ -39,6 +39,18 @@ MOVED: dict[str, str | tuple[str, ...]] = {
 }
 
 
+def _importer_level() -> int:
+    """The `stacklevel` (from `_Alias.create_module`) of the code that wrote the import. `warnings` skips
+    the import system's internal frames (`importlib._bootstrap`) itself; what is left to pass over are
+    importlib's own functions (`importlib.import_module`) between them and the importing line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and "importlib" in frame.f_code.co_filename:
+        if "_bootstrap" not in frame.f_code.co_filename:
+            level += 1
+        frame = frame.f_back
+    return level
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an old path in `MOVED` and loads it as the module at the new path."""
 
@@ -54,7 +66,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(
             f"{spec.name} moved to {shown}; the old path goes away in the next release",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=_importer_level(),
         )
         if isinstance(new, tuple):  # a module of its own, with the public names of each
             module = types.ModuleType(spec.name, f"Deprecated: the names of {shown}.")
