@@ -29,7 +29,8 @@ import sys
 import numpy as np
 
 import mtp_jax
-from mtp_jax.sharding import initialize_distributed, make_mesh
+from mtp_jax.distributed import initialize_distributed
+from mtp_jax.sharding import make_mesh
 
 PROMPTS = ["def parse_args(argv):\n", "class Stack:\n", "import os\n", "    def __repr__(self):\n"]
 

@@ -12,12 +12,13 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 
-from mtp_jax.compilation_cache import (  # noqa: F401  (cache_root: re-exported for the commands)
+from mtp_jax.compilation_cache import (
     cache_dir_problem,
     cache_root,
     default_compilation_cache_dir,
     set_compilation_cache,
 )
+from mtp_jax.decode.speculative import MAX_SPECULATIVE_TOKENS
 from mtp_jax.training import data
 
 
@@ -67,6 +68,23 @@ def pick_model(positional: str | None, option: str | None, metavar: str) -> tupl
     if given and option is not None:
         raise ValueError(f"{metavar} {positional} and --model {option} both name the model: give one of them")
     return (option, "--model") if option is not None else (positional, metavar)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """`--speculative METHOD` (`default`: the command's) and `--num-speculative-tokens K`, read by
+    `SpeculativeConfig.from_flags`."""
+    parser.add_argument(
+        "--speculative",
+        default=default,
+        choices=["none", "vanilla", "eagle", "parallel"],
+        help=f"MTP speculative decoding method (default {default}; none: plain decoding)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"K, drafts per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 3 for eagle, else the model's MTP modules)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------

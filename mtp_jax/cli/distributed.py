@@ -1,7 +1,7 @@
 """The device flags `mtp-jax generate`, `train` and `serve` share: `--mesh` (`mtp_jax.sharding.make_mesh`)
 and the multi-process ones of `jax.distributed` (`--coordinator-address`, `--num-processes`,
 `--process-id`, each overriding its `JAX_*` environment variable, see
-`mtp_jax.sharding.initialize_distributed`; `--distributed-timeout`)."""
+`mtp_jax.distributed.initialize_distributed`; `--distributed-timeout`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import threading
 from jax.sharding import Mesh
 
 from mtp_jax.cli.common import bounded, name_flags
-from mtp_jax.sharding import MESH_AXES, batch_rows, initialize_distributed, make_mesh, parse_mesh_spec
+from mtp_jax.distributed import initialize_distributed
+from mtp_jax.sharding import MESH_AXES, batch_rows, make_mesh, parse_mesh_spec
 
 # initialize_distributed's arguments, named in its errors, and their flags.
 _DISTRIBUTED_FLAGS = {

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR as DEFAULT_MODEL
-from mtp_jax.cli.common import MODEL_HELP, add_compilation_cache_arguments, configure_compilation_cache, name_flags
+from mtp_jax.cli.common import (
+    MODEL_HELP,
+    add_compilation_cache_arguments,
+    add_speculative_arguments,
+    configure_compilation_cache,
+    name_flags,
+)
 from mtp_jax.cli.distributed import add_mesh_arguments, check_num_prompts, mesh_from_args
 
 GENERATE_DESCRIPTION = """\
@@ -64,18 +70,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         default=0,
         help="seed of the first row, in [0, 2**32); row b uses seed + b, which must stay below 2**32",
     )
-    p.add_argument(
-        "--speculative",
-        default="none",
-        choices=["none", "vanilla", "eagle", "parallel"],
-        help="MTP speculative decoding method (default: none, plain decoding)",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        help="K, drafts per step, 1..16 (default: the model's MTP modules, for eagle 3)",
-    )
+    add_speculative_arguments(p, default="none")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
     p.add_argument(
         "--dtype",

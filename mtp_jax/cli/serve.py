@@ -16,6 +16,7 @@ from mtp_jax.cli.common import (
     MODEL_HELP,
     DefaultModelDir,
     add_compilation_cache_arguments,
+    add_speculative_arguments,
     bounded,
     configure_compilation_cache,
     name_flags,
@@ -60,18 +61,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="the same as --model DIR (give one of them)",
     )
     p.add_argument("--model", metavar="DIR", default=None, help=f"{MODEL_HELP}; default: the bundled demo model")
-    p.add_argument(
-        "--speculative",
-        default="eagle",
-        choices=["none", "eagle", "vanilla", "parallel"],
-        help="MTP speculative decoding method (default eagle; none: plain decoding)",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        help="K, drafts per step (default: 3 for eagle, else the model's MTP modules)",
-    )
+    add_speculative_arguments(p, default="eagle")
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
