@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
 from mtp_jax.checkpoints import atomic_dir
@@ -40,7 +41,7 @@ def _parse_tokenizer(data: bytes, shown: str | os.PathLike) -> Tokenizer:
 
 
 def load_pretrained(
-    path: str | os.PathLike | None = None, *, dtype: str | None = None
+    path: str | os.PathLike | None = None, *, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[Transformer, Tokenizer]:
     """The model and its HF `tokenizers.Tokenizer` from a directory (default: the bundled demo model).
 
@@ -48,7 +49,8 @@ def load_pretrained(
     overwrites `path` (`atomic_dir.read_dir`), and a save that a kill interrupted is finished
     first (see `mtp_jax.checkpoints.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
     model's weights and compute, default the checkpoint's (`inference_dtype` picks float32 for
-    decoding on a CPU).
+    decoding on a CPU). `mesh`: the parameters are read shard by shard straight onto it
+    (`load_hf_checkpoint`'s `mesh`).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
@@ -58,7 +60,7 @@ def load_pretrained(
       OSError: `path` was replaced by concurrent saves during each attempt to read it.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
-    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype))
+    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype, mesh))
 
 
 def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = None) -> tuple[str | None, str | None]:
@@ -91,14 +93,14 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
     )
 
 
-def _read_pretrained(root: Path, shown: Path, dtype: str | None) -> tuple[Transformer, Tokenizer]:
+def _read_pretrained(root: Path, shown: Path, dtype: str | None, mesh: Mesh | None) -> tuple[Transformer, Tokenizer]:
     """`load_pretrained` of the directory `root`, named `shown` in errors; tokenizer.json is read first."""
     if not root.is_dir():
         raise FileNotFoundError(f"model directory {shown} does not exist")
     if not (root / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {shown}")
     data = (root / TOKENIZER_FILE).read_bytes()  # before the weights, which take longest
-    model = read_hf_files(root, dtype=dtype, shown=shown)
+    model = read_hf_files(root, dtype=dtype, mesh=mesh, shown=shown)
     tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:
@@ -147,16 +149,22 @@ def save_pretrained(
 
 
 def init_from_pretrained(
-    path: str | os.PathLike, *, num_nextn_predict_layers: int | None = None, seed: int = 0, dtype: str | None = None
+    path: str | os.PathLike,
+    *,
+    num_nextn_predict_layers: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
 ) -> Transformer:
     """A model from a Hugging Face-format directory (`load_hf_checkpoint`) with D MTP modules.
 
     `num_nextn_predict_layers`, if given, sets D: modules the checkpoint has are kept (the first
     D), the others are initialised at random (seed `seed`). This is how `--mtp-only --init-from`
     adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
-    compute dtype (default: the checkpoint's).
+    compute dtype (default: the checkpoint's). `mesh`: the checkpoint's parameters are read shard by
+    shard straight onto it (`load_hf_checkpoint`); new MTP modules start on the default device.
     """
-    loaded = load_hf_checkpoint(path, dtype=dtype)
+    loaded = load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
     d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
     if d == loaded.config.num_nextn_predict_layers:
         return loaded

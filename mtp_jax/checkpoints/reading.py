@@ -23,25 +23,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 from mtp_jax.checkpoints import atomic_dir
 from mtp_jax.checkpoints.format import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError
 from mtp_jax.checkpoints.hf_config import DTYPE_NAMES, config_from_hf
-from mtp_jax.checkpoints.names import (
-    fuse,
-    hf_names,
-    mtp_layers_present,
-    piece_widths,
-    shared_copies,
-    tensor_axes,
-    tensor_layout,
-)
+from mtp_jax.checkpoints.names import mtp_layers_present, shared_copies, tensor_layout
+from mtp_jax.checkpoints.shards import ShardReader
+from mtp_jax.checkpoints.tensor_reads import FLOAT_DTYPES, TensorFile
 from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
 from mtp_jax.model import Transformer
+from mtp_jax.sharding import resolve
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
 
@@ -106,6 +104,8 @@ def _weight_files(root: Path, shown: Path) -> dict[str, list[str] | None]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_file} has no weight_map object (tensor name -> shard file name)")
+    if not weight_map:
+        raise CheckpointError(f"{index_file}: its weight_map is empty (it places no tensor in any file)")
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if not _is_plain_file_name(file):
@@ -165,7 +165,11 @@ def stored_dtype(path: str | os.PathLike) -> str:
 
 
 def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype: str | None = None, scan_layers: bool | None = None
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    scan_layers: bool | None = None,
+    mesh: Mesh | None = None,
 ) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
@@ -179,6 +183,12 @@ def load_hf_checkpoint(
         load.
       scan_layers: the returned model's layer layout (`ModelConfig.scan_layers`; config.json does
         not hold it); default `ModelConfig`'s. Either layout reads the same files.
+      mesh: a device mesh (`mtp_jax.sharding.make_mesh`): every parameter is built directly as a global
+        array on its sharding (`mtp_jax.sharding`'s rules, as `shard_model` places it), each device's
+        shard read from the files with byte-range reads of exactly what it holds
+        (`mtp_jax.checkpoints.shards`); under `jax.distributed` each process reads only its own devices'
+        shards. Host memory stays at about one device's shard of one parameter. Default: one device
+        (the default device), each tensor read once.
 
     Returns:
       The model; Linear kernels [in, out] are the files' weights [out, in] transposed.
@@ -189,14 +199,19 @@ def load_hf_checkpoint(
         (nesting too deep included); config.json that is not a JSON object, that `config_from_hf`
         refuses (an unsupported or ill-typed field), or whose eos_token_id lists more distinct ids
         than generation can stop at (`mtp_jax.config.MAX_STOP_TOKENS`); an index that has no
-        `weight_map`, or names a shard that is not a plain file name in `path` (`..`, absolute
-        paths and subdirectories are refused); a safetensors file that is empty, truncated or not
-        safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
+        `weight_map` or an empty one, or names a shard that is not a plain file name in `path` (`..`,
+        absolute paths and subdirectories are refused); a safetensors file that is empty, truncated or
+        not safetensors at all; missing tensors, unexpected tensors, shapes [out, in] other than the
         config's, non-float tensors, an index inconsistent with its shards, or (tied embeddings) a
         `lm_head.weight` that differs from `model.embed_tokens.weight` (likewise DeepSeek's
         per-MTP-layer `embed_tokens` / `shared_head.head` copies, see `shared_copies`); weights
         holding more or fewer MTP layers (`model.layers.{L + j}`) than config.json's
-        `num_nextn_predict_layers` (the error names both numbers).
+        `num_nextn_predict_layers` (the error names both numbers); a tensor holding NaN or infinite
+        values, or one whose values overflow `dtype` (e.g. a float32 file loaded as float16): the
+        error names the tensor and its file. The key, shape and dtype checks read only the files'
+        headers, before any tensor data.
+      ValueError: the mesh's devices report their memory (GPUs) and one device's share of the weights
+        exceeds what is free on it (before any tensor is read; `mtp-jax plan` sizes a mesh).
       OSError: `path` was replaced by concurrent saves during each attempt to read it (`atomic_dir.read_dir`).
 
     MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout:
@@ -207,7 +222,9 @@ def load_hf_checkpoint(
     is finished first, so `path` holds the new checkpoint.
     """
     path = Path(path)
-    return atomic_dir.read_dir(path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers, shown=path))
+    return atomic_dir.read_dir(
+        path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers, mesh=mesh, shown=path)
+    )
 
 
 def read_hf_files(
@@ -215,6 +232,7 @@ def read_hf_files(
     *,
     dtype: str | None = None,
     scan_layers: bool | None = None,
+    mesh: Mesh | None = None,
     shown: str | os.PathLike | None = None,
 ) -> Transformer:
     """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
@@ -241,11 +259,18 @@ def read_hf_files(
         config = config.replace(scan_layers=scan_layers)
     with contextlib.ExitStack() as stack:
         handles = _open_weights(root, shown, stack)
-        return _read_weights(handles, config, shown)
+        files = {}
+        for file in handles:
+            files[file] = TensorFile(root / file, shown / file)
+            stack.callback(files[file].close)
+        return _read_weights(handles, files, config, shown, mesh)
 
 
-def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> Transformer:
-    """The model of `config` with the tensors of the open weights files `handles` (file name -> handle)."""
+def _read_weights(
+    handles: dict[str, Any], files: dict[str, TensorFile], config: ModelConfig, shown: Path, mesh: Mesh | None
+) -> Transformer:
+    """The model of `config` from the weights files (file name -> its `safe_open` handle, which listed
+    its tensors, and its `TensorFile`, which reads them), its parameters on `mesh` (None: one device)."""
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     layout = tensor_layout(params, config)
@@ -270,7 +295,12 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
     mismatched += [
         f"{name} (dtype {dtypes[name]} is not a float type)"
         for name in layout
-        if name in found and dtypes[name] not in ("F32", "BF16", "F16", "F64")
+        if name in found and dtypes[name] not in FLOAT_DTYPES
+    ]
+    mismatched += [
+        f"{name} (shape {list(shapes[name])}, a copy of {source} {list(shapes[source])})"
+        for name, source in copies.items()
+        if source in shapes and shapes[name] != shapes[source]
     ]
     if missing or unexpected or mismatched:
         raise CheckpointError(
@@ -280,27 +310,81 @@ def _read_weights(handles: dict[str, Any], config: ModelConfig, shown: Path) -> 
             mismatched=mismatched,
         )
 
-    weight_dtype = config.weight_dtype
-    values, copy_values = {}, {}
-    for file in sorted(set(where.values())):
-        f = handles[file]
-        with _safetensors_errors(shown / file):
-            for name in (n for n in layout if where[n] == file):
-                array = f.get_tensor(name)  # the router stays float32 (`layers.moe.Router`): each param's dtype
-                values[name] = jnp.asarray(array.T if layout[name][1] else array, dtype=layout[name][3])
-            copy_values.update({name: f.get_tensor(name) for name in copies if where[name] == file})
-    for name, copy in copy_values.items():  # after all files: the shared tensor may sit in a later shard
-        source = values[copies[name]].T if layout[copies[name]][1] else values[copies[name]]
-        if copy.shape != source.shape or not np.array_equal(
-            np.asarray(jnp.asarray(copy, weight_dtype)), np.asarray(source)
-        ):
-            raise CheckpointError(f"{name} must be a copy of the shared {copies[name]} but differs", unexpected=[name])
-    flat = []
-    for path_, variable in nnx.to_flat_state(params):
-        shape = variable.get_value().shape
-        names = [name for name, _ in hf_names(path_, config)]
-        pieces = len(piece_widths(path_, shape[-1], config))  # a fused slice's tensors
-        slices = [fuse(path_, [values[n] for n in names[i : i + pieces]], config) for i in range(0, len(names), pieces)]
-        value = jnp.stack(slices).reshape(shape) if tensor_axes(path_) else slices[0]  # [n?, R?, ...]
-        flat.append((path_, variable.replace(value)))
+    flat_params = nnx.to_flat_state(params)
+    shardings = [_sharding(variable, mesh) for _, variable in flat_params]
+    _check_device_memory(flat_params, shardings)
+    reader = ShardReader(files, where, layout, config)
+    flat = [
+        (path_, variable.replace(_build(reader, path_, variable.get_value(), sharding)))
+        for (path_, variable), sharding in zip(flat_params, shardings, strict=True)
+    ]
+    _check_copies(files, where, copies, layout)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding | None:
+    """The parameter's `NamedSharding` on `mesh` by its logical axes (`sharding.shard_params`'), None without a mesh."""
+    if mesh is None:
+        return None
+    logical = P(*variable.get_metadata().get("logical_axes", ()))
+    return NamedSharding(mesh, resolve(logical, variable.get_value().shape, mesh))
+
+
+def _build(reader: ShardReader, path: tuple, abstract: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+    """The parameter at `path` as a `jax.Array` on `sharding` (None: the default device), one device's
+    shard read at a time (devices holding the same index share one read)."""
+    shape, dtype = tuple(abstract.shape), abstract.dtype
+    if sharding is None:
+        return jax.device_put(reader.read(path, shape, dtype, ()))
+    groups: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+        groups.setdefault(key, []).append(device)
+    arrays = []
+    for key, devices in groups.items():
+        host = reader.read(path, shape, dtype, tuple(slice(start, stop) for start, stop, _ in key))
+        arrays += [jax.device_put(host, device) for device in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _check_device_memory(flat_params, shardings) -> None:
+    """Refuses (ValueError) weights whose per-device share exceeds the free memory the devices report."""
+    need: dict = {}
+    for (_, variable), sharding in zip(flat_params, shardings, strict=True):
+        value = variable.get_value()
+        if sharding is None:
+            devices, shard = [jax.devices()[0]], value.shape
+        else:
+            devices, shard = sharding.addressable_devices, sharding.shard_shape(value.shape)
+        for device in devices:
+            need[device] = need.get(device, 0) + int(np.prod(shard)) * value.dtype.itemsize
+    for device, needed in need.items():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            continue  # the CPU reports nothing: host memory is the operating system's to manage
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if needed > free:
+            raise ValueError(
+                f"the weights need {needed / 1e9:.2f} GB on {device}, which has {free / 1e9:.2f} GB free; "
+                "use a larger mesh (`mtp-jax plan` finds the smallest that fits)"
+            )
+
+
+def _check_copies(files: dict[str, TensorFile], where: dict[str, str], copies: dict[str, str], layout) -> None:
+    """Refuses a stored copy of a shared tensor (`shared_copies`) that differs from it in the loaded dtype,
+    compared a block of rows at a time (under `jax.distributed` each process compares its share of rows)."""
+    for name, source in copies.items():
+        dtype = layout[source][3]
+        copy_file, source_file = files[where[name]], files[where[source]]
+        _, shape, _ = copy_file.entries[name]
+        rows = shape[0] if shape else 1
+        step = max(1, (1 << 24) // max(1, int(np.prod(shape[1:])) * 4))
+        share = -(-rows // jax.process_count())
+        first = jax.process_index() * share
+        for start in range(first, min(rows, first + share), step):
+            index = (slice(start, min(rows, first + share, start + step)),) if shape else ()
+            a = copy_file.read(name, index).astype(dtype)
+            b = source_file.read(source, index).astype(dtype)
+            if not np.array_equal(a, b):
+                raise CheckpointError(f"{name} must be a copy of the shared {source} but differs", unexpected=[name])

@@ -213,7 +213,7 @@ def run_generate(args) -> int:
         dtype, why = inference_dtype(args.model, args.dtype)
         if why:
             print(f"mtp-jax generate: {why}", file=sys.stderr)
-        model, tokenizer = load_pretrained(args.model, dtype=dtype)
+        model, tokenizer = load_pretrained(args.model, dtype=dtype, mesh=mesh)
     except (OSError, ValueError) as error:  # missing files, corrupt or mismatched checkpoints
         raise ValueError(f"--model: {error}") from error
     load_seconds = time.perf_counter() - begin

@@ -114,7 +114,7 @@ def _build_engine(args: argparse.Namespace, mesh):
         dtype, why = inference_dtype(model_dir, args.dtype)
         if why:
             print(f"mtp-jax serve: {why}", file=sys.stderr)
-        model, tokenizer = load_pretrained(model_dir, dtype=dtype)
+        model, tokenizer = load_pretrained(model_dir, dtype=dtype, mesh=mesh)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
         raise ValueError(f"{spelling}: {error}") from error

@@ -304,7 +304,11 @@ def _train_from_args(args: argparse.Namespace):
                 pretrained = pretrained.replace(num_nextn_predict_layers=args.mtp_layers)
             _refuse_untrainable(pretrained, train_config.mtp_only, source)
         model = init_from_pretrained(
-            choice.directory, num_nextn_predict_layers=args.mtp_layers, seed=train_config.seed, dtype=args.dtype
+            choice.directory,
+            num_nextn_predict_layers=args.mtp_layers,
+            seed=train_config.seed,
+            dtype=args.dtype,
+            mesh=mesh,
         )
         model_config = model.config
         _refuse_untrainable(model_config, train_config.mtp_only, source)

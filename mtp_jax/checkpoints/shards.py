@@ -1,0 +1,124 @@
+"""One device's shard of a parameter, read from the HF tensors it stands for: shard-streamed loading.
+
+`reading.load_hf_checkpoint(..., mesh=)` builds every parameter as a global `jax.Array` on its sharding
+(`mtp_jax.sharding`): for each of the process's devices (`Sharding.addressable_devices_indices_map`) it
+reads that device's index of the parameter straight from the files (`ShardReader.read`), puts it on the
+device and drops the host copy, so a tensor is never whole on the host or on one device unless a device
+holds it whole. Devices with the same index (replicas) share one read.
+
+A parameter index maps to the files through `names` (`hf_names`, `piece_widths`, `fuse`): its leading
+`tensor_axes` (a stacked layer group's layers, a MoE's routed experts) pick tensor sets, and its last axis,
+the output axis of a fused projection, is a fixed permutation of its pieces' output columns
+(`fuse` applied to column numbers: `_column_map`), so a contiguous shard of it is a few column runs of
+each piece, read as rows of the HF [out, in] tensor (columns of a 1-D/untransposed one). A column-expanded
+FP8 scale (`*_scale_inv` [..., ceil(in/b_in), out]) reads the HF scale row `column // b_out` of its piece.
+
+Every block read is checked while streaming (`_checked`): finite (NaN or inf anywhere is refused, naming
+the tensor and its file: e.g. DeepSeek's `e_score_correction_bias`), and finite again after the cast to the
+parameter's dtype (a float32 file loaded as float16 that overflows is refused likewise).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from mtp_jax.checkpoints.format import CheckpointError
+from mtp_jax.checkpoints.names import fuse, hf_names, piece_widths, tensor_axes
+from mtp_jax.checkpoints.tensor_reads import TensorFile
+from mtp_jax.config import ModelConfig
+
+
+def is_scale(path: tuple) -> bool:
+    """Whether the parameter at `path` is a column-expanded FP8 scale (`kernel_scale_inv`, `*_proj_scale_inv`)."""
+    return str(path[-1]).endswith("_scale_inv")
+
+
+class ShardReader:
+    """Reads any index of any parameter of `config`'s model from the open files.
+
+    Args:
+      files: file name -> its open `TensorFile`.
+      where: HF tensor name -> the file name holding it.
+      layout: `names.tensor_layout` of the model's parameters (HF name -> (path, transposed, HF shape, dtype)).
+      config: the model's config (fused widths, FP8 block sizes).
+    """
+
+    def __init__(self, files: dict[str, TensorFile], where: dict[str, str], layout: dict, config: ModelConfig):
+        self.files, self.where, self.layout, self.config = files, where, layout, config
+
+    def read(self, path: tuple, shape: tuple[int, ...], dtype, index: tuple[slice, ...]) -> np.ndarray:
+        """`param[index]` for the parameter at `path` (global `shape`, `dtype`), as a NumPy array in `dtype`.
+
+        Raises CheckpointError naming the tensor and its file when a value read is NaN or infinite,
+        or overflows `dtype`."""
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
+        axes = tensor_axes(path)
+        names = [name for name, _ in hf_names(path, self.config)]
+        per_slice = len(names) // math.prod(shape[:axes])
+        out = np.empty(tuple(len(r) for r in ranges), dtype)
+        for position in np.ndindex(*out.shape[:axes]):
+            lead = tuple(r[p] for r, p in zip(ranges, position, strict=False))
+            first = int(np.ravel_multi_index(lead, shape[:axes])) * per_slice if axes else 0
+            out[position] = self._slice(path, names[first : first + per_slice], shape[axes:], ranges[axes:], dtype)
+        return out
+
+    def _slice(self, path: tuple, pieces: list[str], shape: tuple[int, ...], ranges: list[range], dtype) -> np.ndarray:
+        """One tensor set's part `ranges` (per axis of the slice `shape`: [..., out]) in `dtype`."""
+        columns = _column_map(path, shape[-1], self.config)[ranges[-1].start : ranges[-1].stop]
+        offsets = np.cumsum([0, *piece_widths(path, shape[-1], self.config)])
+        piece_of = np.searchsorted(offsets, columns, side="right") - 1
+        out = np.empty(tuple(len(r) for r in ranges), dtype)
+        lead = tuple(slice(r.start, r.stop) for r in ranges[:-1])
+        for k, name in enumerate(pieces):
+            mask = piece_of == k
+            if mask.any():
+                out[..., mask] = self._piece(path, name, columns[mask] - offsets[k], lead, dtype)
+        return out
+
+    def _piece(self, path: tuple, name: str, columns: np.ndarray, lead: tuple[slice, ...], dtype) -> np.ndarray:
+        """Columns `columns` (of our [..., out] layout) of the HF tensor `name`, other axes `lead`."""
+        _, transposed, _, _ = self.layout[name]
+        rows = columns // self.config.quantization.weight_block_size[0] if is_scale(path) else columns
+        low, high = int(rows.min()), int(rows.max()) + 1
+        file = self.files[self.where[name]]
+        if transposed:  # HF [out, in]: our columns are its rows
+            block = file.read(name, (slice(low, high), *lead))[rows - low].T
+        else:
+            block = file.read(name, (*lead, slice(low, high)))[..., rows - low]
+        return _checked(block, dtype, name, file)
+
+
+@functools.lru_cache(maxsize=64)
+def _column_map_cached(path: tuple, width: int, config: ModelConfig) -> np.ndarray:
+    widths = piece_widths(path, width, config)
+    if len(widths) == 1:
+        return np.arange(width)
+    starts = np.cumsum([0, *widths[:-1]])
+    return np.asarray(fuse(path, [np.arange(w) + s for w, s in zip(widths, starts, strict=True)], config))
+
+
+def _column_map(path: tuple, width: int, config: ModelConfig) -> np.ndarray:
+    """For each column of one slice of the parameter at `path` (last axis `width`), its column in the
+    pieces laid side by side (piece k's columns offset by the widths before it): `fuse` of column numbers."""
+    return _column_map_cached(tuple(str(p) for p in path), width, config)
+
+
+def _checked(block: np.ndarray, dtype, name: str, file: TensorFile) -> np.ndarray:
+    """`block` cast to `dtype`; CheckpointError naming `name` and its file for NaN/inf values or an overflowing cast."""
+    if not np.isfinite(block).all():
+        bad = "NaN" if np.isnan(block).any() else "infinite"
+        raise CheckpointError(f"{name} in {file.shown} holds {bad} values; refusing to load it", mismatched=[name])
+    with np.errstate(over="ignore"):  # an overflow is reported below, by name
+        cast = block.astype(dtype)
+    if not np.isfinite(cast).all():
+        peak = float(np.abs(block.astype(np.float64)).max())
+        raise CheckpointError(
+            f"{name} in {file.shown} does not fit {np.dtype(dtype).name}: a value of magnitude {peak:.4g} "
+            "overflows it; load it in a wider dtype",
+            mismatched=[name],
+        )
+    return cast
