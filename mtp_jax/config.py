@@ -20,6 +20,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mtp_jax.quantization import Fp8Config
 from mtp_jax.validation import check_int, is_finite_positive, is_real
 
 # Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU where it applies.
@@ -87,6 +88,12 @@ class ModelConfig:
     compute dtype and `param_dtype` the storage dtype of the weights ("float32", "bfloat16" or
     "float16").
 
+    `quantization` (an `mtp_jax.quantization.Fp8Config`, or None) stores the linear layers' weights as
+    DeepSeek-V3's block-scaled FP8: a float8_e4m3fn kernel plus float32 block scales, dequantized to
+    `dtype` inside each forward (`mtp_jax.layers.fp8`); the linears its `quantizes` rule leaves out (the
+    head, MTP's `eh_proj`, `modules_to_not_convert`) and every other parameter (embeddings, norms, the
+    MoE router) stay in `param_dtype`.
+
     `scan_layers` defaults to False (unrolled), chosen by `benchmarks/bench_compile.py` (CPU, 2 shared
     cores, fp32, `benchmarks/results/compile_cpu_2026-12-01.json`). Compile time of prefill + an eagle
     loop for a tiny DeepSeek-V3-shaped model: unrolled 10.7 s at 2 layers, 35.0 s at 61 (3.3x); scanned
@@ -145,6 +152,8 @@ class ModelConfig:
     scoring_func: str = "sigmoid"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Block-scaled FP8 weights (DeepSeek-V3's `quantization_config`, `mtp_jax.quantization`); None: none.
+    quantization: Fp8Config | None = None
     # Cache attention (`mtp_jax.layers.attention.attend`): "auto" = the Pallas kernel on GPU, else the reference.
     attention_impl: str = "auto"
     # Layer layout (`mtp_jax.model.Transformer`): False keeps one module per layer, run in a Python loop;
@@ -223,6 +232,8 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {tuple(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.quantization is not None and not isinstance(self.quantization, Fp8Config):
+            raise ValueError(f"quantization must be an Fp8Config or None, got {type(self.quantization).__name__}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("bos_token_id",):
@@ -421,5 +432,117 @@ PRESETS: dict[str, ModelConfig] = {
         topk_group=2,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
+    ),
+    # Full-size architectures, for memory plans and abstract lowering (`mtp_jax.memory_plan`): never
+    # initialise their weights (671.0B / 352.8B / 106.9B parameters, 682.6B / 356.8B / 109.2B with the MTP
+    # layer), load them from a checkpoint. The fields are the checkpoints' config.json (what `config_from_hf`
+    # reads from it, `tests/test_memory_plan.py` checks), stored in bfloat16, with `scan_layers=True` (deep
+    # models compile flat in depth scanned).
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3, arXiv 2412.19437): 61 layers (3 dense, then MoE) + 1 MTP layer,
+    # MLA, 256 routed experts of which 8 per token in 4 of 8 groups, 1 shared, YaRN x40 from 4096 positions.
+    "deepseek-v3": (
+        _deepseek_v3 := ModelConfig(
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            rope_scaling=RopeScaling(
+                rope_type="yarn",
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            attention_type="mla",
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            ffn_type="moe",
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=3,
+            bos_token_id=0,
+            eos_token_id=1,
+            num_nextn_predict_layers=1,
+            dtype="bfloat16",
+            param_dtype="bfloat16",
+            scan_layers=True,
+        )
+    ),
+    # DeepSeek-V3 as its checkpoint ships: block-scaled FP8 linears (128 x 128 blocks), MTP's eh_proj in bf16.
+    "deepseek-v3-fp8": _deepseek_v3.replace(
+        quantization=Fp8Config(weight_block_size=(128, 128), modules_to_not_convert=("eh_proj",))
+    ),
+    # GLM-4.5 (zai-org/GLM-4.5, 355B-A32B): 92 layers (3 dense, then MoE) + 1 MTP layer, GQA 96 heads / 8 KV
+    # heads of 128 with q/k/v bias, q/k norm and RoPE on half of each head, 160 routed experts of which 8 per
+    # token (sigmoid, no group limit), 1 shared.
+    "glm-4.5": ModelConfig(
+        vocab_size=151552,
+        hidden_size=5120,
+        intermediate_size=12288,
+        num_hidden_layers=92,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        ffn_type="moe",
+        moe_intermediate_size=1536,
+        n_routed_experts=160,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=3,
+        eos_token_id=(151329, 151336, 151338),
+        num_nextn_predict_layers=1,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        scan_layers=True,
+    ),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air, 106B-A12B): 46 layers (1 dense, then MoE) + 1 MTP layer, GLM-4.5's
+    # attention without q/k norm, 128 routed experts of which 8 per token, 1 shared, no routed scaling.
+    "glm-4.5-air": ModelConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        ffn_type="moe",
+        moe_intermediate_size=1408,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+        eos_token_id=(151329, 151336, 151338),
+        num_nextn_predict_layers=1,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        scan_layers=True,
     ),
 }

@@ -63,7 +63,7 @@ class Transformer(nnx.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else linear(config, config.hidden_size, config.vocab_size, rngs, axes=("embed", "vocab"))
+            else linear(config, config.hidden_size, config.vocab_size, rngs, axes=("embed", "vocab"), name="lm_head")
         )
         # D MTP modules (an empty nnx.List when D = 0), created last so the main weights do not depend on D.
         self.mtp = make_mtp_modules(config, rngs)

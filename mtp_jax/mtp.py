@@ -98,7 +98,9 @@ class MTPModule(_MTPBlock):
         super().__init__(config, rngs, layer_index)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.eh_proj = linear(config, 2 * config.hidden_size, config.hidden_size, rngs, axes=(None, "embed"))
+        self.eh_proj = linear(
+            config, 2 * config.hidden_size, config.hidden_size, rngs, axes=(None, "embed"), name="eh_proj"
+        )
 
     def __call__(
         self,

@@ -514,7 +514,8 @@ def test_config_ignores_harmless_fields():
         ),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.weight_block_size"),
         ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
         ({"num_nextn_predict_layers": 1, "mtp_style": "medusa"}, "mtp_style"),
         ({"dtype": "float64"}, "dtype"),
@@ -566,17 +567,17 @@ def test_mtp_round_trip_in_deepseek_layout(tmp_path):
 
 
 def test_deepseek_shared_copies_must_equal_the_shared_tensors(tmp_path):
-    """DeepSeek-V3 stores each MTP layer's embed_tokens and shared_head.head: accepted only as exact copies."""
+    """DeepSeek-V3 stores each MTP layer's embed_tokens and shared_head.head, and so does the export: accepted
+    only as exact copies."""
     model = _random_model(MTP_TINY, seed=4)
     save_hf_checkpoint(model, tmp_path)
-    layer = f"model.layers.{TINY.num_hidden_layers}"
-
-    def add_copies(tensors):
-        tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-        tensors[f"{layer}.shared_head.head.weight"] = tensors["lm_head.weight"]
-
-    _edit_weights(tmp_path, add_copies)
+    files = load_file(tmp_path / "model.safetensors")
+    for j in range(MTP_TINY.num_nextn_predict_layers):
+        layer = f"model.layers.{TINY.num_hidden_layers + j}"
+        np.testing.assert_array_equal(files[f"{layer}.embed_tokens.weight"], files["model.embed_tokens.weight"])
+        np.testing.assert_array_equal(files[f"{layer}.shared_head.head.weight"], files["lm_head.weight"])
     _assert_same_params(model, load_hf_checkpoint(tmp_path))
+    layer = f"model.layers.{TINY.num_hidden_layers}"
     _edit_weights(tmp_path, lambda t: t.update({f"{layer}.shared_head.head.weight": t["lm_head.weight"] + 1}))
     with pytest.raises(CheckpointError, match=f"{layer}.shared_head.head.weight"):
         load_hf_checkpoint(tmp_path)

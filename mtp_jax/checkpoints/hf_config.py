@@ -14,7 +14,11 @@ Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoints` load
   - sliding windows: read only to refuse one that binds (Mistral's `sliding_window`, Qwen2's
     `use_sliding_window` / `max_window_layers` / `layer_types`);
   - MTP: DeepSeek-V3's `num_nextn_predict_layers` (README_WEIGHTS.md), plus mtp_jax's conventions
-    (`MTP_CONVENTION_FIELDS`), which DeepSeek's own files lack.
+    (`MTP_CONVENTION_FIELDS`), which DeepSeek's own files lack;
+  - quantization: DeepSeek-V3's block-scaled FP8 `quantization_config` (`quant_method` "fp8", `fmt`
+    "e4m3", `activation_scheme` "dynamic", `weight_block_size` [b_out, b_in], optional
+    `modules_to_not_convert`) <-> `ModelConfig.quantization` (`mtp_jax.quantization.Fp8Config`); every
+    other quantization method is refused.
 
 Every field that is read is type-checked as JSON (no coercion: "64" is not an int, 64.0 is not an
 int, "false" is not a bool; NaN and Infinity, which Python's json accepts, are not numbers; null
@@ -34,6 +38,8 @@ from typing import Any
 from mtp_jax.checkpoints.hf_rope import rope_from_hf, rope_to_hf
 from mtp_jax.checkpoints.json_fields import or_default, read_field, read_kind, read_positive, read_token_ids
 from mtp_jax.config import ModelConfig
+from mtp_jax.quantization import Fp8Config
+from mtp_jax.validation import is_int
 
 # mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
@@ -155,6 +161,52 @@ def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, 
     return {"head_dim": head_dim, "attention_bias": model_type == "qwen2"}
 
 
+def _quantization_from_hf(hf: Mapping[str, Any]) -> Fp8Config | None:
+    """`quantization_config` as an `Fp8Config` (None when absent): DeepSeek-V3's block-scaled FP8 only.
+
+    `quant_method` "fp8" with `fmt` "e4m3" and `activation_scheme` "dynamic" (each may be absent),
+    `weight_block_size` [b_out, b_in] (required: per-tensor FP8 has no block scales), optional
+    `modules_to_not_convert` (strings). Other keys (transformers' `dequantize`, ...) are ignored.
+    """
+    where = "quantization_config."
+    quant = read_field(hf, "quantization_config", "object")
+    if quant is None:
+        return None
+    method = read_field(quant, "quant_method", "str", where=where)
+    if method != "fp8":
+        raise ValueError(
+            f"{where}quant_method={method!r} is not supported: only block-scaled 'fp8' (DeepSeek-V3's format: "
+            "float8_e4m3fn weights with a float32 weight_scale_inv per block) is"
+        )
+    for name, supported in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        value = read_field(quant, name, "str", where=where)
+        if value is not None and value != supported:
+            raise ValueError(f"{where}{name}={value!r} is not supported (only {supported!r}, DeepSeek-V3's)")
+    block = read_field(quant, "weight_block_size", "list", where=where)
+    if block is None:
+        raise ValueError(f"{where}weight_block_size is missing: only block-scaled fp8 (DeepSeek-V3's) is supported")
+    if len(block) != 2 or not all(is_int(b) and b >= 1 for b in block):
+        raise ValueError(f"{where}weight_block_size must be a list of two ints >= 1 [b_out, b_in], got {block!r}")
+    modules = read_field(quant, "modules_to_not_convert", "list", [], where=where)
+    for k, module in enumerate(modules):
+        if not isinstance(module, str):
+            raise ValueError(f"{where}modules_to_not_convert[{k}] must be a string, got {module!r}")
+    return Fp8Config(weight_block_size=tuple(block), modules_to_not_convert=tuple(modules))
+
+
+def _quantization_to_hf(fp8: Fp8Config) -> dict[str, Any]:
+    """`_quantization_from_hf`'s inverse: DeepSeek-V3's `quantization_config` (`modules_to_not_convert` when any)."""
+    quant: dict[str, Any] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(fp8.weight_block_size),
+    }
+    if fp8.modules_to_not_convert:
+        quant["modules_to_not_convert"] = list(fp8.modules_to_not_convert)
+    return quant
+
+
 def _mtp_layers_from_hf(hf: Mapping[str, Any]) -> int:
     """D: `num_nextn_predict_layers` (DeepSeek's name) or transformers 5's alias `num_mtp_layers`; equal if both."""
     found = [
@@ -173,8 +225,10 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
 
     Reads transformers 4.x (`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x
     (`rope_parameters`) RoPE fields, rope types default / linear / llama3 / yarn. The stored
-    `dtype` (or 4.x `torch_dtype`) becomes both `dtype` and `param_dtype` (float32 when absent).
-    Fields with no effect on the forward pass (dropout, use_cache, pad_token_id, ...) are ignored.
+    `dtype` (or 4.x `torch_dtype`) becomes both `dtype` and `param_dtype` (float32 when absent); a
+    DeepSeek-V3 FP8 `quantization_config` becomes `quantization` (`_quantization_from_hf`), the stored
+    dtype then being that of the unquantized weights. Fields with no effect on the forward pass
+    (dropout, use_cache, pad_token_id, ...) are ignored.
     Every field read is type-checked as JSON, without coercion (see `read_field`); null means absent.
     deepseek_v3 and glm4_moe fields absent from the file take their HF config class's defaults
     (GLM's partial_rotary_factor 0.5 included). `num_nextn_predict_layers` (or transformers 5's
@@ -185,7 +239,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
       hidden_act != "silu", an unsupported rope type or RoPE key, partial rotary embeddings (except
       glm4_moe), a sliding window that binds, Llama's attention_bias (it adds an o_proj bias) or
       mlp_bias, a `scoring_func` other than "sigmoid" or `topk_method` other than "noaux_tc",
-      `moe_layer_freq` other than 1, quantization_config, a missing size field; and for a field of
+      `moe_layer_freq` other than 1, a `quantization_config` other than DeepSeek-V3's block-scaled fp8
+      (another `quant_method`, `fmt` or `activation_scheme`, no `weight_block_size`), a missing size
+      field; and for a field of
       the wrong JSON type (a string or a float where an int is expected, a string where a bool is,
       a list where an object is), a number that is NaN or infinite, a size that is 0 or negative,
       and a `rope_theta` or `partial_rotary_factor` given twice (top level, `rope_scaling`,
@@ -203,8 +259,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         sizes[name] = read_positive(hf, name)
         if sizes[name] is None:
             raise ValueError(f"{name} is missing from the config")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("quantization_config: quantized checkpoints are not supported")
+    quantization = _quantization_from_hf(hf)
     if read_field(hf, "mlp_bias", "bool", False):
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
     max_positions = read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
@@ -237,6 +292,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         bos_token_id=read_field(hf, "bos_token_id", "int"),
         eos_token_id=read_token_ids(hf, "eos_token_id"),
         num_nextn_predict_layers=_mtp_layers_from_hf(hf),
+        quantization=quantization,
         **{name: value for name, value in mtp_conventions.items() if value is not None},
     )
 
@@ -250,7 +306,7 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
     `rope_parameters` (transformers 5) and `rope_theta` + `rope_scaling` (4.x). `dtype` is
     written as `param_dtype`, the weights' storage dtype: config.json holds one dtype, so a
     mixed-precision compute dtype is not recorded and the inverse is exact when
-    `dtype == param_dtype`.
+    `dtype == param_dtype`. `quantization` is written as DeepSeek-V3's `quantization_config`.
 
     Raises:
       ValueError when the chosen model_type cannot express the config: attention_bias must be True
@@ -311,6 +367,8 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
         "dtype": config.param_dtype,
     }
+    if config.quantization is not None:
+        hf["quantization_config"] = _quantization_to_hf(config.quantization)
     if model_type in _MOE_TYPES:
         hf.update(
             {name: getattr(config, name) for name in _MOE_FIELDS},

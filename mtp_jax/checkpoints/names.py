@@ -17,6 +17,9 @@ the same files. The router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correc
 as they are (float32, whatever the dtype of the rest). MTP modules are imported and exported in
 DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`,
 and `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
+Block-scaled FP8 models (`ModelConfig.quantization`, DeepSeek-V3's format) add a scale per quantized kernel
+(`is_scale`): `<module>.kernel_scale_inv` [ceil(in/b_in), out] (column-expanded, `mtp_jax.layers.fp8`) is
+`<module>.weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)], fused and stacked as its kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import per_layer_path
+from mtp_jax.quantization import NEVER_QUANTIZED
 
 # A fused module (several HF modules that read the same input, computed as one matmul) -> the HF
 # modules it holds in its output (last) axis, in this order (`fuse` gives the layout).
@@ -47,8 +51,9 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
 
     The whole mapping: `lm_head.*` stays at top level, main-model paths get the `model.` prefix,
     MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3); leaf
-    `kernel` [in, out] is `weight` [out, in], `embedding` is `weight`, others keep their name.
-    Fused and stacked parameters are several tensors: `hf_names`.
+    `kernel` [in, out] is `weight` [out, in], an FP8 kernel's `kernel_scale_inv` [ceil(in/b_in), out] is
+    `weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)] (transposed too), `embedding` is `weight`, others
+    keep their name. Fused and stacked parameters are several tensors: `hf_names`.
     """
     *modules, leaf = (str(p) for p in path)
     if modules[0] == "lm_head":
@@ -57,13 +62,27 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
         prefix, modules = ["model", "layers", str(config.num_hidden_layers + int(modules[1]))], modules[2:]
     else:
         prefix = ["model"]
-    name = "weight" if leaf in ("kernel", "embedding") else leaf
-    return ".".join([*prefix, *modules, name]), leaf == "kernel"
+    name = {"kernel": "weight", "embedding": "weight", "kernel_scale_inv": "weight_scale_inv"}.get(leaf, leaf)
+    return ".".join([*prefix, *modules, name]), leaf in ("kernel", "kernel_scale_inv")
+
+
+_SCALE = "_scale_inv"  # an FP8 kernel's scale: `kernel_scale_inv`, the experts' `{gate_up,down}_proj_scale_inv`
+
+
+def is_scale(path: tuple[str | int, ...]) -> bool:
+    """Whether the parameter at `path` is a column-expanded FP8 scale (`kernel_scale_inv` [.., ceil(in/b_in),
+    out], the routed experts' `gate_up_proj_scale_inv` / `down_proj_scale_inv`), float32."""
+    return str(path[-1]).endswith(_SCALE)
 
 
 def _is_experts(path: tuple[str | int, ...]) -> bool:
-    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate_up,down}_proj`, [R, in, out])."""
-    return len(path) >= 2 and str(path[-2]) == "experts" and str(path[-1]) in ("gate_up_proj", "down_proj")
+    """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate_up,down}_proj`, [R, in, out]),
+    or its FP8 scale (`..._proj_scale_inv`, [R, ceil(in/b_in), out])."""
+    return (
+        len(path) >= 2
+        and str(path[-2]) == "experts"
+        and str(path[-1]).removesuffix(_SCALE) in ("gate_up_proj", "down_proj")
+    )
 
 
 def tensor_axes(path: tuple[str | int, ...]) -> int:
@@ -77,18 +96,23 @@ def _module_at(path: tuple[str | int, ...]) -> int:
     return len(path) - (1 if _is_experts(path) else 2)
 
 
+def _module(path: tuple[str | int, ...]) -> str:
+    """The name of the module the parameter at `path` belongs to (a stacked expert's scale: its kernel's)."""
+    return str(path[_module_at(path)]).removesuffix(_SCALE)
+
+
 def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
     """The unfused paths a (per-layer) parameter path stands for: itself, or a fused module's (`FUSED_MODULES`)
-    paths with each of its HF modules in its place, in order."""
-    at = _module_at(path)
-    return [(*path[:at], module, *path[at + 1 :]) for module in FUSED_MODULES.get(str(path[at]), (path[at],))]
+    paths with each of its HF modules in its place, in order (a stacked expert's scale: the kernels' paths)."""
+    at, module = _module_at(path), _module(path)
+    return [(*path[:at], piece, *path[at + 1 :]) for piece in FUSED_MODULES.get(module, (module,))]
 
 
 def piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
     """The output widths of the HF tensors that one slice of the parameter at `path` (last axis of size
     `width`) holds (`_pieces`, `fuse`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj` I, I;
-    `fused_qkv_a_proj` q_lora_rank, C + R."""
-    module = str(path[_module_at(path)])
+    `fused_qkv_a_proj` q_lora_rank, C + R. An FP8 scale's (column-expanded) are its kernel's."""
+    module = _module(path)
     if module == "qkv_proj":
         q = config.num_attention_heads * config.resolved_head_dim
         return [q, (width - q) // 2, (width - q) // 2]
@@ -108,8 +132,9 @@ def fuse(path: tuple[str | int, ...], pieces: list[jax.Array], config: ModelConf
       - `gate_up_proj`: gate, up [..., I] -> [..., 2I] interleaved: column 2i is gate_i, 2i + 1 is up_i;
       - `fused_qkv_a_proj` (replicated over `tensor`, so never split): its two tensors side by side;
       - anything else: its one tensor as is.
+    An FP8 kernel's column-expanded scales ([.., ceil(in/b_in), out]) fuse as the kernel.
     """
-    module = str(path[_module_at(path)])
+    module = _module(path)
     if module == "qkv_proj":
         q, k, v = pieces
         g, d, lead = config.num_key_value_heads, config.resolved_head_dim, q.shape[:-1]
@@ -125,7 +150,7 @@ def fuse(path: tuple[str | int, ...], pieces: list[jax.Array], config: ModelConf
 def unfuse(path: tuple[str | int, ...], array: np.ndarray, config: ModelConfig) -> list[np.ndarray]:
     """The HF tensors (ours [..., out] each, `_pieces` order) that one slice `array` of the parameter at
     `path` holds: `fuse`'s inverse, by reshapes and slices only (bit-exact)."""
-    module, lead = str(path[_module_at(path)]), array.shape[:-1]
+    module, lead = _module(path), array.shape[:-1]
     if module == "qkv_proj":
         grouped = array.reshape(*lead, config.num_key_value_heads, -1, config.resolved_head_dim)  # [..., G, H/G + 2, D]
         return [
@@ -154,7 +179,8 @@ def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str
         which transformers 5 stacks on load and splits on save;
       - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
         slice i is layer `start + i`'s `<path>` (`mtp_jax.model.per_layer_path`), so both layouts
-        read and write the same files. A stacked layer's experts are n x R tensor sets, layer-major.
+        read and write the same files. A stacked layer's experts are n x R tensor sets, layer-major;
+      - an FP8 scale (`is_scale`) is its kernel's tensors with `weight_scale_inv` for `weight`.
     """
     names = []
     for layer_path in per_layer_path(path, config):
@@ -163,22 +189,64 @@ def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str
             names += [hf_name(piece, config) for piece in pieces]
             continue
         base, _ = hf_name((*layer_path[:-1], "kernel"), config)  # "...mlp.experts.weight"
-        stem = base[: -len(".weight")]
-        names += [(f"{stem}.{r}.{piece[-1]}.weight", True) for r in range(config.n_routed_experts) for piece in pieces]
+        stem, leaf = base[: -len(".weight")], "weight_scale_inv" if is_scale(layer_path) else "weight"
+        names += [(f"{stem}.{r}.{piece[-1]}.{leaf}", True) for r in range(config.n_routed_experts) for piece in pieces]
     return names
 
 
 def tensor_layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...], Any]]:
-    """HF name -> (our path, transposed, HF shape, our dtype) for every tensor in the files, in model order."""
+    """HF name -> (our path, transposed, HF shape, our dtype) for every tensor in the files, in model order.
+
+    A kernel piece [in, out_p] is HF [out_p, in]; an FP8 scale piece (`is_scale`, ours [ceil(in/b_in), out_p]
+    column-expanded) is HF [ceil(out_p/b_out), ceil(in/b_in)] float32, b_out = `weight_block_size[0]`
+    (the loader transposes it, `quantization.expand_scale`s it to out_p columns and `fuse`s the pieces).
+    """
     layout = {}
     for path, variable in nnx.to_flat_state(params):
         shape, dtype = tuple(variable.get_value().shape), variable.get_value().dtype
         shape = shape[tensor_axes(path) :]  # one slice's: e.g. one expert's [in, out]
         widths = piece_widths(path, shape[-1], config)
         for k, (name, transposed) in enumerate(hf_names(path, config)):
-            piece = (*shape[:-1], widths[k % len(widths)])  # one tensor's: a fused slice's piece
+            width = widths[k % len(widths)]  # one tensor's: a fused slice's piece
+            if is_scale(path):
+                width = -(-width // config.quantization.weight_block_size[0])  # its blocks of output columns
+            piece = (*shape[:-1], width)
             layout[name] = (path, transposed, piece[::-1] if transposed else piece, dtype)
     return layout
+
+
+def check_quantized_modules(params: nnx.State, config: ModelConfig) -> None:
+    """Checks that the model's FP8 linears (`params`: `nnx.state(model, nnx.Param)`) are exactly the HF modules
+    that transformers' rule quantizes: every one whose full name (`model.layers.3.mlp.gate_proj`) contains
+    no entry of `config.quantization.modules_to_not_convert`, `NEVER_QUANTIZED` aside.
+
+    The model decides per fused module and per layer-relative name (`Fp8Config.quantizes`), so an entry that
+    names one piece of a fused projection ("up_proj"), one routed expert ("experts.3.") or one layer
+    ("layers.2.") has no layout here. No-op without `config.quantization`.
+
+    Raises:
+      ValueError listing the HF modules whose quantization differs, and the entries.
+    """
+    fp8 = config.quantization
+    if fp8 is None:
+        return
+    wrong = []
+    for path, variable in nnx.to_flat_state(params):
+        if not (str(path[-1]) == "kernel" or (_is_experts(path) and not is_scale(path))):
+            continue
+        quantized = variable.get_value().dtype == jnp.float8_e4m3fn
+        for name, _ in hf_names(path, config):
+            module = name.removesuffix(".weight")
+            if module.split(".")[-1] in NEVER_QUANTIZED:
+                continue
+            if quantized == any(entry in module for entry in fp8.modules_to_not_convert):
+                wrong.append(f"{module} ({'FP8' if quantized else 'unquantized'} here)")
+    if wrong:
+        raise ValueError(
+            f"quantization_config.modules_to_not_convert {list(fp8.modules_to_not_convert)} splits modules this "
+            "model quantizes as one (each fused projection, all routed experts, the same module in every layer): "
+            f"{', '.join(wrong[:8])}" + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        )
 
 
 def mtp_layers_present(names: Iterator[str], config: ModelConfig) -> int:

@@ -41,7 +41,11 @@ def _parse_tokenizer(data: bytes, shown: str | os.PathLike) -> Tokenizer:
 
 
 def load_pretrained(
-    path: str | os.PathLike | None = None, *, dtype: str | None = None, mesh: Mesh | None = None
+    path: str | os.PathLike | None = None,
+    *,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    dequantize: bool = False,
 ) -> tuple[Transformer, Tokenizer]:
     """The model and its HF `tokenizers.Tokenizer` from a directory (default: the bundled demo model).
 
@@ -50,7 +54,8 @@ def load_pretrained(
     first (see `mtp_jax.checkpoints.load_hf_checkpoint`). `dtype` ("float32", "bfloat16", "float16"): the
     model's weights and compute, default the checkpoint's (`inference_dtype` picks float32 for
     decoding on a CPU). `mesh`: the parameters are read shard by shard straight onto it
-    (`load_hf_checkpoint`'s `mesh`).
+    (`load_hf_checkpoint`'s `mesh`). `dequantize`: an FP8 checkpoint's weights dequantized on load
+    instead of kept in FP8 (`load_hf_checkpoint`'s).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
@@ -60,7 +65,7 @@ def load_pretrained(
       OSError: `path` was replaced by concurrent saves during each attempt to read it.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
-    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype, mesh))
+    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype, mesh, dequantize))
 
 
 def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = None) -> tuple[str | None, str | None]:
@@ -93,14 +98,16 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
     )
 
 
-def _read_pretrained(root: Path, shown: Path, dtype: str | None, mesh: Mesh | None) -> tuple[Transformer, Tokenizer]:
+def _read_pretrained(
+    root: Path, shown: Path, dtype: str | None, mesh: Mesh | None, dequantize: bool
+) -> tuple[Transformer, Tokenizer]:
     """`load_pretrained` of the directory `root`, named `shown` in errors; tokenizer.json is read first."""
     if not root.is_dir():
         raise FileNotFoundError(f"model directory {shown} does not exist")
     if not (root / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {shown}")
     data = (root / TOKENIZER_FILE).read_bytes()  # before the weights, which take longest
-    model = read_hf_files(root, dtype=dtype, mesh=mesh, shown=shown)
+    model = read_hf_files(root, dtype=dtype, mesh=mesh, dequantize=dequantize, shown=shown)
     tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:

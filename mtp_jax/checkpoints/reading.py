@@ -16,6 +16,7 @@ Loading reads every file from one save even while another process overwrites `pa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import warnings
@@ -34,7 +35,14 @@ from safetensors import SafetensorError, safe_open
 from mtp_jax.checkpoints import atomic_dir
 from mtp_jax.checkpoints.format import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError
 from mtp_jax.checkpoints.hf_config import DTYPE_NAMES, config_from_hf
-from mtp_jax.checkpoints.names import mtp_layers_present, shared_copies, tensor_layout
+from mtp_jax.checkpoints.names import (
+    check_quantized_modules,
+    hf_names,
+    is_scale,
+    mtp_layers_present,
+    shared_copies,
+    tensor_layout,
+)
 from mtp_jax.checkpoints.shards import ShardReader
 from mtp_jax.checkpoints.tensor_reads import FLOAT_DTYPES, TensorFile
 from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
@@ -170,6 +178,7 @@ def load_hf_checkpoint(
     dtype: str | None = None,
     scan_layers: bool | None = None,
     mesh: Mesh | None = None,
+    dequantize: bool = False,
 ) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
@@ -189,6 +198,12 @@ def load_hf_checkpoint(
         (`mtp_jax.checkpoints.shards`); under `jax.distributed` each process reads only its own devices'
         shards. Host memory stays at about one device's shard of one parameter. Default: one device
         (the default device), each tensor read once.
+      dequantize: for a block-scaled FP8 checkpoint (DeepSeek-V3's `quantization_config`, see
+        `mtp_jax.quantization`): False (default) keeps the quantized weights in float8_e4m3fn on device
+        with their scales, dequantized block by block inside each jitted matmul; True dequantizes them
+        once while loading (`float32(weight) * scale`, cast to `dtype`), for a plain model. Linears the
+        files keep unquantized (no `weight_scale_inv`, the same module in every layer: e.g. DeepSeek's
+        MTP `eh_proj`) load unquantized either way. No effect on an unquantized checkpoint.
 
     Returns:
       The model; Linear kernels [in, out] are the files' weights [out, in] transposed.
@@ -210,6 +225,9 @@ def load_hf_checkpoint(
         values, or one whose values overflow `dtype` (e.g. a float32 file loaded as float16): the
         error names the tensor and its file. The key, shape and dtype checks read only the files'
         headers, before any tensor data.
+      CheckpointError for FP8 files: a quantized weight that is not float8_e4m3fn or lacks its
+        `weight_scale_inv`, a module quantized in some layers only, or `modules_to_not_convert` entries
+        that split a module this model quantizes as one (`names.check_quantized_modules`).
       ValueError: the mesh's devices report their memory (GPUs) and one device's share of the weights
         exceeds what is free on it (before any tensor is read; `mtp-jax plan` sizes a mesh).
       OSError: `path` was replaced by concurrent saves during each attempt to read it (`atomic_dir.read_dir`).
@@ -223,7 +241,10 @@ def load_hf_checkpoint(
     """
     path = Path(path)
     return atomic_dir.read_dir(
-        path, lambda root: read_hf_files(root, dtype=dtype, scan_layers=scan_layers, mesh=mesh, shown=path)
+        path,
+        lambda root: read_hf_files(
+            root, dtype=dtype, scan_layers=scan_layers, mesh=mesh, dequantize=dequantize, shown=path
+        ),
     )
 
 
@@ -233,6 +254,7 @@ def read_hf_files(
     dtype: str | None = None,
     scan_layers: bool | None = None,
     mesh: Mesh | None = None,
+    dequantize: bool = False,
     shown: str | os.PathLike | None = None,
 ) -> Transformer:
     """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
@@ -257,24 +279,54 @@ def read_hf_files(
         config = config.replace(dtype=dtype, param_dtype=dtype)
     if scan_layers is not None:
         config = config.replace(scan_layers=scan_layers)
+    block = None
+    if dequantize and config.quantization is not None:
+        block, config = config.quantization.weight_block_size, config.replace(quantization=None)
     with contextlib.ExitStack() as stack:
         handles = _open_weights(root, shown, stack)
         files = {}
         for file in handles:
             files[file] = TensorFile(root / file, shown / file)
             stack.callback(files[file].close)
-        return _read_weights(handles, files, config, shown, mesh)
+        return _read_weights(handles, files, config, shown, mesh, block)
+
+
+def _abstract(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
 
 
 def _read_weights(
-    handles: dict[str, Any], files: dict[str, TensorFile], config: ModelConfig, shown: Path, mesh: Mesh | None
+    handles: dict[str, Any],
+    files: dict[str, TensorFile],
+    config: ModelConfig,
+    shown: Path,
+    mesh: Mesh | None,
+    block: tuple[int, int] | None,
 ) -> Transformer:
     """The model of `config` from the weights files (file name -> its `safe_open` handle, which listed
-    its tensors, and its `TensorFile`, which reads them), its parameters on `mesh` (None: one device)."""
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract, nnx.Param)
-    layout = tensor_layout(params, config)
+    its tensors, and its `TensorFile`, which reads them), its parameters on `mesh` (None: one device);
+    `block`: the files' FP8 block when their quantized weights are dequantized on load."""
     where, shapes, dtypes = _scan(handles, shown)
+    graphdef, params = _abstract(config)
+    if config.quantization is not None:
+        kept = _unquantized_in_files(params, config, dtypes)
+        if kept:
+            fp8 = config.quantization
+            fp8 = dataclasses.replace(fp8, modules_to_not_convert=(*fp8.modules_to_not_convert, *kept))
+            config = config.replace(quantization=fp8)
+            graphdef, params = _abstract(config)
+        try:
+            check_quantized_modules(params, config)
+        except ValueError as error:
+            raise CheckpointError(f"{shown / CONFIG_FILE}: {error}") from error
+    layout = tensor_layout(params, config)
+    dequantized = {}  # FP8 weight -> its scale, for a model that holds them dequantized
+    if block is not None:
+        dequantized = {
+            name: f"{name}_scale_inv"
+            for name in layout
+            if name.endswith(".weight") and dtypes.get(name) == "F8_E4M3" and f"{name}_scale_inv" in where
+        }
 
     present = mtp_layers_present(iter(where), config)
     if present != config.num_nextn_predict_layers:
@@ -284,7 +336,7 @@ def _read_weights(
             f"num_nextn_predict_layers={present} in config.json or add/remove the MTP layers' tensors"
         )
     copies = {name: source for name, source in shared_copies(config).items() if name in where}
-    found = set(where) - set(copies)
+    found = set(where) - set(copies) - set(dequantized.values())
     missing = [name for name in layout if name not in found]
     unexpected = sorted(n for n in found - set(layout) if not n.endswith(_IGNORED_SUFFIXES))
     mismatched = [
@@ -293,9 +345,9 @@ def _read_weights(
         if name in found and shapes[name] != layout[name][2]
     ]
     mismatched += [
-        f"{name} (dtype {dtypes[name]} is not a float type)"
+        f"{name} (dtype {dtypes[name]}, expected {expected})"
         for name in layout
-        if name in found and dtypes[name] not in FLOAT_DTYPES
+        if name in found and dtypes[name] not in (expected := _stored_dtypes(name, layout[name], dequantized))
     ]
     mismatched += [
         f"{name} (shape {list(shapes[name])}, a copy of {source} {list(shapes[source])})"
@@ -313,13 +365,38 @@ def _read_weights(
     flat_params = nnx.to_flat_state(params)
     shardings = [_sharding(variable, mesh) for _, variable in flat_params]
     _check_device_memory(flat_params, shardings)
-    reader = ShardReader(files, where, layout, config)
+    reader = ShardReader(files, where, layout, config, dequantized, block)
     flat = [
         (path_, variable.replace(_build(reader, path_, variable.get_value(), sharding)))
         for (path_, variable), sharding in zip(flat_params, shardings, strict=True)
     ]
     _check_copies(files, where, copies, layout)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _stored_dtypes(name: str, entry: tuple, dequantized: dict[str, str]) -> tuple[str, ...]:
+    """The safetensors dtypes the tensor `name` (its `tensor_layout` entry) may be stored in."""
+    path, _, _, dtype = entry
+    if dtype == jnp.float8_e4m3fn:
+        return ("F8_E4M3",)
+    if is_scale(path):
+        return ("F32",)
+    return (*FLOAT_DTYPES, "F8_E4M3") if name in dequantized else FLOAT_DTYPES
+
+
+def _unquantized_in_files(params: nnx.State, config: ModelConfig, dtypes: dict[str, str]) -> tuple[str, ...]:
+    """The modules (names within a layer, as `Fp8Config.quantizes` takes them) that the config quantizes
+    but the files keep in a float type without scales in every layer (e.g. DeepSeek's `eh_proj`)."""
+    kept, quantized = set(), set()
+    for path, variable in nnx.to_flat_state(params):
+        if variable.get_value().dtype != jnp.float8_e4m3fn:
+            continue
+        start = 3 if str(path[0]) == "layer_groups" else 2  # past `layers.{i}` / `mtp.{j}` / `layer_groups.{g}.layer`
+        module = ".".join(str(p) for p in path[start:-1])  # "self_attn.o_proj", the routed experts' "mlp.experts"
+        for name, _ in hf_names(path, config):
+            stored_float = dtypes.get(name) in FLOAT_DTYPES and f"{name}_scale_inv" not in dtypes
+            (kept if stored_float else quantized).add(module)
+    return tuple(sorted(kept - quantized))
 
 
 def _sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding | None:

@@ -26,14 +26,9 @@ import math
 import numpy as np
 
 from mtp_jax.checkpoints.format import CheckpointError
-from mtp_jax.checkpoints.names import fuse, hf_names, piece_widths, tensor_axes
+from mtp_jax.checkpoints.names import fuse, hf_names, is_scale, piece_widths, tensor_axes
 from mtp_jax.checkpoints.tensor_reads import TensorFile
 from mtp_jax.config import ModelConfig
-
-
-def is_scale(path: tuple) -> bool:
-    """Whether the parameter at `path` is a column-expanded FP8 scale (`kernel_scale_inv`, `*_proj_scale_inv`)."""
-    return str(path[-1]).endswith("_scale_inv")
 
 
 class ShardReader:
@@ -44,10 +39,22 @@ class ShardReader:
       where: HF tensor name -> the file name holding it.
       layout: `names.tensor_layout` of the model's parameters (HF name -> (path, transposed, HF shape, dtype)).
       config: the model's config (fused widths, FP8 block sizes).
+      dequantize: FP8 weights the model holds dequantized (`load_hf_checkpoint(..., dequantize=True)`):
+        HF weight name -> its `weight_scale_inv`'s name; read as `float32(weight) * scale` of its block.
+      block: the files' FP8 block (b_out, b_in) for `dequantize`.
     """
 
-    def __init__(self, files: dict[str, TensorFile], where: dict[str, str], layout: dict, config: ModelConfig):
+    def __init__(
+        self,
+        files: dict[str, TensorFile],
+        where: dict[str, str],
+        layout: dict,
+        config: ModelConfig,
+        dequantize: dict[str, str] | None = None,
+        block: tuple[int, int] | None = None,
+    ):
         self.files, self.where, self.layout, self.config = files, where, layout, config
+        self.dequantize, self.block = dequantize or {}, block
 
     def read(self, path: tuple, shape: tuple[int, ...], dtype, index: tuple[slice, ...]) -> np.ndarray:
         """`param[index]` for the parameter at `path` (global `shape`, `dtype`), as a NumPy array in `dtype`.
@@ -86,10 +93,30 @@ class ShardReader:
         low, high = int(rows.min()), int(rows.max()) + 1
         file = self.files[self.where[name]]
         if transposed:  # HF [out, in]: our columns are its rows
-            block = file.read(name, (slice(low, high), *lead))[rows - low].T
+            block = file.read(name, (slice(low, high), *lead))[rows - low]
+            if name in self.dequantize:
+                block = self._dequantized(block, self.dequantize[name], rows, lead[0] if lead else slice(None))
+            block = block.T
         else:
             block = file.read(name, (*lead, slice(low, high)))[..., rows - low]
         return _checked(block, dtype, name, file)
+
+    def _dequantized(self, weight: np.ndarray, scale_name: str, rows: np.ndarray, inputs: slice) -> np.ndarray:
+        """FP8 `weight` [len(rows), in'] (HF rows `rows`, input columns `inputs`) times its block scales, float32."""
+        (b_out, b_in), first = self.block, inputs.start or 0
+        scale_file = self.files[self.where[scale_name]]
+        blocks = rows // b_out
+        columns = np.arange(first, first + weight.shape[1]) // b_in
+        scale = scale_file.read(
+            scale_name, (slice(int(blocks.min()), int(blocks.max()) + 1), slice(int(columns[0]), int(columns[-1]) + 1))
+        )
+        if not np.isfinite(scale).all():
+            raise CheckpointError(
+                f"{scale_name} in {scale_file.shown} holds NaN or infinite values; refusing to load it",
+                mismatched=[scale_name],
+            )
+        scale = scale[blocks - blocks.min()][:, columns - columns[0]]  # [len(rows), in']
+        return weight.astype(np.float32) * scale
 
 
 @functools.lru_cache(maxsize=64)

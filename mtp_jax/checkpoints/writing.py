@@ -1,5 +1,11 @@
 """Hugging Face checkpoint export: `save_hf_checkpoint` (config.json plus safetensors weights).
 
+FP8 models (`ModelConfig.quantization`) are written in DeepSeek-V3's format: each quantized kernel as
+`<module>.weight` F8_E4M3 [out, in] beside `<module>.weight_scale_inv` F32 [ceil(out/b_out), ceil(in/b_in)]
+(`safetensors.numpy.save_file` writes an `ml_dtypes.float8_e4m3fn` array as F8_E4M3; its NumPy reader
+cannot return one, torch's can). DeepSeek's MTP layers also carry copies of the shared embedding and head
+(`names.shared_copies`), written as the official checkpoints hold them.
+
 Saving is atomic (`mtp_jax.checkpoints.atomic_dir`): the checkpoint is written to a temporary sibling
 directory and swapped in, so a kill at any point leaves the old or the new checkpoint at `path`.
 """
@@ -25,8 +31,9 @@ from mtp_jax.checkpoints.format import (
     WEIGHTS_FILE,
 )
 from mtp_jax.checkpoints.hf_config import config_to_hf
-from mtp_jax.checkpoints.names import hf_names, tensor_axes, unfuse
+from mtp_jax.checkpoints.names import hf_names, is_scale, shared_copies, tensor_axes, unfuse
 from mtp_jax.model import Transformer
+from mtp_jax.quantization import collapse_scale
 
 _MODEL_FILE_PATTERNS = (
     CONFIG_FILE,
@@ -77,23 +84,51 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
 
     What `write_hf_files` writes. Both layer layouts (`ModelConfig.scan_layers`) give the same dict
     for the same weights, in the same order (a layer group's tensors layer by layer, as the unrolled
-    layout orders them), so they shard and save alike.
+    layout orders them), so they shard and save alike. FP8 kernels are float8_e4m3fn (`ml_dtypes`)
+    [out, in] and their scales float32 [ceil(out/b_out), ceil(in/b_in)] (each piece's column-expanded
+    scales collapsed to its blocks: bit-exact). Each DeepSeek MTP layer's `embed_tokens` and
+    `shared_head.head` copies (`names.shared_copies`; the same arrays as the shared tensors) follow its
+    own tensors.
+
+    Raises:
+      ValueError: an FP8 scale is not constant over the columns of one block of its piece (a model
+        whose scales were edited so that no checkpoint can hold them).
     """
+    config = model.config
     keyed = []  # ((position of the path or of its layer group's first path, layer within the group, path), ...)
     group_position: dict[tuple, int] = {}
     for position, (param_path, variable) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
         array = np.asarray(jax.device_get(variable.get_value()))
-        names = hf_names(param_path, model.config)
+        names = hf_names(param_path, config)
         axes = tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
         slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
-        parts = [part for one in slices for part in unfuse(param_path, one, model.config)]  # a slice's HF tensors
+        parts = [part for one in slices for part in unfuse(param_path, one, config)]  # a slice's HF tensors
+        if is_scale(param_path):  # [ceil(in/b_in), out_p] per column -> per block [ceil(in/b_in), ceil(out_p/b_out)]
+            parts = [collapse_scale(part, config.quantization.weight_block_size[0]) for part in parts]
         grouped = str(param_path[0]) == "layer_groups"
         where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
         per_layer = len(names) // (array.shape[0] if grouped else 1)
         for k, ((name, transposed), part) in enumerate(zip(names, parts, strict=True)):
             tensor = np.ascontiguousarray(part.T if transposed else part)
             keyed.append(((where, k // per_layer, position), name, tensor))
-    return {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
+    tensors = {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
+    return _with_mtp_copies(tensors, config)
+
+
+def _with_mtp_copies(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """`tensors` with each MTP layer's copies of the shared tensors (`shared_copies`: `embed_tokens`,
+    `shared_head.head`) right after that layer's last tensor."""
+    copies = {name: source for name, source in shared_copies(config).items() if name.startswith("model.layers.")}
+    if not copies:
+        return tensors
+    out = {}
+    names = list(tensors)
+    for k, name in enumerate(names):
+        out[name] = tensors[name]
+        layer = ".".join(name.split(".")[:3]) + "."  # "model.layers.{n}." (other names: no copy starts so)
+        if k + 1 == len(names) or not names[k + 1].startswith(layer):
+            out.update({copy: tensors[source] for copy, source in copies.items() if copy.startswith(layer)})
+    return out
 
 
 def write_hf_files(
@@ -109,7 +144,8 @@ def write_hf_files(
     swap; `mtp_jax.checkpoints.pretrained.save_pretrained` adds the tokenizer inside the same swap.
 
     Raises:
-      ValueError: the config cannot be expressed as `model_type`, or max_shard_size_bytes < 1.
+      ValueError: the config cannot be expressed as `model_type`, max_shard_size_bytes < 1, or an FP8
+        scale has no block layout (`hf_tensors`).
     """
     if max_shard_size_bytes < 1:
         raise ValueError(f"max_shard_size_bytes must be >= 1, got {max_shard_size_bytes}")
@@ -142,10 +178,13 @@ def save_hf_checkpoint(
 ) -> None:
     """Writes `model` as a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
-    Writes `config.json` (`config_to_hf`) and the weights in `param_dtype`: one
+    Writes `config.json` (`config_to_hf`) and the weights in `param_dtype` (FP8 kernels as F8_E4M3 with
+    their F32 `weight_scale_inv`, DeepSeek-V3's format; `hf_tensors`): one
     `model.safetensors` when they fit in `max_shard_size_bytes` (bytes of tensor data), else
     shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Linear kernels
-    [in, out] are written as torch's [out, in]; tied models write no `lm_head.weight`.
+    [in, out] are written as torch's [out, in]; tied models write no `lm_head.weight`; DeepSeek MTP
+    layers carry copies of the embedding and head (`model.layers.{L + j}.embed_tokens.weight`,
+    `.shared_head.head.weight`), as DeepSeek-V3's files do.
 
     The save is atomic (`mtp_jax.checkpoints.atomic_dir.replace_dir`): the files go to a temporary sibling
     directory `.{name}.tmp-*`, fsynced, which then replaces `path`; a kill at any point leaves
@@ -164,7 +203,8 @@ def save_hf_checkpoint(
     Raises:
       FileExistsError: `path` is a file, a non-empty directory and `overwrite` is False, or a
         directory holding a subdirectory or symlink (which the swap would lose).
-      ValueError: the config cannot be expressed as `model_type`, or max_shard_size_bytes < 1.
+      ValueError: the config cannot be expressed as `model_type`, max_shard_size_bytes < 1, or an FP8
+        scale has no block layout (`hf_tensors`).
     """
     with atomic_dir.replace_dir(path, overwrite=overwrite, owned=is_model_file) as new:
         write_hf_files(model, new, max_shard_size_bytes=max_shard_size_bytes, model_type=model_type)

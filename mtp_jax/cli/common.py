@@ -91,6 +91,23 @@ def add_speculative_arguments(parser: argparse.ArgumentParser, *, default: str) 
 # JAX's persistent compilation cache: `--compilation-cache DIR`, `--no-compilation-cache`.
 
 
+def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --dequantize: how `mtp-jax generate` / `serve` hold a checkpoint's weights."""
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
+        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="an FP8 checkpoint (DeepSeek-V3's block-scaled format): dequantize its weights once while loading "
+        "(to --dtype) instead of keeping them in FP8 and dequantizing inside each matmul (the default)",
+    )
+
+
 def add_compilation_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the mutually exclusive `--compilation-cache DIR` / `--no-compilation-cache` to `parser`."""
     cache = parser.add_mutually_exclusive_group()

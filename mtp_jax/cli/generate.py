@@ -11,6 +11,7 @@ from mtp_jax.cli.common import (
     MODEL_HELP,
     add_compilation_cache_arguments,
     add_speculative_arguments,
+    add_weight_arguments,
     configure_compilation_cache,
     name_flags,
 )
@@ -72,13 +73,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_speculative_arguments(p, default="none")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of one)")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
-    )
+    add_weight_arguments(p)
     add_compilation_cache_arguments(p)
     add_mesh_arguments(
         p,
@@ -213,7 +208,7 @@ def run_generate(args) -> int:
         dtype, why = inference_dtype(args.model, args.dtype)
         if why:
             print(f"mtp-jax generate: {why}", file=sys.stderr)
-        model, tokenizer = load_pretrained(args.model, dtype=dtype, mesh=mesh)
+        model, tokenizer = load_pretrained(args.model, dtype=dtype, mesh=mesh, dequantize=args.dequantize)
     except (OSError, ValueError) as error:  # missing files, corrupt or mismatched checkpoints
         raise ValueError(f"--model: {error}") from error
     load_seconds = time.perf_counter() - begin

@@ -17,6 +17,7 @@ from mtp_jax.cli.common import (
     DefaultModelDir,
     add_compilation_cache_arguments,
     add_speculative_arguments,
+    add_weight_arguments,
     bounded,
     configure_compilation_cache,
     name_flags,
@@ -62,13 +63,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", metavar="DIR", default=None, help=f"{MODEL_HELP}; default: the bundled demo model")
     add_speculative_arguments(p, default="eagle")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
-    )
+    add_weight_arguments(p)
     p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
     p.add_argument(
         "--max-length",
@@ -114,7 +109,7 @@ def _build_engine(args: argparse.Namespace, mesh):
         dtype, why = inference_dtype(model_dir, args.dtype)
         if why:
             print(f"mtp-jax serve: {why}", file=sys.stderr)
-        model, tokenizer = load_pretrained(model_dir, dtype=dtype, mesh=mesh)
+        model, tokenizer = load_pretrained(model_dir, dtype=dtype, mesh=mesh, dequantize=args.dequantize)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
         raise ValueError(f"{spelling}: {error}") from error

@@ -136,8 +136,11 @@ class Attention(nnx.Module):
             rngs,
             config.attention_bias,
             axes=("embed", ("heads", (h // g + 2) * d)),
+            name="self_attn.qkv_proj",
         )  # splits between KV groups
-        self.o_proj = linear(config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"))
+        self.o_proj = linear(
+            config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"), name="self_attn.o_proj"
+        )
         if config.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)

@@ -27,15 +27,18 @@ class MLP(nnx.Module):
     column 2i is gate unit i, column 2i + 1 up unit i), so that a contiguous chunk of it holds matching
     gate and up units and tensor parallelism over it (any degree that divides I, `mtp_jax.sharding`)
     needs no exchange before `down_proj`; `mtp_jax.checkpoints` interleaves HF's tensors on load and
-    separates them on export. `down_proj` [I, E].
+    separates them on export. `down_proj` [I, E]. `name`: the MLP's path in its layer ("mlp", DeepSeek-V3's
+    "mlp.shared_experts"), which decides with `config.quantization` whether its linears are FP8 (`linear`).
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None, *, name: str = "mlp"):
         width = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = linear(
-            config, config.hidden_size, 2 * width, rngs, axes=("embed", ("mlp", 2))
+            config, config.hidden_size, 2 * width, rngs, axes=("embed", ("mlp", 2)), name=f"{name}.gate_up_proj"
         )  # splits between (gate, up) pairs
-        self.down_proj = linear(config, width, config.hidden_size, rngs, axes=("mlp", "embed"))
+        self.down_proj = linear(
+            config, width, config.hidden_size, rngs, axes=("mlp", "embed"), name=f"{name}.down_proj"
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = split_gate_up(self.gate_up_proj(x))  # [..., I] each

@@ -1,5 +1,7 @@
 """The one linear layer of the models: `nnx.Linear` in the config's dtypes with N(0, initializer_range) init,
-its kernel named by logical axes (`mtp_jax.sharding`), and `dot_general`, the contraction it computes."""
+or its block-scaled FP8 twin `mtp_jax.layers.fp8.Fp8Linear` where `ModelConfig.quantization` asks for it; its
+kernel named by logical axes (`mtp_jax.sharding`); `dot_general`, the contraction it computes; and
+`compute_kernel`, the kernel as the matmul sees it (for code that reads a layer's weights directly)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.fp8 import Fp8Linear
 
 
 def dot_general(
@@ -54,24 +57,53 @@ def linear(
     bias: bool = False,
     *,
     axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None],
-) -> nnx.Linear:
+    name: str,
+) -> nnx.Linear | Fp8Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
     `config.compute_dtype` (through `dot_general`: on a CPU, half precision accumulated in float32);
     an optional bias (zeros).
 
+    With `config.quantization` set and its `Fp8Config.quantizes(name)` true, an `Fp8Linear` instead: the
+    same contract, its kernel float8_e4m3fn with float32 block scales (`kernel_scale_inv`), dequantized
+    to the compute dtype in each call; the bias stays in `config.weight_dtype`. Both draw the same
+    N(0, initializer_range) weight from `rngs` (a fresh FP8 layer holds it quantized).
+
     `axes`: the kernel's logical axes (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`): a name,
     None, or `(name, block)` for an axis that may split only at multiples of `block` (between heads);
-    the bias takes the output's.
+    the bias takes the output's. `name`: the module's HF path inside its decoder layer
+    ("self_attn.o_proj", "mlp.shared_experts.down_proj", MTP's "eh_proj"), or "lm_head".
     """
+    init = nnx.initializers.normal(config.initializer_range)
+    if config.quantization is not None and config.quantization.quantizes(name):
+        return Fp8Linear(
+            fan_in,
+            fan_out,
+            block_in=config.quantization.weight_block_size[1],
+            use_bias=bias,
+            dtype=config.compute_dtype,
+            param_dtype=config.weight_dtype,
+            kernel_init=init,
+            dot_general=dot_general,
+            axes=axes,
+            rngs=rngs,
+        )
     return nnx.Linear(
         fan_in,
         fan_out,
         use_bias=bias,
         dtype=config.compute_dtype,
         param_dtype=config.weight_dtype,
-        kernel_init=nnx.initializers.normal(config.initializer_range),
+        kernel_init=init,
         dot_general=dot_general,
         rngs=rngs,
         kernel_metadata={"logical_axes": axes},
         bias_metadata={"logical_axes": axes[1:]},
     )
+
+
+def compute_kernel(layer: nnx.Linear | Fp8Linear, dtype=None) -> jax.Array:
+    """`layer`'s kernel [in, out] as its matmul uses it, in `dtype` (default its compute dtype): an
+    `Fp8Linear`'s dequantized (`Fp8Linear.weight`), an `nnx.Linear`'s cast."""
+    if isinstance(layer, Fp8Linear):
+        return layer.weight(dtype)
+    return layer.kernel[...].astype(layer.dtype if dtype is None else dtype)

@@ -35,7 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import check_shape, write_at
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers.linear import linear
+from mtp_jax.layers.linear import compute_kernel, linear
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.layers.rope import apply_rope
 
@@ -124,16 +124,32 @@ class MLAttention(nnx.Module):
         heads, qk_dim = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = linear(c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", ("heads", qk_dim)))
+            self.q_proj = linear(
+                c, c.hidden_size, heads * qk_dim, rngs, axes=("embed", ("heads", qk_dim)), name="self_attn.q_proj"
+            )
             self.kv_a_proj_with_mqa = linear(
-                c, c.hidden_size, kv_a_dim, rngs, bias=c.attention_bias, axes=("embed", None)
+                c,
+                c.hidden_size,
+                kv_a_dim,
+                rngs,
+                bias=c.attention_bias,
+                axes=("embed", None),
+                name="self_attn.kv_a_proj_with_mqa",
             )
         else:
             self.fused_qkv_a_proj = linear(
-                c, c.hidden_size, c.q_lora_rank + kv_a_dim, rngs, bias=c.attention_bias, axes=("embed", None)
+                c,
+                c.hidden_size,
+                c.q_lora_rank + kv_a_dim,
+                rngs,
+                bias=c.attention_bias,
+                axes=("embed", None),
+                name="self_attn.fused_qkv_a_proj",
             )
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
-            self.q_b_proj = linear(c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", ("heads", qk_dim)))
+            self.q_b_proj = linear(
+                c, c.q_lora_rank, heads * qk_dim, rngs, axes=("q_lora", ("heads", qk_dim)), name="self_attn.q_b_proj"
+            )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
         self.kv_b_proj = linear(
             c,
@@ -141,9 +157,16 @@ class MLAttention(nnx.Module):
             heads * (c.qk_nope_head_dim + c.v_head_dim),
             rngs,
             axes=("latent", ("heads", c.qk_nope_head_dim + c.v_head_dim)),
+            name="self_attn.kv_b_proj",
         )
         self.o_proj = linear(
-            c, heads * c.v_head_dim, c.hidden_size, rngs, bias=c.attention_bias, axes=(("heads", c.v_head_dim), "embed")
+            c,
+            heads * c.v_head_dim,
+            c.hidden_size,
+            rngs,
+            bias=c.attention_bias,
+            axes=(("heads", c.v_head_dim), "embed"),
+            name="self_attn.o_proj",
         )
 
     def __call__(
@@ -222,10 +245,11 @@ class MLAttention(nnx.Module):
         return apply_rope(x, positions, self.config, dim=self.config.qk_rope_head_dim)
 
     def _absorbed_weights(self, dtype) -> tuple[Float[Array, "C H N"], Float[Array, "C H V"]]:
-        """kv_b_proj's kernel split per head into W_UK [C, H, N] and W_UV [C, H, V], in `dtype`."""
+        """kv_b_proj's kernel (dequantized when FP8) split per head into W_UK [C, H, N] and W_UV [C, H, V],
+        in `dtype`."""
         c = self.config
         nope = c.qk_nope_head_dim
-        kernel = self.kv_b_proj.kernel[...].astype(dtype)  # [C, H (N + V)]
+        kernel = compute_kernel(self.kv_b_proj, dtype)  # [C, H (N + V)]
         kernel = kernel.reshape(c.kv_lora_rank, c.num_attention_heads, nope + c.v_head_dim)  # [C, H, N + V]
         return kernel[..., :nope], kernel[..., nope:]
 

@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.ffn import MLP, split_gate_up
+from mtp_jax.layers.fp8 import dequantize, quantize
 from mtp_jax.sharding import axis_size, context_spec
 
 
@@ -154,7 +155,10 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """The R routed SwiGLU experts, stacked: `gate_up_proj` [R, E, 2I] (each expert's gate and up columns
     interleaved, [R, E, I, 2] flattened: column 2i is gate unit i, 2i + 1 up unit i, as `ffn.MLP`'s) and
-    `down_proj` [R, I, E], in `config.weight_dtype`.
+    `down_proj` [R, I, E], in `config.weight_dtype`. With `config.quantization` quantizing "mlp.experts"
+    (`Fp8Config.quantizes`): both float8_e4m3fn, with column-expanded float32 scales (`mtp_jax.layers.fp8`)
+    `gate_up_proj_scale_inv` [R, ceil(E / b_in), 2I] and `down_proj_scale_inv` [R, ceil(I / b_in), E],
+    dequantized to the compute dtype in each call.
 
     `__call__(x [N, E], indices int32 [N, k], weights float32 [N, k]) -> [N, E]`:
     `sum_j weights[:, j] * down(silu(gate) * up)` with `gate, up = split_gate_up(x @ gate_up_proj[indices[:, j]])`, as
@@ -165,16 +169,28 @@ class Experts(nnx.Module):
         self.config = config
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
-        self.gate_up_proj = nnx.Param(
-            init(rngs.params(), (r, e, 2 * i), config.weight_dtype), logical_axes=("experts", "embed", "moe_mlp")
-        )
-        self.down_proj = nnx.Param(
-            init(rngs.params(), (r, i, e), config.weight_dtype), logical_axes=("experts", "moe_mlp", "embed")
-        )
+        fp8 = config.quantization
+        self.block_in = fp8.weight_block_size[1] if fp8 is not None and fp8.quantizes("mlp.experts") else None
+        for name, shape, axes in (
+            ("gate_up_proj", (r, e, 2 * i), ("experts", "embed", "moe_mlp")),
+            ("down_proj", (r, i, e), ("experts", "moe_mlp", "embed")),
+        ):
+            if self.block_in is None:
+                setattr(self, name, nnx.Param(init(rngs.params(), shape, config.weight_dtype), logical_axes=axes))
+                continue
+            kernel, scale_inv = quantize(init(rngs.params(), shape, jnp.float32), self.block_in)
+            setattr(self, name, nnx.Param(kernel, logical_axes=axes))
+            setattr(self, f"{name}_scale_inv", nnx.Param(scale_inv, logical_axes=(axes[0], None, axes[2])))
+
+    def _weight(self, name: str) -> jax.Array:
+        """The stacked kernel `name` in the compute dtype (dequantized when FP8)."""
+        dtype = self.config.compute_dtype
+        if self.block_in is None:
+            return getattr(self, name)[...].astype(dtype)
+        return dequantize(getattr(self, name)[...], getattr(self, f"{name}_scale_inv")[...], self.block_in, dtype)
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
-        dtype = self.config.compute_dtype
-        gate_up, down = self.gate_up_proj[...].astype(dtype), self.down_proj[...].astype(dtype)
+        gate_up, down = self._weight("gate_up_proj"), self._weight("down_proj")
         rows = context_spec(P("batch", None), x.shape)  # None: no mesh
         if rows is None or (rows == P(None, None) and axis_size("expert") == 1):
             return _expert_sum(x, indices, weights, gate_up, down, first=0)
@@ -247,7 +263,12 @@ class MoE(nnx.Module):
         self.gate = Router(config, rngs)
         self.experts = Experts(config, rngs)
         self.shared_experts = (
-            MLP(config, rngs, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+            MLP(
+                config,
+                rngs,
+                intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                name="mlp.shared_experts",
+            )
             if config.n_shared_experts > 0
             else None
         )
