@@ -7,6 +7,7 @@ import sys
 
 from mtp_jax.cli.eval import add_eval_parser
 from mtp_jax.cli.generate import add_generate_parser
+from mtp_jax.cli.plan import add_plan_parser
 from mtp_jax.cli.serve import add_serve_parser
 from mtp_jax.cli.train import add_train_parser
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(subparsers)
     add_eval_parser(subparsers)
     add_serve_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 
