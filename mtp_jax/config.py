@@ -546,3 +546,6 @@ PRESETS: dict[str, ModelConfig] = {
         scan_layers=True,
     ),
 }
+# The presets above that are real models' full-size architectures: configs for memory plans and abstract
+# lowering (`mtp_jax.memory_plan`, `mtp-jax plan`), never initialised (`mtp-jax train` refuses them).
+FULL_SIZE_PRESETS = frozenset({"deepseek-v3", "deepseek-v3-fp8", "glm-4.5", "glm-4.5-air"})

@@ -158,6 +158,27 @@ def per_layer_path(path: tuple[str | int, ...], config: ModelConfig) -> list[tup
     return [("layers", layer, *path[3:]) for layer in group]
 
 
+class _ShapeOnlyRngs:
+    """`nnx.Rngs` for a model whose initial values are never computed (`nnx.eval_shape`): every stream
+    hands out one fixed key. Under tracing, `nnx.Rngs`' counter update costs time in proportion to the
+    program traced so far (JAX builds an error message on each `sharding` lookup of a tracer): 5 s for
+    DeepSeek-V3 against 0.5 s with this; the shapes, dtypes and metadata are the same."""
+
+    def __getattr__(self, stream: str):
+        if stream.startswith("__"):
+            raise AttributeError(stream)
+        return lambda: jax.random.key(0)
+
+    def __call__(self) -> jax.Array:
+        return jax.random.key(0)
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The `Transformer` of `config` with every parameter a `jax.ShapeDtypeStruct` (its metadata, the
+    logical axes included, as a real model's): nothing is computed or allocated."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=_ShapeOnlyRngs()))
+
+
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
     """A randomly initialised `Transformer` (weights ~ N(0, initializer_range), norms at 1)."""
     return Transformer(config, rngs=nnx.Rngs(seed))

@@ -18,7 +18,7 @@ from flax import nnx
 from mtp_jax.checkpoints.pretrained import save_pretrained
 from mtp_jax.cli import main
 from mtp_jax.cli.common import MODEL_HELP
-from mtp_jax.config import PRESETS, ModelConfig
+from mtp_jax.config import FULL_SIZE_PRESETS, PRESETS, ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.training import data
 from mtp_jax.training.run_dir import config_to_dict
@@ -103,7 +103,8 @@ def test_every_help_says_the_same_about_model(capsys, command, spelling):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     assert f"{spelling} {MODEL_HELP}" in out
     if command == "train":
-        assert f"{spelling} {MODEL_HELP}, or a preset name ({', '.join(sorted(PRESETS))}; default demo)" in out
+        trainable = sorted(set(PRESETS) - FULL_SIZE_PRESETS)
+        assert f"{spelling} {MODEL_HELP}, or a preset name ({', '.join(trainable)}; default demo)" in out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,6 +260,16 @@ def test_train_model_neither_preset_nor_model_dir(tmp_path, capsys, no_corpus, n
         f"mtp-jax train: error: --model {model!r} is neither a preset (deepseek-v3-small, demo, medium, "
         f"small, tiny, tiny-qwen2) nor a saved model directory ({found}; a model directory needs a "
         "config.json, safetensors weights and tokenizer.json)\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("preset", sorted(FULL_SIZE_PRESETS))
+def test_train_refuses_a_full_size_preset_before_building_it(tmp_path, capsys, no_corpus, preset):
+    assert main(["train", str(tmp_path / "run"), "--model", preset, "--no-progress"]) == 2
+    assert _one_line_error(capsys.readouterr().err, "train") == (
+        f"mtp-jax train: error: --model {preset} is a full-size architecture (a config for `mtp-jax plan`, no "
+        "weights); train from a checkpoint of it with --init-from DIR\n"
     )
     assert not (tmp_path / "run").exists()
 

@@ -203,3 +203,13 @@ def test_fp8_logits_match_transformers_on_the_same_weights(model_type, block, tm
     assert model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn
     err = relative_error(our_logits(model, tokens), expected)
     assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
+
+
+def test_training_refuses_fp8_weights():
+    from types import SimpleNamespace
+
+    from mtp_jax.training.resume import check_compatible
+    from mtp_jax.training.step import TrainConfig
+
+    with pytest.raises(ValueError, match=r"FP8 weights .* dequantize=True"):
+        check_compatible(DEEPSEEK.replace(quantization=FP8), TrainConfig(), SimpleNamespace(vocab_size=8))

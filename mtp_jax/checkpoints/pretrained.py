@@ -20,7 +20,7 @@ from mtp_jax.checkpoints import atomic_dir
 from mtp_jax.checkpoints.format import CONFIG_FILE, CheckpointError
 from mtp_jax.checkpoints.reading import load_hf_checkpoint, read_hf_files, stored_dtype
 from mtp_jax.checkpoints.writing import is_model_file, write_hf_files
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, abstract_model
 from mtp_jax.mtp import make_mtp_modules
 
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "demo"
@@ -176,7 +176,7 @@ def init_from_pretrained(
     if d == loaded.config.num_nextn_predict_layers:
         return loaded
     config = loaded.config.replace(num_nextn_predict_layers=d)
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # no random main model: it is replaced
+    model = abstract_model(config)  # no random main model: it is replaced
     model.mtp = make_mtp_modules(config, nnx.Rngs(seed))
     kept = [(p, v) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param)) if p[0] != "mtp" or int(p[1]) < d]
     nnx.update(model, nnx.from_flat_state(kept))

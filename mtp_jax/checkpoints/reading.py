@@ -46,7 +46,7 @@ from mtp_jax.checkpoints.names import (
 from mtp_jax.checkpoints.shards import ShardReader
 from mtp_jax.checkpoints.tensor_reads import FLOAT_DTYPES, TensorFile
 from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
-from mtp_jax.model import Transformer
+from mtp_jax.model import Transformer, abstract_model
 from mtp_jax.sharding import resolve
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
@@ -292,7 +292,7 @@ def read_hf_files(
 
 
 def _abstract(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+    return nnx.split(abstract_model(config), nnx.Param)
 
 
 def _read_weights(

@@ -16,7 +16,7 @@ from mtp_jax.checkpoints.hf_config import config_from_hf
 from mtp_jax.checkpoints.pretrained import init_from_pretrained
 from mtp_jax.cli.common import MODEL_HELP, bounded, corpus_of_run, default_data_dir
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
-from mtp_jax.config import PRESETS, ModelConfig
+from mtp_jax.config import FULL_SIZE_PRESETS, PRESETS, ModelConfig
 from mtp_jax.training import data
 from mtp_jax.training.guards import NonFiniteError
 from mtp_jax.training.run_dir import RunDirInUseError
@@ -42,6 +42,8 @@ _TRAIN_FLAGS = (
     ("--log-every", "log_every", bounded(int, 1)),
 )
 _FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only": "--mtp-only"}
+
+TRAINABLE_PRESETS = sorted(set(PRESETS) - FULL_SIZE_PRESETS)  # what --model NAME may train
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,7 +80,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument(
         "--model",
         metavar="PRESET_OR_DIR",
-        help=f"{MODEL_HELP}, or a preset name ({', '.join(sorted(PRESETS))}; default demo). A preset "
+        help=f"{MODEL_HELP}, or a preset name ({', '.join(TRAINABLE_PRESETS)}; default demo). A preset "
         "name wins over a directory of that name (write ./demo for the directory). A "
         "directory starts from that model, its tokenizer used for the corpus",
     )
@@ -153,6 +155,11 @@ def _model_choice(args: argparse.Namespace) -> _ModelChoice:
             f"--model {name} and --init-from {args.init_from} both name the model to train: give one "
             "of them (--model DIR means --init-from DIR)"
         )
+    if name in FULL_SIZE_PRESETS:
+        raise ValueError(
+            f"--model {name} is a full-size architecture (a config for `mtp-jax plan`, no weights); train from "
+            "a checkpoint of it with --init-from DIR"
+        )
     if name in PRESETS:
         return _ModelChoice(name, None, None)
     path = pathlib.Path(name)
@@ -163,7 +170,7 @@ def _model_choice(args: argparse.Namespace) -> _ModelChoice:
     else:
         found = "a file, not a directory" if path.exists() else "no such directory"
     raise ValueError(
-        f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a saved model "
+        f"--model {name!r} is neither a preset ({', '.join(TRAINABLE_PRESETS)}) nor a saved model "
         f"directory ({found}; a model directory needs a config.json, safetensors weights and "
         "tokenizer.json)"
     )
@@ -249,6 +256,12 @@ def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> Non
     """What `train` would refuse only once the corpus is ready, refused first (ValueError naming `source`,
     the flag): an MLA model (training packs documents into rows, segment_ids, which MLA attention does
     not take yet: `mtp_jax.layers.decoder`), and --mtp-only for a model without MTP modules."""
+    if config.quantization is not None:
+        raise ValueError(
+            f"{source}: the checkpoint holds FP8 weights (quantization_config), which training does not "
+            "update; train from a float checkpoint (dequantize it: load_hf_checkpoint(..., dequantize=True), "
+            "then save_hf_checkpoint)"
+        )
     if config.attention_type == "mla":
         raise ValueError(
             f"{source}: the model has attention_type='mla', and training packs documents into rows "

@@ -19,6 +19,11 @@ from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 
 def check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
     """Raises ValueError when the model cannot train on `corpus` with `train_config`."""
+    if model_config.quantization is not None:
+        raise ValueError(
+            "the model holds FP8 weights (quantization_config), which training does not update: load the "
+            "checkpoint with load_hf_checkpoint(..., dequantize=True) to train it in a float dtype"
+        )
     if corpus.vocab_size > model_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {corpus.vocab_size} tokens but the model's vocab_size is {model_config.vocab_size}"
