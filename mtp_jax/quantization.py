@@ -8,10 +8,9 @@ included, and the weight is `float32(weight[o, i]) * weight_scale_inv[o // b_out
 (DeepSeek-V3's `inference/kernel.py` `weight_dequant`; transformers' `FineGrainedFP8Config`). Embeddings,
 the head, norms, the MoE router and the MTP layer's `eh_proj` stay unquantized (`NEVER_QUANTIZED`).
 
-On device (`mtp_jax.layers.fp8`) a quantized kernel keeps the transposed [in, out] layout with
-*column-expanded* scales [ceil(in / b_in), out]: each output column carries its block's scale
-(`expand_scale`, undone by `collapse_scale`), so a fused projection and any split of the output axis
-carry their scales along with their columns.
+On device (`mtp_jax.layers.fp8`) a quantized kernel keeps the transposed [in, out] layout and its scales
+stay per block, transposed: [ceil(in / b_in), ceil(out / b_out)] (a fused projection: its pieces' blocks
+side by side), 4 bytes per b_out x b_in weights as in the files.
 """
 
 from __future__ import annotations
@@ -130,30 +129,3 @@ def dequantize_fp8_blocks(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int
     if scale_inv.shape != grid:
         raise ValueError(f"scale_inv must have shape {grid} for q {q.shape} in blocks {block}, got {scale_inv.shape}")
     return q.astype(np.float32) * _block_scales(scale_inv, q.shape, block)
-
-
-def expand_scale(scale_blocks: np.ndarray, out: int, b: int) -> np.ndarray:
-    """Per-block scales [..., ceil(out/b)] -> per-column scales [..., out]: each repeated b times, cut to `out`.
-
-    The on-device layout of a (transposed) HF scale [ceil(in/b_in), ceil(out/b_out)] is
-    `expand_scale(it, out, b_out)` [ceil(in/b_in), out]. Raises ValueError when the last axis is not
-    ceil(out/b)."""
-    scale_blocks = np.asarray(scale_blocks)
-    if scale_blocks.shape[-1] != _blocks(out, b):
-        raise ValueError(
-            f"a scale over {out} columns in blocks of {b} has {_blocks(out, b)} entries, got {scale_blocks.shape}"
-        )
-    return np.repeat(scale_blocks, b, axis=-1)[..., :out]
-
-
-def collapse_scale(scale: np.ndarray, b: int) -> np.ndarray:
-    """Per-column scales [..., out] -> per-block scales [..., ceil(out/b)] (every b-th column):
-    `expand_scale`'s inverse, bit-exact.
-
-    Raises ValueError when the columns of a block do not all hold the same scale (no block layout of
-    width b can store them)."""
-    scale = np.asarray(scale)
-    blocks = scale[..., ::b]
-    if not np.array_equal(expand_scale(blocks, scale.shape[-1], b), scale):
-        raise ValueError(f"the scales are not constant over blocks of {b} columns: they have no block layout")
-    return blocks

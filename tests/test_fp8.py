@@ -3,7 +3,8 @@ their config.json field and their export.
 
 An FP8 model computes exactly what the plain float32 model holding its dequantized weights computes
 (both layer layouts, MLA's absorbed and decompressed forms); its parameters take 1 byte per weight plus
-4 per scale; its export is DeepSeek-V3's files (F8_E4M3 weights, F32 block scales), bit-exact.
+4 per (b_out x b_in) block, as the files do; every fused layer finds each column's scale where the checkpoint's
+layout puts it; its export is DeepSeek-V3's files (F8_E4M3 weights, F32 block scales), bit-exact.
 """
 
 from __future__ import annotations
@@ -24,22 +25,19 @@ from mtp_jax.checkpoints.names import (
     fuse,
     hf_names,
     is_scale,
+    piece_widths,
     shared_copies,
     tensor_layout,
     unfuse,
 )
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.fp8 import Fp8Linear, dequantize, quantize
+from mtp_jax.layers.fused import FusedLayout, block_columns, gate_up_layout, qkv_layout
 from mtp_jax.layers.mla import MLACache
+from mtp_jax.layers.moe import Experts
 from mtp_jax.model import Transformer, init_model, sequence_positions
 from mtp_jax.mtp import mtp_forward_full
-from mtp_jax.quantization import (
-    FP8_MAX,
-    Fp8Config,
-    collapse_scale,
-    dequantize_fp8_blocks,
-    expand_scale,
-    quantize_fp8_blocks,
-)
+from mtp_jax.quantization import FP8_MAX, Fp8Config, dequantize_fp8_blocks, quantize_fp8_blocks
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BLOCK = (16, 8)  # (b_out, b_in): every width below leaves partial edge blocks
@@ -121,17 +119,48 @@ def test_reference_errors():
         quantize_fp8_blocks(np.zeros((2, 2)), (2, 0))
 
 
-def test_expand_and_collapse_scale():
-    blocks = np.arange(12, dtype=np.float32).reshape(3, 4) + 1  # [.., ceil(50 / 16) = 4]
-    expanded = expand_scale(blocks, 50, 16)
-    assert expanded.shape == (3, 50)
-    np.testing.assert_array_equal(expanded[:, [0, 15, 16, 47, 48, 49]], blocks[:, [0, 0, 1, 2, 3, 3]])
-    np.testing.assert_array_equal(collapse_scale(expanded, 16), blocks)
-    with pytest.raises(ValueError, match="has 5 entries"):
-        expand_scale(blocks, 64 + 1, 16)
-    expanded[0, 17] += 1
-    with pytest.raises(ValueError, match="not constant"):
-        collapse_scale(expanded, 16)
+def test_fused_layouts_join_split_and_index_blocks():
+    qkv = qkv_layout(4, 2, 3)  # q [12] = heads 0..3, k, v [6]: group g = heads 2g, 2g + 1, k_g, v_g
+    q, k, v = np.arange(12), 100 + np.arange(6), 200 + np.arange(6)
+    fused = qkv.fuse([q, k, v])
+    np.testing.assert_array_equal(
+        fused, [*range(6), 100, 101, 102, 200, 201, 202, *range(6, 12), *range(103, 106), *range(203, 206)]
+    )
+    assert [p.tolist() for p in qkv.unfuse(fused)] == [q.tolist(), k.tolist(), v.tolist()]
+    np.testing.assert_array_equal(gate_up_layout(3).fuse([np.arange(3), 10 + np.arange(3)]), [0, 10, 1, 11, 2, 12])
+    # q's blocks of 4 are scale columns 0-2, k's 3-4, v's 5-6; each fused column names its own
+    np.testing.assert_array_equal(
+        block_columns(qkv, 4), [0, 0, 0, 0, 1, 1, 3, 3, 3, 5, 5, 5, 1, 1, 2, 2, 2, 2, 3, 4, 4, 5, 6, 6]
+    )
+    np.testing.assert_array_equal(block_columns(gate_up_layout(5), 2), [0, 3, 0, 3, 1, 4, 1, 4, 2, 5])
+    np.testing.assert_array_equal(block_columns(FusedLayout((5, 7)), 4), [0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3])
+    assert FusedLayout((5, 7)).blocks(4) == FusedLayout((2, 2))
+    with pytest.raises(ValueError, match="multiples of groups=2"):
+        FusedLayout((4, 3), groups=2)
+
+
+def test_quantize_is_deepseek_block_quantization_of_each_piece():
+    """A fresh FP8 kernel: each piece of a fused layout quantized per (b_out x b_in) block, partial edge
+    blocks included, as `quantize_fp8_blocks` quantizes its HF weight; its scales in the pieces' block columns."""
+    layout = qkv_layout(4, 2, 12)  # q [48], k, v [24]: 3, 2, 2 blocks of 16 columns
+    q, k, v = np.random.default_rng(4).standard_normal((3, 37, 48)).astype(np.float32)  # 5 blocks of 8 rows
+    weight = layout.fuse([q, k[:, :24] * 0, v[:, :24]])  # [37, 96]; k: all-zero blocks, scale 1
+    kernel, scale = quantize(jnp.asarray(weight), BLOCK, layout)
+    assert kernel.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32 and scale.shape == (5, 7)
+    bounds = np.cumsum(layout.blocks(BLOCK[0]).widths)[:-1]
+    kernels, scales = layout.unfuse(np.asarray(kernel)), np.split(np.asarray(scale), bounds, axis=-1)
+    for piece, q, piece_scale in zip(layout.unfuse(weight), kernels, scales, strict=True):
+        _, want_scale = quantize_fp8_blocks(piece.T, BLOCK)  # HF [out_p, in]
+        # amax / 448: XLA multiplies by the rounded reciprocal, 1 ulp off NumPy's division at most
+        np.testing.assert_allclose(piece_scale.T, want_scale, rtol=2**-22, atol=0)
+        per_value = np.repeat(np.repeat(piece_scale.T, BLOCK[0], 0), BLOCK[1], 1)[: q.shape[1], : q.shape[0]]
+        want_q = np.clip(piece.T / per_value, -FP8_MAX, FP8_MAX).astype(F8)  # its values rounded alike
+        assert q.T.tobytes() == want_q.tobytes()
+    assert (scales[1] == 1).all()
+    want = layout.fuse([dequantize_fp8_blocks(q.T, s.T, BLOCK).T for q, s in zip(kernels, scales, strict=True)])
+    np.testing.assert_array_equal(np.asarray(dequantize(kernel, scale, BLOCK, layout, jnp.float32)), want)
+    with pytest.raises(ValueError, match=r"scale_inv must have shape \(5, 7\)"):
+        dequantize(kernel, scale[:, :6], BLOCK, layout, jnp.float32)
 
 
 def test_fp8_config_validation_and_rule():
@@ -163,14 +192,32 @@ def _scale_path(path: tuple) -> tuple:
     return (*path[:-1], f"{path[-1]}_scale_inv")
 
 
-def _dequantized(kernel, scale, b_in: int) -> np.ndarray:
-    """float32(kernel [.., in, out]) * the scale of its row block, in NumPy."""
-    rows = np.repeat(np.asarray(scale), b_in, axis=-2)[..., : kernel.shape[-2], :]
-    return np.asarray(kernel).astype(np.float32) * rows
+def _kernel_path(scale_path: tuple) -> tuple:
+    return (
+        *scale_path[:-1],
+        "kernel" if scale_path[-1] == "kernel_scale_inv" else scale_path[-1][: -len("_scale_inv")],
+    )
+
+
+def _scale_columns(kernel_path: tuple, out: int, config: ModelConfig) -> np.ndarray:
+    """Each column's scale column as the files lay them out: `names.fuse` of the pieces' block numbers
+    (piece p's column j: the blocks of the pieces before p + j // b_out)."""
+    b_out = config.quantization.weight_block_size[0]
+    widths = piece_widths(kernel_path, out, config)
+    offsets = np.cumsum([0, *(-(-w // b_out) for w in widths[:-1])])
+    return np.asarray(
+        fuse(kernel_path, [np.arange(w) // b_out + o for w, o in zip(widths, offsets, strict=True)], config)
+    )
+
+
+def _dequantized(kernel, scale, b_in: int, columns: np.ndarray) -> np.ndarray:
+    """float32(kernel [.., in, out]) * scale [.., i // b_in, columns[c]], in NumPy."""
+    per_weight = np.repeat(np.asarray(scale)[..., columns], b_in, axis=-2)[..., : kernel.shape[-2], :]
+    return np.asarray(kernel).astype(np.float32) * per_weight
 
 
 def _plain_twin(model) -> Transformer:
-    """The unquantized float32 model holding `model`'s dequantized weights."""
+    """The unquantized float32 model holding `model`'s dequantized weights (scales placed by `names`)."""
     config = model.config.replace(quantization=None)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     fp8, b_in = _flat(model), model.config.quantization.weight_block_size[1]
@@ -178,13 +225,14 @@ def _plain_twin(model) -> Transformer:
     for path, v in nnx.to_flat_state(params):
         value = fp8[path]
         if _scale_path(path) in fp8:
-            value = _dequantized(value, fp8[_scale_path(path)], b_in)
+            columns = _scale_columns(path, value.shape[-1], model.config)
+            value = _dequantized(value, fp8[_scale_path(path)], b_in, columns)
         flat.append((path, v.replace(jnp.asarray(value, v.get_value().dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _scrambled_scales(model, seed: int = 0):
-    """`model` with every scale entry times a random power of two in [1/4, 4] (per column, not per block)."""
+    """`model` with every block scale times a random power of two in [1/4, 4]."""
     rng = np.random.default_rng(seed)
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if is_scale(path):
@@ -209,9 +257,10 @@ def test_fp8_params_dtypes_bytes_and_axes(name):
     plain = _flat(nnx.eval_shape(lambda: Transformer(CONFIGS[name].replace(quantization=None), rngs=nnx.Rngs(0))))
     expected, quantized = 0, set()
     for path, value in plain.items():
-        if _scale_path(path) in flat:  # 1 byte per weight, 4 per scale entry [.., ceil(in / b_in), out]
+        if _scale_path(path) in flat:  # 1 byte per weight, 4 per (b_out x b_in) block of each HF piece
             *lead, rows, cols = value.shape
-            expected += value.size + 4 * int(np.prod(lead, dtype=int)) * -(-rows // b_in) * cols
+            blocks = sum(-(-w // BLOCK[0]) for w in piece_widths(path, cols, CONFIGS[name]))
+            expected += value.size + 4 * int(np.prod(lead, dtype=int)) * -(-rows // b_in) * blocks
             quantized.add(".".join(map(str, path)))
         else:
             expected += value.size * 4
@@ -222,17 +271,50 @@ def test_fp8_params_dtypes_bytes_and_axes(name):
     assert ("layers.0.self_attn.o_proj.kernel" in quantized) == (name == "deepseek_v3")  # GLM's listed
     metadata = {p: v.get_metadata() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for path, value in flat.items():
-        if is_scale(path):
-            kernel = path[:-1] + ("kernel",) if path[-1] == "kernel_scale_inv" else path[:-1] + (path[-1][:-10],)
+        if is_scale(path):  # replicated but for the routed experts' axis
+            kernel = _kernel_path(path)
             assert value.dtype == jnp.float32 and flat[kernel].dtype == jnp.float8_e4m3fn
             axes = metadata[kernel]["logical_axes"]
-            assert metadata[path]["logical_axes"] == (*axes[:-2], None, axes[-1])
+            assert metadata[path]["logical_axes"] == (*axes[:-2], None, None)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_fp8_layer_finds_its_scales_where_the_files_put_them(name):
+    """Every FP8 layer's static column -> scale-column index (`block_columns` of the layout its module gave
+    it) is `names.fuse` of its HF pieces' block numbers: fused q/k/v, gate/up (dense, shared, routed experts),
+    MLA's q_a/kv_a and the unfused linears (b_out = 16: partial edge blocks in most pieces)."""
+    config = CONFIGS[name]
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    checked = set()
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Fp8Linear):
+            kernels = [((*path, "kernel"), module.layout, module.block)]
+        elif isinstance(module, Experts) and module.block is not None:
+            kernels = [((*path, k), module._layout(k), module.block) for k in ("gate_up_proj", "down_proj")]
+        else:
+            continue
+        for kernel, layout, block in kernels:
+            assert block == BLOCK and layout.width == getattr(module, kernel[-1]).shape[-1]
+            columns = _scale_columns(kernel, layout.width, config)
+            np.testing.assert_array_equal(block_columns(layout, BLOCK[0]), columns, err_msg=str(kernel))
+            checked.add(".".join(str(p) for p in kernel if not isinstance(p, int)))
+    fused = {
+        "layers.mlp.gate_up_proj.kernel",
+        "layers.mlp.experts.gate_up_proj",
+        "layers.mlp.shared_experts.gate_up_proj.kernel",
+    }
+    fused.add(
+        "layers.self_attn.fused_qkv_a_proj.kernel" if name == "deepseek_v3" else "layers.self_attn.qkv_proj.kernel"
+    )
+    assert fused <= checked, checked
+    assert ("mtp.self_attn.o_proj.kernel" in checked) == (name == "deepseek_v3")  # GLM's listed unquantized
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_fp8_model_equals_its_dequantized_twin(name):
-    """Per-column scales (scrambled, so each column's own scale must be the one applied): logits of the main
-    model and the MTP module equal the float32 model's on the dequantized weights (MLA: absorbed, T <= 32)."""
+    """Per-block scales (scrambled, so each block's own scale must be the one applied, found by the files'
+    layout): logits of the main model and the MTP module equal the float32 model's on the dequantized weights
+    (MLA: absorbed, T <= 32)."""
     model = _scrambled_scales(init_model(CONFIGS[name]))
     for a, b in zip(_all_logits(model, TOKENS), _all_logits(_plain_twin(model), TOKENS), strict=True):
         assert a.shape == (2, 7, 64)
@@ -267,28 +349,6 @@ def test_scanned_fp8_model_equals_unrolled():
 # ------------------------------------------------------------------ export
 
 
-def _block_scales(model, seed: int = 1):
-    """`model` with HF-valid scales: each checkpoint tensor's blocks get their own random factor (in [1/4, 4])."""
-    rng, b_out = np.random.default_rng(seed), model.config.quantization.weight_block_size[0]
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if not is_scale(path):
-            continue
-        value = np.array(v.get_value())
-        lead = value.shape[: value.ndim - 2]
-        for index in np.ndindex(*lead):  # stacked experts: one tensor set per slice
-            pieces = unfuse(path, value[index], model.config)
-            pieces = [
-                p
-                * expand_scale(
-                    2.0 ** rng.integers(-2, 3, (*p.shape[:-1], -(-p.shape[-1] // b_out))), p.shape[-1], b_out
-                )
-                for p in pieces
-            ]
-            value[index] = np.asarray(fuse(path, pieces, model.config))
-        v.set_value(jnp.asarray(value))
-    return model
-
-
 def _read_all(file) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as NumPy (through torch: its NumPy reader has no float8)."""
     out = {}
@@ -302,7 +362,7 @@ def _read_all(file) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_export_is_deepseek_fp8_and_bit_exact(tmp_path, name):
     config = CONFIGS[name]
-    model = _block_scales(init_model(config))
+    model = _scrambled_scales(init_model(config), seed=1)
     save_hf_checkpoint(model, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["quantization_config"]["weight_block_size"] == list(BLOCK)
@@ -320,8 +380,8 @@ def test_export_is_deepseek_fp8_and_bit_exact(tmp_path, name):
     for path, value in flat.items():
         if not is_scale(path):
             continue
-        kernel = path[:-1] + ("kernel",) if path[-1] == "kernel_scale_inv" else path[:-1] + (path[-1][:-10],)
-        ours = _dequantized(flat[kernel], value, b_in)  # [.., in, out]
+        kernel = _kernel_path(path)
+        ours = _dequantized(flat[kernel], value, b_in, _scale_columns(kernel, flat[kernel].shape[-1], config))
         names = [n for n, _ in hf_names(kernel, config)]
         slices = list(ours.reshape(-1, *ours.shape[-2:]))
         pieces = [p for s in slices for p in unfuse(kernel, s, config)]
@@ -332,14 +392,6 @@ def test_export_is_deepseek_fp8_and_bit_exact(tmp_path, name):
     np.testing.assert_array_equal(files[f"{layer}.embed_tokens.weight"], files["model.embed_tokens.weight"])
     np.testing.assert_array_equal(files[f"{layer}.shared_head.head.weight"], files["lm_head.weight"])
     assert files["lm_head.weight"].dtype == files[f"{layer}.eh_proj.weight"].dtype == np.float32
-
-
-def test_export_refuses_scales_without_block_layout():
-    model = init_model(CONFIGS["deepseek_v3"])
-    scale = model.layers[0].self_attn.o_proj.kernel_scale_inv
-    scale.set_value(scale.get_value().at[0, 1].multiply(2.0))  # column 1's scale differs from column 0's
-    with pytest.raises(ValueError, match="not constant"):
-        hf_tensors(model)
 
 
 def test_modules_to_not_convert_that_split_a_fused_module_are_named():

@@ -542,8 +542,9 @@ def test_full_size_step_and_prefill_compile_sharded_with_the_plans_argument_byte
     would differ), and the compiled programs take per device exactly the plan's weights and decode state
     (the prefill also its padded prompts) and return the state in place (donated, aliased).
 
-    FP8: float8_e4m3fn kernels and their float32 scales, sharded like the kernels. 11-30 s each on this
-    project's 2-core CPU, unloaded (compile 3-16 s per program, 61 / 92 layers scanned)."""
+    FP8: float8_e4m3fn kernels and their float32 block scales (replicated; the routed experts' split over
+    `expert` as their kernels). 11-30 s each on this project's 2-core CPU, unloaded (compile 3-16 s per
+    program, 61 / 92 layers scanned)."""
     result = _lower(preset, "data=2,expert=2,tensor=2")
     plan_bytes = result["plan"]
     for name in ("step", "prefill"):

@@ -4,7 +4,8 @@ Names: our parameter paths are HF's module names (see `mtp_jax.model`), so `hf_n
 place that maps them: `layers.3.mlp.down_proj.kernel` is `model.layers.3.mlp.down_proj.weight`.
 Linear kernels are stored [in, out] here and [out, in] (torch's layout) in the files. A fused
 projection (`FUSED_MODULES`: `self_attn.qkv_proj`, `mlp.gate_up_proj`, MLA's `fused_qkv_a_proj`) holds
-the HF modules it stands for in its output axis, one tensor each in the files (`_fuse`, `_unfuse`):
+the HF modules it stands for in its output axis, one tensor each in the files (`fuse`, `unfuse`, in the
+layout the layer computes with, `mtp_jax.layers.fused`):
 `qkv_proj.kernel` [E, (H + 2G) D] is `q_proj.weight` [H D, E], `k_proj.weight` and `v_proj.weight`
 [G D, E] group-major ([E, G, H/G + 2, D]: KV head g's H/G query heads, k_g, v_g), `gate_up_proj`
 [E, 2I] is `gate_proj.weight` and `up_proj.weight` [I, E] interleaved ([E, I, 2]), so that a
@@ -18,8 +19,9 @@ as they are (float32, whatever the dtype of the rest). MTP modules are imported 
 DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`,
 and `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
 Block-scaled FP8 models (`ModelConfig.quantization`, DeepSeek-V3's format) add a scale per quantized kernel
-(`is_scale`): `<module>.kernel_scale_inv` [ceil(in/b_in), out] (column-expanded, `mtp_jax.layers.fp8`) is
-`<module>.weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)], fused and stacked as its kernel.
+(`is_scale`): `<module>.kernel_scale_inv` [ceil(in/b_in), sum_p ceil(out_p/b_out)] (`mtp_jax.layers.fp8`) is
+each piece's `<module>.weight_scale_inv` [ceil(out_p/b_out), ceil(in/b_in)] transposed, the pieces side by
+side (never interleaved: a block of b_out columns is one scale), stacked as its kernel.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.fused import FusedLayout, gate_up_layout, qkv_layout
 from mtp_jax.model import per_layer_path
 from mtp_jax.quantization import NEVER_QUANTIZED
 
@@ -51,8 +53,8 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
 
     The whole mapping: `lm_head.*` stays at top level, main-model paths get the `model.` prefix,
     MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3); leaf
-    `kernel` [in, out] is `weight` [out, in], an FP8 kernel's `kernel_scale_inv` [ceil(in/b_in), out] is
-    `weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)] (transposed too), `embedding` is `weight`, others
+    `kernel` [in, out] is `weight` [out, in], an FP8 kernel's `kernel_scale_inv` [ceil(in/b_in), ceil(out/b_out)]
+    is `weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)] (transposed too), `embedding` is `weight`, others
     keep their name. Fused and stacked parameters are several tensors: `hf_names`.
     """
     *modules, leaf = (str(p) for p in path)
@@ -70,14 +72,14 @@ _SCALE = "_scale_inv"  # an FP8 kernel's scale: `kernel_scale_inv`, the experts'
 
 
 def is_scale(path: tuple[str | int, ...]) -> bool:
-    """Whether the parameter at `path` is a column-expanded FP8 scale (`kernel_scale_inv` [.., ceil(in/b_in),
-    out], the routed experts' `gate_up_proj_scale_inv` / `down_proj_scale_inv`), float32."""
+    """Whether the parameter at `path` is an FP8 kernel's block scales (`kernel_scale_inv` [.., ceil(in/b_in),
+    sum_p ceil(out_p/b_out)], the routed experts' `gate_up_proj_scale_inv` / `down_proj_scale_inv`), float32."""
     return str(path[-1]).endswith(_SCALE)
 
 
 def _is_experts(path: tuple[str | int, ...]) -> bool:
     """Whether `path` is a stacked routed-expert tensor (`...mlp.experts.{gate_up,down}_proj`, [R, in, out]),
-    or its FP8 scale (`..._proj_scale_inv`, [R, ceil(in/b_in), out])."""
+    or its FP8 scale (`..._proj_scale_inv`, [R, ceil(in/b_in), sum_p ceil(out_p/b_out)])."""
     return (
         len(path) >= 2
         and str(path[-2]) == "experts"
@@ -108,61 +110,46 @@ def _pieces(path: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
     return [(*path[:at], piece, *path[at + 1 :]) for piece in FUSED_MODULES.get(module, (module,))]
 
 
-def piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
-    """The output widths of the HF tensors that one slice of the parameter at `path` (last axis of size
-    `width`) holds (`_pieces`, `fuse`): `[width]` unfused; `qkv_proj` H D, G D, G D; `gate_up_proj` I, I;
-    `fused_qkv_a_proj` q_lora_rank, C + R. An FP8 scale's (column-expanded) are its kernel's."""
-    module = _module(path)
-    if module == "qkv_proj":
-        q = config.num_attention_heads * config.resolved_head_dim
-        return [q, (width - q) // 2, (width - q) // 2]
-    if module == "gate_up_proj":
-        return [width // 2, width // 2]
-    if module == "fused_qkv_a_proj":
-        return [config.q_lora_rank, width - config.q_lora_rank]
-    return [width]
+def output_layout(path: tuple[str | int, ...], width: int, config: ModelConfig) -> FusedLayout:
+    """The output layout of one slice of the parameter at `path` (last axis of size `width`): its HF tensors'
+    widths and how they are joined (`mtp_jax.layers.fused`, the layouts the layers compute with):
 
-
-def fuse(path: tuple[str | int, ...], pieces: list[jax.Array], config: ModelConfig) -> jax.Array:
-    """One slice of the parameter at `path` from the HF tensors it holds (`_pieces` order, ours [..., out]
-    each, e.g. a kernel [E, out] or a bias [out]); `unfuse` inverts it.
-
-      - `qkv_proj`: q [..., H D], k, v [..., G D] -> [..., G (H/G + 2) D], group-major: for each KV head g
-        its H/G query heads g * (H/G) .. (g + 1) * (H/G) - 1 (those that read it, HF's GQA), then k_g, v_g;
-      - `gate_up_proj`: gate, up [..., I] -> [..., 2I] interleaved: column 2i is gate_i, 2i + 1 is up_i;
-      - `fused_qkv_a_proj` (replicated over `tensor`, so never split): its two tensors side by side;
-      - anything else: its one tensor as is.
-    An FP8 kernel's column-expanded scales ([.., ceil(in/b_in), out]) fuse as the kernel.
+      - `qkv_proj`: q [H D], k, v [G D], group-major: for each KV head g its H/G query heads
+        g * (H/G) .. (g + 1) * (H/G) - 1 (those that read it, HF's GQA), then k_g, v_g (`qkv_layout`);
+      - `gate_up_proj`: gate, up [I] interleaved: column 2i is gate_i, 2i + 1 is up_i (`gate_up_layout`);
+      - `fused_qkv_a_proj` (replicated over `tensor`, so never split): q_lora_rank, then C + R, side by side;
+      - anything else: its one tensor `[width]`;
+      - an FP8 scale (`is_scale`): its kernel's pieces' blocks of b_out columns, side by side
+        (`FusedLayout.blocks`).
     """
-    module = _module(path)
+    module, c = _module(path), config
+    if module == "gate_up_proj":  # a scale's halves: ceil(I / b_out) blocks each
+        return FusedLayout((width // 2, width // 2)) if is_scale(path) else gate_up_layout(width // 2)
     if module == "qkv_proj":
-        q, k, v = pieces
-        g, d, lead = config.num_key_value_heads, config.resolved_head_dim, q.shape[:-1]
-        q = q.reshape(*lead, g, -1, d)  # [..., G, H/G, D]
-        k, v = k.reshape(*lead, g, 1, d), v.reshape(*lead, g, 1, d)  # [..., G, 1, D] each
-        return jnp.concatenate([q, k, v], axis=-2).reshape(*lead, -1)  # [..., G, H/G + 2, D] -> [..., G (H/G + 2) D]
-    if module == "gate_up_proj":
-        gate, up = pieces
-        return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)  # [..., I, 2] -> [..., 2I]
-    return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+        fused = qkv_layout(c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim)
+    elif module == "fused_qkv_a_proj":
+        fused = FusedLayout((c.q_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim))
+    else:
+        return FusedLayout((width,))
+    return fused.blocks(c.quantization.weight_block_size[0]) if is_scale(path) else fused
+
+
+def piece_widths(path: tuple[str | int, ...], width: int, config: ModelConfig) -> list[int]:
+    """The last-axis widths of the HF tensors (ours [..., out_p]) that one slice of the parameter at `path`
+    (last axis of size `width`) holds, in `_pieces` order: `output_layout`'s widths."""
+    return list(output_layout(path, width, config).widths)
+
+
+def fuse(path: tuple[str | int, ...], pieces: list[np.ndarray], config: ModelConfig) -> np.ndarray:
+    """One slice of the parameter at `path` from the HF tensors it holds (`_pieces` order, ours [..., out_p]
+    each, e.g. a kernel [E, out_p] or a bias [out_p]), in its `output_layout`; `unfuse` inverts it. NumPy."""
+    return output_layout(path, sum(np.shape(p)[-1] for p in pieces), config).fuse(pieces)
 
 
 def unfuse(path: tuple[str | int, ...], array: np.ndarray, config: ModelConfig) -> list[np.ndarray]:
-    """The HF tensors (ours [..., out] each, `_pieces` order) that one slice `array` of the parameter at
+    """The HF tensors (ours [..., out_p] each, `_pieces` order) that one slice `array` of the parameter at
     `path` holds: `fuse`'s inverse, by reshapes and slices only (bit-exact)."""
-    module, lead = _module(path), array.shape[:-1]
-    if module == "qkv_proj":
-        grouped = array.reshape(*lead, config.num_key_value_heads, -1, config.resolved_head_dim)  # [..., G, H/G + 2, D]
-        return [
-            grouped[..., :-2, :].reshape(*lead, -1),  # [..., H D]
-            grouped[..., -2, :].reshape(*lead, -1),
-            grouped[..., -1, :].reshape(*lead, -1),
-        ]  # [..., G D] each
-    if module == "gate_up_proj":
-        pairs = array.reshape(*lead, -1, 2)  # [..., I, 2]
-        return [pairs[..., 0], pairs[..., 1]]  # [..., I] each
-    bounds = np.cumsum(piece_widths(path, array.shape[-1], config))[:-1]
-    return np.split(array, bounds, axis=-1)
+    return output_layout(path, np.shape(array)[-1], config).unfuse(array)
 
 
 def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str, bool]]:
@@ -197,9 +184,8 @@ def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str
 def tensor_layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tuple, bool, tuple[int, ...], Any]]:
     """HF name -> (our path, transposed, HF shape, our dtype) for every tensor in the files, in model order.
 
-    A kernel piece [in, out_p] is HF [out_p, in]; an FP8 scale piece (`is_scale`, ours [ceil(in/b_in), out_p]
-    column-expanded) is HF [ceil(out_p/b_out), ceil(in/b_in)] float32, b_out = `weight_block_size[0]`
-    (the loader transposes it, `quantization.expand_scale`s it to out_p columns and `fuse`s the pieces).
+    A kernel piece [in, out_p] is HF [out_p, in]; an FP8 scale piece (`is_scale`, ours [ceil(in/b_in),
+    ceil(out_p/b_out)]) is HF [ceil(out_p/b_out), ceil(in/b_in)] float32, its transpose.
     """
     layout = {}
     for path, variable in nnx.to_flat_state(params):
@@ -207,10 +193,7 @@ def tensor_layout(params: nnx.State, config: ModelConfig) -> dict[str, tuple[tup
         shape = shape[tensor_axes(path) :]  # one slice's: e.g. one expert's [in, out]
         widths = piece_widths(path, shape[-1], config)
         for k, (name, transposed) in enumerate(hf_names(path, config)):
-            width = widths[k % len(widths)]  # one tensor's: a fused slice's piece
-            if is_scale(path):
-                width = -(-width // config.quantization.weight_block_size[0])  # its blocks of output columns
-            piece = (*shape[:-1], width)
+            piece = (*shape[:-1], widths[k % len(widths)])  # one tensor's: a fused slice's piece
             layout[name] = (path, transposed, piece[::-1] if transposed else piece, dtype)
     return layout
 

@@ -10,8 +10,9 @@ A parameter index maps to the files through `names` (`hf_names`, `piece_widths`,
 `tensor_axes` (a stacked layer group's layers, a MoE's routed experts) pick tensor sets, and its last axis,
 the output axis of a fused projection, is a fixed permutation of its pieces' output columns
 (`fuse` applied to column numbers: `_column_map`), so a contiguous shard of it is a few column runs of
-each piece, read as rows of the HF [out, in] tensor (columns of a 1-D/untransposed one). A column-expanded
-FP8 scale (`*_scale_inv` [..., ceil(in/b_in), out]) reads the HF scale row `column // b_out` of its piece.
+each piece, read as rows of the HF [out, in] tensor (columns of a 1-D/untransposed one). An FP8 scale
+(`*_scale_inv` [..., ceil(in/b_in), sum_p ceil(out_p/b_out)]) holds its pieces' block columns side by side,
+each one row of its piece's HF `weight_scale_inv` [ceil(out_p/b_out), ceil(in/b_in)].
 
 Every block read is checked while streaming (`_checked`): finite (NaN or inf anywhere is refused, naming
 the tensor and its file: e.g. DeepSeek's `e_score_correction_bias`), and finite again after the cast to the
@@ -26,7 +27,7 @@ import math
 import numpy as np
 
 from mtp_jax.checkpoints.format import CheckpointError
-from mtp_jax.checkpoints.names import fuse, hf_names, is_scale, piece_widths, tensor_axes
+from mtp_jax.checkpoints.names import fuse, hf_names, piece_widths, tensor_axes
 from mtp_jax.checkpoints.tensor_reads import TensorFile
 from mtp_jax.config import ModelConfig
 
@@ -83,22 +84,21 @@ class ShardReader:
         for k, name in enumerate(pieces):
             mask = piece_of == k
             if mask.any():
-                out[..., mask] = self._piece(path, name, columns[mask] - offsets[k], lead, dtype)
+                out[..., mask] = self._piece(name, columns[mask] - offsets[k], lead, dtype)
         return out
 
-    def _piece(self, path: tuple, name: str, columns: np.ndarray, lead: tuple[slice, ...], dtype) -> np.ndarray:
+    def _piece(self, name: str, columns: np.ndarray, lead: tuple[slice, ...], dtype) -> np.ndarray:
         """Columns `columns` (of our [..., out] layout) of the HF tensor `name`, other axes `lead`."""
         _, transposed, _, _ = self.layout[name]
-        rows = columns // self.config.quantization.weight_block_size[0] if is_scale(path) else columns
-        low, high = int(rows.min()), int(rows.max()) + 1
+        low, high = int(columns.min()), int(columns.max()) + 1
         file = self.files[self.where[name]]
         if transposed:  # HF [out, in]: our columns are its rows
-            block = file.read(name, (slice(low, high), *lead))[rows - low]
+            block = file.read(name, (slice(low, high), *lead))[columns - low]
             if name in self.dequantize:
-                block = self._dequantized(block, self.dequantize[name], rows, lead[0] if lead else slice(None))
+                block = self._dequantized(block, self.dequantize[name], columns, lead[0] if lead else slice(None))
             block = block.T
         else:
-            block = file.read(name, (*lead, slice(low, high)))[..., rows - low]
+            block = file.read(name, (*lead, slice(low, high)))[..., columns - low]
         return _checked(block, dtype, name, file)
 
     def _dequantized(self, weight: np.ndarray, scale_name: str, rows: np.ndarray, inputs: slice) -> np.ndarray:

@@ -31,9 +31,8 @@ from mtp_jax.checkpoints.format import (
     WEIGHTS_FILE,
 )
 from mtp_jax.checkpoints.hf_config import config_to_hf
-from mtp_jax.checkpoints.names import hf_names, is_scale, shared_copies, tensor_axes, unfuse
+from mtp_jax.checkpoints.names import hf_names, shared_copies, tensor_axes, unfuse
 from mtp_jax.model import Transformer
-from mtp_jax.quantization import collapse_scale
 
 _MODEL_FILE_PATTERNS = (
     CONFIG_FILE,
@@ -85,14 +84,10 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     What `write_hf_files` writes. Both layer layouts (`ModelConfig.scan_layers`) give the same dict
     for the same weights, in the same order (a layer group's tensors layer by layer, as the unrolled
     layout orders them), so they shard and save alike. FP8 kernels are float8_e4m3fn (`ml_dtypes`)
-    [out, in] and their scales float32 [ceil(out/b_out), ceil(in/b_in)] (each piece's column-expanded
-    scales collapsed to its blocks: bit-exact). Each DeepSeek MTP layer's `embed_tokens` and
+    [out, in] and their scales float32 [ceil(out/b_out), ceil(in/b_in)] (each piece's block columns of
+    the scale parameter, transposed: bit-exact). Each DeepSeek MTP layer's `embed_tokens` and
     `shared_head.head` copies (`names.shared_copies`; the same arrays as the shared tensors) follow its
     own tensors.
-
-    Raises:
-      ValueError: an FP8 scale is not constant over the columns of one block of its piece (a model
-        whose scales were edited so that no checkpoint can hold them).
     """
     config = model.config
     keyed = []  # ((position of the path or of its layer group's first path, layer within the group, path), ...)
@@ -103,8 +98,6 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
         axes = tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
         slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
         parts = [part for one in slices for part in unfuse(param_path, one, config)]  # a slice's HF tensors
-        if is_scale(param_path):  # [ceil(in/b_in), out_p] per column -> per block [ceil(in/b_in), ceil(out_p/b_out)]
-            parts = [collapse_scale(part, config.quantization.weight_block_size[0]) for part in parts]
         grouped = str(param_path[0]) == "layer_groups"
         where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
         per_layer = len(names) // (array.shape[0] if grouped else 1)
@@ -144,8 +137,7 @@ def write_hf_files(
     swap; `mtp_jax.checkpoints.pretrained.save_pretrained` adds the tokenizer inside the same swap.
 
     Raises:
-      ValueError: the config cannot be expressed as `model_type`, max_shard_size_bytes < 1, or an FP8
-        scale has no block layout (`hf_tensors`).
+      ValueError: the config cannot be expressed as `model_type` or max_shard_size_bytes < 1.
     """
     if max_shard_size_bytes < 1:
         raise ValueError(f"max_shard_size_bytes must be >= 1, got {max_shard_size_bytes}")
@@ -203,8 +195,7 @@ def save_hf_checkpoint(
     Raises:
       FileExistsError: `path` is a file, a non-empty directory and `overwrite` is False, or a
         directory holding a subdirectory or symlink (which the swap would lose).
-      ValueError: the config cannot be expressed as `model_type`, max_shard_size_bytes < 1, or an FP8
-        scale has no block layout (`hf_tensors`).
+      ValueError: the config cannot be expressed as `model_type` or max_shard_size_bytes < 1.
     """
     with atomic_dir.replace_dir(path, overwrite=overwrite, owned=is_model_file) as new:
         write_hf_files(model, new, max_shard_size_bytes=max_shard_size_bytes, model_type=model_type)

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from mtp_jax.cache import KVCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
+from mtp_jax.layers.fused import qkv_layout
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.layers.rope import apply_rope
@@ -137,6 +138,7 @@ class Attention(nnx.Module):
             config.attention_bias,
             axes=("embed", ("heads", (h // g + 2) * d)),
             name="self_attn.qkv_proj",
+            layout=qkv_layout(h, g, d),
         )  # splits between KV groups
         self.o_proj = linear(
             config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"), name="self_attn.o_proj"

@@ -7,6 +7,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.fused import gate_up_layout
 from mtp_jax.layers.linear import linear
 
 
@@ -34,7 +35,13 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None, *, name: str = "mlp"):
         width = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = linear(
-            config, config.hidden_size, 2 * width, rngs, axes=("embed", ("mlp", 2)), name=f"{name}.gate_up_proj"
+            config,
+            config.hidden_size,
+            2 * width,
+            rngs,
+            axes=("embed", ("mlp", 2)),
+            name=f"{name}.gate_up_proj",
+            layout=gate_up_layout(width),
         )  # splits between (gate, up) pairs
         self.down_proj = linear(
             config, width, config.hidden_size, rngs, axes=("mlp", "embed"), name=f"{name}.down_proj"

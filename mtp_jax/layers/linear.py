@@ -11,6 +11,7 @@ from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.fp8 import Fp8Linear
+from mtp_jax.layers.fused import FusedLayout
 
 
 def dot_general(
@@ -58,6 +59,7 @@ def linear(
     *,
     axes: tuple[str | tuple[str, int] | None, str | tuple[str, int] | None],
     name: str,
+    layout: FusedLayout | None = None,
 ) -> nnx.Linear | Fp8Linear:
     """`nnx.Linear(fan_in, fan_out)`: kernel [fan_in, fan_out] in `config.weight_dtype`, computing in
     `config.compute_dtype` (through `dot_general`: on a CPU, half precision accumulated in float32);
@@ -71,14 +73,17 @@ def linear(
     `axes`: the kernel's logical axes (input, output) for `mtp_jax.sharding` (`LOGICAL_RULES`): a name,
     None, or `(name, block)` for an axis that may split only at multiples of `block` (between heads);
     the bias takes the output's. `name`: the module's HF path inside its decoder layer
-    ("self_attn.o_proj", "mlp.shared_experts.down_proj", MTP's "eh_proj"), or "lm_head".
+    ("self_attn.o_proj", "mlp.shared_experts.down_proj", MTP's "eh_proj"), or "lm_head". `layout`: a fused
+    projection's output layout (`mtp_jax.layers.fused`), which places an FP8 kernel's block scales; default
+    one piece of `fan_out`.
     """
     init = nnx.initializers.normal(config.initializer_range)
     if config.quantization is not None and config.quantization.quantizes(name):
         return Fp8Linear(
             fan_in,
             fan_out,
-            block_in=config.quantization.weight_block_size[1],
+            block=config.quantization.weight_block_size,
+            layout=layout,
             use_bias=bias,
             dtype=config.compute_dtype,
             param_dtype=config.weight_dtype,

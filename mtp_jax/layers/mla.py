@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import check_shape, write_at
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.fused import FusedLayout
 from mtp_jax.layers.linear import compute_kernel, linear
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.layers.rope import apply_rope
@@ -145,6 +146,7 @@ class MLAttention(nnx.Module):
                 bias=c.attention_bias,
                 axes=("embed", None),
                 name="self_attn.fused_qkv_a_proj",
+                layout=FusedLayout((c.q_lora_rank, kv_a_dim)),
             )
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.weight_dtype)
             self.q_b_proj = linear(

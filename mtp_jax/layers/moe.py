@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.ffn import MLP, split_gate_up
 from mtp_jax.layers.fp8 import dequantize, quantize
+from mtp_jax.layers.fused import FusedLayout, gate_up_layout
 from mtp_jax.sharding import axis_size, context_spec
 
 
@@ -156,9 +157,10 @@ class Experts(nnx.Module):
     """The R routed SwiGLU experts, stacked: `gate_up_proj` [R, E, 2I] (each expert's gate and up columns
     interleaved, [R, E, I, 2] flattened: column 2i is gate unit i, 2i + 1 up unit i, as `ffn.MLP`'s) and
     `down_proj` [R, I, E], in `config.weight_dtype`. With `config.quantization` quantizing "mlp.experts"
-    (`Fp8Config.quantizes`): both float8_e4m3fn, with column-expanded float32 scales (`mtp_jax.layers.fp8`)
-    `gate_up_proj_scale_inv` [R, ceil(E / b_in), 2I] and `down_proj_scale_inv` [R, ceil(I / b_in), E],
-    dequantized to the compute dtype in each call.
+    (`Fp8Config.quantizes`): both float8_e4m3fn, with float32 block scales (`mtp_jax.layers.fp8`: each expert's
+    HF `weight_scale_inv`s transposed, gate's blocks then up's) `gate_up_proj_scale_inv`
+    [R, ceil(E / b_in), 2 ceil(I / b_out)] and `down_proj_scale_inv` [R, ceil(I / b_in), ceil(E / b_out)],
+    split over `expert` as the kernels, dequantized to the compute dtype in each call.
 
     `__call__(x [N, E], indices int32 [N, k], weights float32 [N, k]) -> [N, E]`:
     `sum_j weights[:, j] * down(silu(gate) * up)` with `gate, up = split_gate_up(x @ gate_up_proj[indices[:, j]])`, as
@@ -170,24 +172,30 @@ class Experts(nnx.Module):
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         init = nnx.initializers.normal(config.initializer_range)
         fp8 = config.quantization
-        self.block_in = fp8.weight_block_size[1] if fp8 is not None and fp8.quantizes("mlp.experts") else None
+        self.block = fp8.weight_block_size if fp8 is not None and fp8.quantizes("mlp.experts") else None
         for name, shape, axes in (
             ("gate_up_proj", (r, e, 2 * i), ("experts", "embed", "moe_mlp")),
             ("down_proj", (r, i, e), ("experts", "moe_mlp", "embed")),
         ):
-            if self.block_in is None:
+            if self.block is None:
                 setattr(self, name, nnx.Param(init(rngs.params(), shape, config.weight_dtype), logical_axes=axes))
                 continue
-            kernel, scale_inv = quantize(init(rngs.params(), shape, jnp.float32), self.block_in)
+            kernel, scale_inv = quantize(init(rngs.params(), shape, jnp.float32), self.block, self._layout(name))
             setattr(self, name, nnx.Param(kernel, logical_axes=axes))
-            setattr(self, f"{name}_scale_inv", nnx.Param(scale_inv, logical_axes=(axes[0], None, axes[2])))
+            setattr(self, f"{name}_scale_inv", nnx.Param(scale_inv, logical_axes=(axes[0], None, None)))
+
+    def _layout(self, name: str) -> FusedLayout:
+        """The output axis' pieces of the stacked kernel `name`: gate and up interleaved, or down's one."""
+        c = self.config
+        return gate_up_layout(c.moe_intermediate_size) if name == "gate_up_proj" else FusedLayout((c.hidden_size,))
 
     def _weight(self, name: str) -> jax.Array:
         """The stacked kernel `name` in the compute dtype (dequantized when FP8)."""
         dtype = self.config.compute_dtype
-        if self.block_in is None:
+        if self.block is None:
             return getattr(self, name)[...].astype(dtype)
-        return dequantize(getattr(self, name)[...], getattr(self, f"{name}_scale_inv")[...], self.block_in, dtype)
+        scale_inv = getattr(self, f"{name}_scale_inv")[...]
+        return dequantize(getattr(self, name)[...], scale_inv, self.block, self._layout(name), dtype)
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
         gate_up, down = self._weight("gate_up_proj"), self._weight("down_proj")
