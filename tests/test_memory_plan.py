@@ -567,3 +567,19 @@ def test_full_size_step_copies_no_stacked_weights():
     one_layer_experts = 3 * 7168 * 2048 * (256 // 2) * F32  # gate_up + down, 128 experts per device: 22.5 GB
     assert result["step"]["argument_bytes"] == result["plan"]["weights"] + result["plan"]["state"]
     assert result["step"]["temp_bytes"] < 2.1 * one_layer_experts
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_refuse_a_model_that_does_not_fit_before_reading_weights(
+    monkeypatch, capsys, tmp_path, command
+):
+    """Where the devices report their memory (GPUs), the CLI plans before loading: here a 1 MB device."""
+    from mtp_jax import memory_plan
+    from mtp_jax.checkpoints import reading
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda: 1_000_000)
+    monkeypatch.setattr(reading, "read_hf_files", lambda *a, **k: pytest.fail("weights were read"))
+    argv = ["generate", "--prompt", "x", "--max-new-tokens", "2"] if command == "generate" else ["serve", "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"mtp-jax {command}: error:" in err and "GB" in err and "smallest mesh" in err, err

@@ -16,6 +16,7 @@ from mtp_jax.cli.common import (
     name_flags,
 )
 from mtp_jax.cli.distributed import add_mesh_arguments, check_num_prompts, mesh_from_args
+from mtp_jax.cli.plan import refuse_what_does_not_fit
 
 GENERATE_DESCRIPTION = """\
 Generate continuations of text prompts, with plain decoding or MTP speculative decoding.
@@ -208,6 +209,16 @@ def run_generate(args) -> int:
         dtype, why = inference_dtype(args.model, args.dtype)
         if why:
             print(f"mtp-jax generate: {why}", file=sys.stderr)
+        refuse_what_does_not_fit(
+            Path(args.model),
+            mesh,
+            max_batch=len(texts),
+            max_length=args.max_length,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
+            dtype=dtype,
+            dequantize=args.dequantize,
+        )
         model, tokenizer = load_pretrained(args.model, dtype=dtype, mesh=mesh, dequantize=args.dequantize)
     except (OSError, ValueError) as error:  # missing files, corrupt or mismatched checkpoints
         raise ValueError(f"--model: {error}") from error

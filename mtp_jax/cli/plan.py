@@ -157,3 +157,45 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"mtp-jax plan: does not fit: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def refuse_what_does_not_fit(
+    model_dir: pathlib.Path,
+    mesh,
+    *,
+    max_batch: int,
+    max_length: int | None,
+    speculative: str,
+    num_speculative_tokens: int | None,
+    dtype: str | None,
+    dequantize: bool,
+) -> None:
+    """Before `generate` / `serve` read any weights: where the devices report their memory (GPUs), the
+    memory plan of the checkpoint in `model_dir` on `mesh` (None: one device) for `max_batch` rows of
+    `max_length` tokens; ValueError (`memory_plan.check_fits`' message: the numbers and the smallest mesh
+    that fits) when it does not fit. Does nothing where the backend reports no memory (the CPU) or when
+    config.json cannot be read (the load that follows names the problem)."""
+    from mtp_jax import memory_plan
+    from mtp_jax.decode.speculative import SpeculativeConfig
+
+    available = memory_plan.device_memory()
+    if available is None:
+        return
+    try:
+        config = memory_plan.read_config(model_dir)
+    except (OSError, ValueError):
+        return
+    if dtype is not None:
+        config = config.replace(dtype=dtype, param_dtype=dtype)
+    if dequantize:
+        config = config.replace(quantization=None)
+    spec = SpeculativeConfig.from_flags(speculative, num_speculative_tokens, types.SimpleNamespace(config=config))
+    plan = memory_plan.memory_plan(
+        config.replace(scan_layers=True),  # the same bytes per device, built faster
+        mesh,
+        max_batch=max_batch,
+        max_length=config.max_position_embeddings if max_length is None else max_length,
+        speculative=spec,
+        device_memory_bytes=available,
+    )
+    memory_plan.check_fits(plan)

@@ -24,6 +24,7 @@ from mtp_jax.cli.common import (
     pick_model,
 )
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
+from mtp_jax.cli.plan import refuse_what_does_not_fit
 
 SERVE_DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions (JSON or
@@ -109,6 +110,16 @@ def _build_engine(args: argparse.Namespace, mesh):
         dtype, why = inference_dtype(model_dir, args.dtype)
         if why:
             print(f"mtp-jax serve: {why}", file=sys.stderr)
+        refuse_what_does_not_fit(
+            model_dir,
+            mesh,
+            max_batch=args.max_batch,
+            max_length=args.max_length,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
+            dtype=dtype,
+            dequantize=args.dequantize,
+        )
         model, tokenizer = load_pretrained(model_dir, dtype=dtype, mesh=mesh, dequantize=args.dequantize)
         chat_template = ChatTemplate.from_model_dir(model_dir)
     except (OSError, ValueError) as error:
