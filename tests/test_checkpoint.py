@@ -173,14 +173,14 @@ def test_wrong_shape_names_tensor_and_shapes(saved_tiny, name, shape):
     _edit_weights(path, lambda t: t.update({name: np.zeros(shape, np.float32)}))
     with pytest.raises(CheckpointError) as info:
         load_hf_checkpoint(path)
-    assert f"{name} (expected shape {expected}, found {list(shape)})" in str(info.value)
+    assert f"{name} in model.safetensors (expected shape {expected}, found {list(shape)})" in str(info.value)
     assert len(info.value.mismatched) == 1 and not info.value.missing and not info.value.unexpected
 
 
 def test_non_float_tensor_is_rejected(saved_tiny):
     _, path = saved_tiny
     _edit_weights(path, lambda t: t.update({"model.norm.weight": np.ones((64,), np.int32)}))
-    with pytest.raises(CheckpointError, match=r"model\.norm\.weight \(dtype I32"):
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight in model\.safetensors \(dtype I32"):
         load_hf_checkpoint(path)
 
 
@@ -190,7 +190,8 @@ def test_tied_model_accepts_only_an_identical_lm_head(tmp_path):
     _edit_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
     _assert_same_params(load_hf_checkpoint(tmp_path), model)
     _edit_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1}))
-    with pytest.raises(CheckpointError, match="lm_head.weight must be a copy of the shared model.embed_tokens.weight"):
+    shared = r"lm_head.weight in .*model.safetensors must be a copy of the shared model.embed_tokens.weight"
+    with pytest.raises(CheckpointError, match=shared):
         load_hf_checkpoint(tmp_path)
 
 
@@ -390,7 +391,8 @@ def test_a_fused_params_pieces_are_accounted_for_one_by_one(tmp_path, name, piec
     _edit_weights(tmp_path, lambda t: t.update({piece: np.zeros((shape[0] + 1, *shape[1:]), np.float32)}))
     with pytest.raises(CheckpointError) as info:
         load_hf_checkpoint(tmp_path)
-    assert info.value.mismatched == [f"{piece} (expected shape {list(shape)}, found {[shape[0] + 1, *shape[1:]]})"]
+    found = [shape[0] + 1, *shape[1:]]
+    assert info.value.mismatched == [f"{piece} in model.safetensors (expected shape {list(shape)}, found {found})"]
     assert not info.value.missing and not info.value.unexpected
 
 

@@ -157,7 +157,9 @@ def test_an_fp8_weight_with_nan_or_a_wrong_dtype_is_refused(deepseek, tmp_path):
     def bf16_scale(tensors):
         tensors[f"{name}_scale_inv"] = tensors[f"{name}_scale_inv"].astype("bfloat16")
 
-    with pytest.raises(CheckpointError, match=rf"{name}_scale_inv \(dtype BF16, expected \('F32',\)\)"):
+    with pytest.raises(
+        CheckpointError, match=rf"{name}_scale_inv in {WEIGHTS_FILE} \(dtype BF16, expected \('F32',\)\)"
+    ):
         load_hf_checkpoint(_rewritten(path, tmp_path / "bf16", bf16_scale))
 
 
@@ -212,3 +214,26 @@ def test_training_refuses_fp8_weights():
 
     with pytest.raises(ValueError, match=r"FP8 weights .* dequantize=True"):
         check_compatible(DEEPSEEK.replace(quantization=FP8), TrainConfig(), SimpleNamespace(vocab_size=8))
+
+
+def test_dequantizing_checks_the_scales_and_float16_checks_their_range(deepseek, tmp_path):
+    path, _, _ = deepseek
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+
+    def one_row_more(tensors):
+        tensors[f"{name}_scale_inv"] = np.concatenate([tensors[f"{name}_scale_inv"]] * 2)
+
+    bad = _rewritten(path, tmp_path / "rows", one_row_more)
+    for dequantize in (False, True):  # kept in FP8 or dequantized on load: refused, naming the scale and its file
+        with pytest.raises(CheckpointError, match=rf"{name}_scale_inv in {WEIGHTS_FILE} \(expected"):
+            load_hf_checkpoint(bad, dequantize=dequantize)
+
+    def large(tensors):
+        tensors[f"{name}_scale_inv"] = tensors[f"{name}_scale_inv"] * 0 + 1000.0  # weights up to 448 x 1000
+
+    bad = _rewritten(path, tmp_path / "large", large)
+    assert load_hf_checkpoint(bad, dtype="bfloat16").layers[1].self_attn.q_b_proj.kernel.dtype == jnp.float8_e4m3fn
+    with pytest.raises(CheckpointError, match=rf"{name}_scale_inv in .*: the FP8 weights .* beyond float16's range"):
+        load_hf_checkpoint(bad, dtype="float16")
+    with pytest.raises(CheckpointError, match=rf"{name} in .* does not fit float16"):
+        load_hf_checkpoint(bad, dtype="float16", dequantize=True)

@@ -340,20 +340,28 @@ def _read_weights(
     missing = [name for name in layout if name not in found]
     unexpected = sorted(n for n in found - set(layout) if not n.endswith(_IGNORED_SUFFIXES))
     mismatched = [
-        f"{name} (expected shape {list(layout[name][2])}, found {list(shapes[name])})"
+        f"{name} in {where[name]} (expected shape {list(layout[name][2])}, found {list(shapes[name])})"
         for name in layout
         if name in found and shapes[name] != layout[name][2]
     ]
     mismatched += [
-        f"{name} (dtype {dtypes[name]}, expected {expected})"
+        f"{name} in {where[name]} (dtype {dtypes[name]}, expected {expected})"
         for name in layout
         if name in found and dtypes[name] not in (expected := _stored_dtypes(name, layout[name], dequantized))
     ]
     mismatched += [
-        f"{name} (shape {list(shapes[name])}, a copy of {source} {list(shapes[source])})"
+        f"{name} in {where[name]} (shape {list(shapes[name])}, a copy of {source} {list(shapes[source])})"
         for name, source in copies.items()
         if source in shapes and shapes[name] != shapes[source]
     ]
+    for weight, scale in dequantized.items():  # the scales a dequantizing load reads besides the model's tensors
+        out, n_in = layout[weight][2]
+        grid = [-(-out // block[0]), -(-n_in // block[1])]
+        if list(shapes[scale]) != grid or dtypes[scale] != "F32":
+            mismatched.append(
+                f"{scale} in {where[scale]} (expected F32 {grid}: blocks of {list(block)} over {weight} "
+                f"[{out}, {n_in}], found {dtypes[scale]} {list(shapes[scale])})"
+            )
     if missing or unexpected or mismatched:
         raise CheckpointError(
             f"checkpoint {shown} does not match the config",
@@ -366,11 +374,16 @@ def _read_weights(
     shardings = [_sharding(variable, mesh) for _, variable in flat_params]
     _check_device_memory(flat_params, shardings)
     reader = ShardReader(files, where, layout, config, dequantized, block)
-    flat = [
-        (path_, variable.replace(_build(reader, path_, variable.get_value(), sharding)))
-        for (path_, variable), sharding in zip(flat_params, shardings, strict=True)
-    ]
-    _check_copies(files, where, copies, layout)
+    error = None
+    try:
+        flat = [
+            (path_, variable.replace(_build(reader, path_, variable.get_value(), sharding)))
+            for (path_, variable), sharding in zip(flat_params, shardings, strict=True)
+        ]
+        _check_copies(files, where, copies, layout)
+    except CheckpointError as raised:  # a bad value in this process's shards: every process must hear of it
+        error = raised
+    _agree_on(error)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -397,6 +410,34 @@ def _unquantized_in_files(params: nnx.State, config: ModelConfig, dtypes: dict[s
             stored_float = dtypes.get(name) in FLOAT_DTYPES and f"{name}_scale_inv" not in dtypes
             (kept if stored_float else quantized).add(module)
     return tuple(sorted(kept - quantized))
+
+
+def _agree_on(error: CheckpointError | None) -> None:
+    """Raises `error`, or, under `jax.distributed`, the first failing process's error in every process.
+
+    Each process checks only the values it reads (its own devices' shards, its share of a copy's rows), so a
+    NaN in one process's shard would otherwise leave the others returning a model and waiting at their first
+    collective for ever. Every process reaches this point once per load (one gather of a flag, then one
+    broadcast of the failing process's message)."""
+    if jax.process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    from jax.experimental import multihost_utils
+
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+    if not failed.any():
+        return
+    source = int(np.flatnonzero(failed)[0])
+    text = np.zeros(2048, np.uint8)
+    if jax.process_index() == source:
+        encoded = str(error).encode()[: len(text)]
+        text[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    message = bytes(multihost_utils.broadcast_one_to_all(text, is_source=jax.process_index() == source))
+    message = message.rstrip(b"\0").decode(errors="replace")
+    if error is not None:
+        raise error
+    raise CheckpointError(f"process {source} refused the checkpoint: {message}")
 
 
 def _sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding | None:
@@ -464,4 +505,7 @@ def _check_copies(files: dict[str, TensorFile], where: dict[str, str], copies: d
             a = copy_file.read(name, index).astype(dtype)
             b = source_file.read(source, index).astype(dtype)
             if not np.array_equal(a, b):
-                raise CheckpointError(f"{name} must be a copy of the shared {source} but differs", unexpected=[name])
+                raise CheckpointError(
+                    f"{name} in {copy_file.shown} must be a copy of the shared {source} but differs",
+                    unexpected=[name],
+                )

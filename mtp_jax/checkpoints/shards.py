@@ -27,9 +27,10 @@ import math
 import numpy as np
 
 from mtp_jax.checkpoints.format import CheckpointError
-from mtp_jax.checkpoints.names import fuse, hf_names, piece_widths, tensor_axes
+from mtp_jax.checkpoints.names import fuse, hf_names, is_scale, piece_widths, tensor_axes
 from mtp_jax.checkpoints.tensor_reads import TensorFile
 from mtp_jax.config import ModelConfig
+from mtp_jax.quantization import FP8_MAX
 
 
 class ShardReader:
@@ -71,7 +72,10 @@ class ShardReader:
         for position in np.ndindex(*out.shape[:axes]):
             lead = tuple(r[p] for r, p in zip(ranges, position, strict=False))
             first = int(np.ravel_multi_index(lead, shape[:axes])) * per_slice if axes else 0
-            out[position] = self._slice(path, names[first : first + per_slice], shape[axes:], ranges[axes:], dtype)
+            pieces = names[first : first + per_slice]
+            out[position] = self._slice(path, pieces, shape[axes:], ranges[axes:], dtype)
+            if is_scale(path) and np.dtype(self.config.compute_dtype) == np.float16 and out[position].size:
+                _check_float16_dequantization(out[position], pieces, self.files, self.where)
         return out
 
     def _slice(self, path: tuple, pieces: list[str], shape: tuple[int, ...], ranges: list[range], dtype) -> np.ndarray:
@@ -84,7 +88,7 @@ class ShardReader:
         for k, name in enumerate(pieces):
             mask = piece_of == k
             if mask.any():
-                out[..., mask] = self._piece(name, columns[mask] - offsets[k], lead, dtype)
+                out[..., _as_slice(mask)] = self._piece(name, columns[mask] - offsets[k], lead, dtype)
         return out
 
     def _piece(self, name: str, columns: np.ndarray, lead: tuple[slice, ...], dtype) -> np.ndarray:
@@ -92,13 +96,15 @@ class ShardReader:
         _, transposed, _, _ = self.layout[name]
         low, high = int(columns.min()), int(columns.max()) + 1
         file = self.files[self.where[name]]
+        contiguous = high - low == len(columns) and bool((np.diff(columns) == 1).all())
+        pick = slice(None) if contiguous else columns - low  # a view, not a gathered copy, when it can
         if transposed:  # HF [out, in]: our columns are its rows
-            block = file.read(name, (slice(low, high), *lead))[columns - low]
+            block = file.read(name, (slice(low, high), *lead))[pick]
             if name in self.dequantize:
                 block = self._dequantized(block, self.dequantize[name], columns, lead[0] if lead else slice(None))
             block = block.T
         else:
-            block = file.read(name, (*lead, slice(low, high)))[..., columns - low]
+            block = file.read(name, (*lead, slice(low, high)))[..., pick]
         return _checked(block, dtype, name, file)
 
     def _dequantized(self, weight: np.ndarray, scale_name: str, rows: np.ndarray, inputs: slice) -> np.ndarray:
@@ -116,7 +122,40 @@ class ShardReader:
                 mismatched=[scale_name],
             )
         scale = scale[blocks - blocks.min()][:, columns - columns[0]]  # [len(rows), in']
-        return weight.astype(np.float32) * scale
+        weight = weight.astype(np.float32)
+        with np.errstate(over="ignore"):
+            product = weight * scale
+        if np.isfinite(weight).all() and not np.isfinite(product).all():
+            raise CheckpointError(
+                f"{scale_name} in {scale_file.shown}: its scales overflow float32 when they dequantize the weight",
+                mismatched=[scale_name],
+            )
+        return product
+
+
+def _check_float16_dequantization(scales: np.ndarray, names: list[str], files: dict, where: dict) -> None:
+    """Refuses FP8 block scales whose dequantized weights can leave float16's range (an FP8 model computing in
+    float16): a block's largest weight is at most `FP8_MAX` times its scale (exactly that for DeepSeek-V3's
+    quantization, which maps each block's largest magnitude to `FP8_MAX`)."""
+    peak = float(np.abs(scales).max()) * FP8_MAX
+    if peak > float(np.finfo(np.float16).max):
+        shown = ", ".join(f"{name} in {files[where[name]].shown}" for name in names)
+        raise CheckpointError(
+            f"{shown}: the FP8 weights these scales dequantize reach {peak:.4g}, beyond float16's range; "
+            "load with dtype bfloat16 or float32",
+            mismatched=names,
+        )
+
+
+def _as_slice(mask: np.ndarray) -> slice | np.ndarray:
+    """The positions `mask` selects as a slice when they are evenly spaced (a piece's columns in a fused
+    parameter's shard always are: a run, or every other column for `gate_up_proj`), so that numpy assigns
+    through a strided view instead of a boolean-index scatter; else `mask` itself."""
+    positions = np.flatnonzero(mask)
+    step = int(positions[1] - positions[0]) if len(positions) > 1 else 1
+    if (np.diff(positions) == step).all():
+        return slice(int(positions[0]), int(positions[-1]) + 1, step)
+    return mask
 
 
 @functools.lru_cache(maxsize=64)

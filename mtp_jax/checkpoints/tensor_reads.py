@@ -123,7 +123,10 @@ class TensorFile:
         first = offset + sum(start * stride for (start, _), stride in zip(bounds, strides, strict=True))
         for row, lead in zip(flat, starts, strict=True):
             position = first + int(np.dot(lead, strides[:cut]))
-            read_into(self.fd, memoryview(row.view(np.uint8)), position)
+            try:
+                read_into(self.fd, memoryview(row.view(np.uint8)), position)
+            except CheckpointError as error:  # the file shrank since its header was read
+                raise CheckpointError(f"{name} in {self.shown}: {error}") from error
         return out
 
     def close(self) -> None:
