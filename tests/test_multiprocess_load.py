@@ -10,17 +10,12 @@ here. The processes are `tests/multiprocess_load_worker.py`.
 """
 
 import json
-import os
 import pathlib
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import multiprocess_load_worker as worker  # tests/ is on sys.path (pytest's rootdir-relative import)
+from distributed_workers import run_workers
 from safetensors.numpy import load_file, save_file
 
 from mtp_jax.checkpoints import INDEX_FILE, load_hf_checkpoint
@@ -30,18 +25,6 @@ from mtp_jax.decode.generation import generate
 HERE = pathlib.Path(__file__).parent
 NUM_PROCESSES = 2
 TIMEOUT_S = 300  # two processes compiling three decode loops on a 2-core machine take about 60 s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and nothing else
-        proc.wait()
 
 
 def _corrupt_last_row_of_a_copy(checkpoint: pathlib.Path, bad: pathlib.Path) -> str:
@@ -63,52 +46,22 @@ def test_two_processes_each_read_their_shards_and_decode_as_one_device(tmp_path)
     assert len(list(checkpoint.glob("*.safetensors"))) > 2
     copy = _corrupt_last_row_of_a_copy(checkpoint, tmp_path / "checkpoint-bad")
     assert set(shared_copies(worker.config())) <= set(worker.stored_tensors(checkpoint))  # checked on load
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",  # the workers import this tree's mtp_jax, as this process does
-        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),
-    )
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_DISTRIBUTED"):
-        env.pop(name, None)
-    address = f"localhost:{_free_port()}"
-    procs, logs = [], []
-    try:
-        for i in range(NUM_PROCESSES):
-            log = open(tmp_path / f"worker{i}.log", "w")
-            logs.append(log)
-            command = [sys.executable, str(HERE / "multiprocess_load_worker.py"), address, str(NUM_PROCESSES), str(i)]
-            procs.append(
-                subprocess.Popen(
-                    [*command, str(checkpoint), str(tmp_path / f"worker{i}.json")],
-                    env=env,
-                    cwd=HERE.parent,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        # the reference, here (one device), while the workers run
+
+    def reference():  # here (one device), while the workers run
         model = load_hf_checkpoint(checkpoint)
         kwargs = dict(max_new_tokens=worker.MAX_NEW_TOKENS, max_length=worker.MAX_LENGTH)
         plain = generate(model, worker.prompts(), **kwargs).tokens
-        eagle = generate(model, worker.prompts(), speculative=worker.speculative(), **kwargs).tokens
-        deadline = time.monotonic() + TIMEOUT_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for proc in procs:
-            _kill(proc)
-        for log in logs:
-            log.close()
-    output = "\n".join(
-        f"--- worker {i} (rc {p.returncode}):\n" + (tmp_path / f"worker{i}.log").read_text()[-4000:]
-        for i, p in enumerate(procs)
+        return plain, generate(model, worker.prompts(), speculative=worker.speculative(), **kwargs).tokens
+
+    codes, output, (plain, eagle) = run_workers(
+        "multiprocess_load_worker.py",
+        lambda i: [str(checkpoint), str(tmp_path / f"worker{i}.json")],
+        tmp_path,
+        num_processes=NUM_PROCESSES,
+        timeout_s=TIMEOUT_S,
+        meanwhile=reference,
     )
-    assert [p.returncode for p in procs] == [0] * NUM_PROCESSES, output
+    assert codes == [0] * NUM_PROCESSES, output
     assert eagle == plain
     results = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(NUM_PROCESSES)]
     print(json.dumps([{k: got[k] for k in ("checkpoint_bytes", "loads", "seconds")} for got in results]))  # -s
