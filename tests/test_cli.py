@@ -114,7 +114,7 @@ def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, mon
     monkeypatch.setattr(
         mtp_jax.checkpoints.pretrained,
         "load_pretrained",
-        lambda path, dtype=None: asked.append(dtype) or real(path, dtype=dtype),
+        lambda path, dtype=None, **kwargs: asked.append(dtype) or real(path, dtype=dtype, **kwargs),
     )
     argv = ["generate", "--model", str(bf16_dir), "--prompt", "class A", "--max-new-tokens", "4", "--max-length", "32"]
     outputs = {}
