@@ -12,7 +12,7 @@ Bytes read are counted by wrapping `tensor_reads.read_into`, the one function th
 What a process should read (`expected_bytes`): for each parameter, the distinct indices its devices hold
 (`addressable_devices_indices_map`; replicas share one read), each index's bytes in the stored dtype (the
 loaded one: no `dtype` is passed); plus its share of the shared-tensor copies' check
-(`reading._check_copies`): rows [p * ceil(R / P), (p + 1) * ceil(R / P)) of each copy and of its source.
+(`shards.check_copies`): rows [p * ceil(R / P), (p + 1) * ceil(R / P)) of each copy and of its source.
 """
 
 import json

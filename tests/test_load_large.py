@@ -20,7 +20,7 @@ the same layout (`TINY`) the same way, so the JAX runtime's first-use memory is 
       `malloc_trim` the growth is the arrays' bytes to within 2 % + 32 MB (measured +2-8 MB; +16-21 MB at
       24cd60b, whose loader compiled XLA programs for its column maps; the untrimmed growth keeps 50-75
       MB more: free heap glibc holds on to). The bytes read (`tensor_reads.read_into`) are each parameter's once, plus
-      the MTP copies and their sources once more (`reading._check_copies` compares them by row blocks).
+      the MTP copies and their sources once more (`shards.check_copies` compares them by row blocks).
   (b) every device's shard equals, bit for bit, the same slice of the model loaded onto one device.
   (c) the logits of the sharded model (jitted under `jax.set_mesh(mesh)`) equal the one-device model's
       to within bfloat16's rounding: 2 % of the largest logit (measured: 0.6 %).

@@ -24,12 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from mtp_jax.checkpoints import atomic_dir
@@ -43,11 +40,17 @@ from mtp_jax.checkpoints.names import (
     shared_copies,
     tensor_layout,
 )
-from mtp_jax.checkpoints.shards import ShardReader
+from mtp_jax.checkpoints.shards import (
+    ShardReader,
+    agree_on,
+    build_param,
+    check_copies,
+    check_device_memory,
+    param_sharding,
+)
 from mtp_jax.checkpoints.tensor_reads import FLOAT_DTYPES, TensorFile
 from mtp_jax.config import MAX_STOP_TOKENS, ModelConfig
 from mtp_jax.model import Transformer, abstract_model
-from mtp_jax.sharding import resolve
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
 
@@ -371,19 +374,19 @@ def _read_weights(
         )
 
     flat_params = nnx.to_flat_state(params)
-    shardings = [_sharding(variable, mesh) for _, variable in flat_params]
-    _check_device_memory(flat_params, shardings)
+    shardings = [param_sharding(variable, mesh) for _, variable in flat_params]
+    check_device_memory(flat_params, shardings)
     reader = ShardReader(files, where, layout, config, dequantized, block)
     error = None
     try:
         flat = [
-            (path_, variable.replace(_build(reader, path_, variable.get_value(), sharding)))
+            (path_, variable.replace(build_param(reader, path_, variable.get_value(), sharding)))
             for (path_, variable), sharding in zip(flat_params, shardings, strict=True)
         ]
-        _check_copies(files, where, copies, layout)
+        check_copies(files, where, copies, layout)
     except CheckpointError as raised:  # a bad value in this process's shards: every process must hear of it
         error = raised
-    _agree_on(error)
+    agree_on(error)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -410,102 +413,3 @@ def _unquantized_in_files(params: nnx.State, config: ModelConfig, dtypes: dict[s
             stored_float = dtypes.get(name) in FLOAT_DTYPES and f"{name}_scale_inv" not in dtypes
             (kept if stored_float else quantized).add(module)
     return tuple(sorted(kept - quantized))
-
-
-def _agree_on(error: CheckpointError | None) -> None:
-    """Raises `error`, or, under `jax.distributed`, the first failing process's error in every process.
-
-    Each process checks only the values it reads (its own devices' shards, its share of a copy's rows), so a
-    NaN in one process's shard would otherwise leave the others returning a model and waiting at their first
-    collective for ever. Every process reaches this point once per load (one gather of a flag, then one
-    broadcast of the failing process's message)."""
-    if jax.process_count() == 1:
-        if error is not None:
-            raise error
-        return
-    from jax.experimental import multihost_utils
-
-    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
-    if not failed.any():
-        return
-    source = int(np.flatnonzero(failed)[0])
-    text = np.zeros(2048, np.uint8)
-    if jax.process_index() == source:
-        encoded = str(error).encode()[: len(text)]
-        text[: len(encoded)] = np.frombuffer(encoded, np.uint8)
-    message = bytes(multihost_utils.broadcast_one_to_all(text, is_source=jax.process_index() == source))
-    message = message.rstrip(b"\0").decode(errors="replace")
-    if error is not None:
-        raise error
-    raise CheckpointError(f"process {source} refused the checkpoint: {message}")
-
-
-def _sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding | None:
-    """The parameter's `NamedSharding` on `mesh` by its logical axes (`sharding.shard_params`'), None without a mesh."""
-    if mesh is None:
-        return None
-    logical = P(*variable.get_metadata().get("logical_axes", ()))
-    return NamedSharding(mesh, resolve(logical, variable.get_value().shape, mesh))
-
-
-def _build(reader: ShardReader, path: tuple, abstract: jax.ShapeDtypeStruct, sharding) -> jax.Array:
-    """The parameter at `path` as a `jax.Array` on `sharding` (None: the default device), one device's
-    shard read at a time (devices holding the same index share one read)."""
-    shape, dtype = tuple(abstract.shape), abstract.dtype
-    if sharding is None:
-        return jax.device_put(reader.read(path, shape, dtype, ()))
-    groups: dict[tuple, list] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
-        groups.setdefault(key, []).append(device)
-    arrays = []
-    for key, devices in groups.items():
-        host = reader.read(path, shape, dtype, tuple(slice(start, stop) for start, stop, _ in key))
-        arrays += [jax.device_put(host, device) for device in devices]
-        del host
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _check_device_memory(flat_params, shardings) -> None:
-    """Refuses (ValueError) weights whose per-device share exceeds the free memory the devices report."""
-    need: dict = {}
-    for (_, variable), sharding in zip(flat_params, shardings, strict=True):
-        value = variable.get_value()
-        if sharding is None:
-            devices, shard = [jax.devices()[0]], value.shape
-        else:
-            devices, shard = sharding.addressable_devices, sharding.shard_shape(value.shape)
-        for device in devices:
-            need[device] = need.get(device, 0) + int(np.prod(shard)) * value.dtype.itemsize
-    for device, needed in need.items():
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            continue  # the CPU reports nothing: host memory is the operating system's to manage
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        if needed > free:
-            raise ValueError(
-                f"the weights need {needed / 1e9:.2f} GB on {device}, which has {free / 1e9:.2f} GB free; "
-                "use a larger mesh (`mtp-jax plan` finds the smallest that fits)"
-            )
-
-
-def _check_copies(files: dict[str, TensorFile], where: dict[str, str], copies: dict[str, str], layout) -> None:
-    """Refuses a stored copy of a shared tensor (`shared_copies`) that differs from it in the loaded dtype,
-    compared a block of rows at a time (under `jax.distributed` each process compares its share of rows)."""
-    for name, source in copies.items():
-        dtype = layout[source][3]
-        copy_file, source_file = files[where[name]], files[where[source]]
-        _, shape, _ = copy_file.entries[name]
-        rows = shape[0] if shape else 1
-        step = max(1, (1 << 24) // max(1, int(np.prod(shape[1:])) * 4))
-        share = -(-rows // jax.process_count())
-        first = jax.process_index() * share
-        for start in range(first, min(rows, first + share), step):
-            index = (slice(start, min(rows, first + share, start + step)),) if shape else ()
-            a = copy_file.read(name, index).astype(dtype)
-            b = source_file.read(source, index).astype(dtype)
-            if not np.array_equal(a, b):
-                raise CheckpointError(
-                    f"{name} in {copy_file.shown} must be a copy of the shared {source} but differs",
-                    unexpected=[name],
-                )

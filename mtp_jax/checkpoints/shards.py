@@ -1,10 +1,13 @@
 """One device's shard of a parameter, read from the HF tensors it stands for: shard-streamed loading.
 
 `reading.load_hf_checkpoint(..., mesh=)` builds every parameter as a global `jax.Array` on its sharding
-(`mtp_jax.sharding`): for each of the process's devices (`Sharding.addressable_devices_indices_map`) it
-reads that device's index of the parameter straight from the files (`ShardReader.read`), puts it on the
-device and drops the host copy, so a tensor is never whole on the host or on one device unless a device
-holds it whole. Devices with the same index (replicas) share one read.
+(`param_sharding`, `mtp_jax.sharding`'s rules): for each of the process's devices
+(`Sharding.addressable_devices_indices_map`) `build_param` reads that device's index of the parameter
+straight from the files (`ShardReader.read`), puts it on the device and drops the host copy, so a tensor is
+never whole on the host or on one device unless a device holds it whole. Devices with the same index
+(replicas) share one read. Around it: `check_device_memory` (before any read), `check_copies` (stored copies
+of shared tensors, row block by row block) and `agree_on` (under `jax.distributed`, every process raises
+the first failing process's error).
 
 A parameter index maps to the files through `names` (`hf_names`, `piece_widths`, `fuse`): its leading
 `tensor_axes` (a stacked layer group's layers, a MoE's routed experts) pick tensor sets, and its last axis,
@@ -24,13 +27,18 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.checkpoints.format import CheckpointError
 from mtp_jax.checkpoints.names import fuse, hf_names, is_scale, piece_widths, tensor_axes
 from mtp_jax.checkpoints.tensor_reads import TensorFile
 from mtp_jax.config import ModelConfig
 from mtp_jax.quantization import FP8_MAX
+from mtp_jax.sharding import resolve
 
 
 class ShardReader:
@@ -188,3 +196,102 @@ def _checked(block: np.ndarray, dtype, name: str, file: TensorFile) -> np.ndarra
             mismatched=[name],
         )
     return cast
+
+
+def agree_on(error: CheckpointError | None) -> None:
+    """Raises `error`, or, under `jax.distributed`, the first failing process's error in every process.
+
+    Each process checks only the values it reads (its own devices' shards, its share of a copy's rows), so a
+    NaN in one process's shard would otherwise leave the others returning a model and waiting at their first
+    collective for ever. Every process reaches this point once per load (one gather of a flag, then one
+    broadcast of the failing process's message)."""
+    if jax.process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    from jax.experimental import multihost_utils
+
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+    if not failed.any():
+        return
+    source = int(np.flatnonzero(failed)[0])
+    text = np.zeros(2048, np.uint8)
+    if jax.process_index() == source:
+        encoded = str(error).encode()[: len(text)]
+        text[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    message = bytes(multihost_utils.broadcast_one_to_all(text, is_source=jax.process_index() == source))
+    message = message.rstrip(b"\0").decode(errors="replace")
+    if error is not None:
+        raise error
+    raise CheckpointError(f"process {source} refused the checkpoint: {message}")
+
+
+def param_sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding | None:
+    """The parameter's `NamedSharding` on `mesh` by its logical axes (`sharding.shard_params`'), None without a mesh."""
+    if mesh is None:
+        return None
+    logical = P(*variable.get_metadata().get("logical_axes", ()))
+    return NamedSharding(mesh, resolve(logical, variable.get_value().shape, mesh))
+
+
+def build_param(reader: ShardReader, path: tuple, abstract: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+    """The parameter at `path` as a `jax.Array` on `sharding` (None: the default device), one device's
+    shard read at a time (devices holding the same index share one read)."""
+    shape, dtype = tuple(abstract.shape), abstract.dtype
+    if sharding is None:
+        return jax.device_put(reader.read(path, shape, dtype, ()))
+    groups: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+        groups.setdefault(key, []).append(device)
+    arrays = []
+    for key, devices in groups.items():
+        host = reader.read(path, shape, dtype, tuple(slice(start, stop) for start, stop, _ in key))
+        arrays += [jax.device_put(host, device) for device in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def check_device_memory(flat_params, shardings) -> None:
+    """Refuses (ValueError) weights whose per-device share exceeds the free memory the devices report."""
+    need: dict = {}
+    for (_, variable), sharding in zip(flat_params, shardings, strict=True):
+        value = variable.get_value()
+        if sharding is None:
+            devices, shard = [jax.devices()[0]], value.shape
+        else:
+            devices, shard = sharding.addressable_devices, sharding.shard_shape(value.shape)
+        for device in devices:
+            need[device] = need.get(device, 0) + int(np.prod(shard)) * value.dtype.itemsize
+    for device, needed in need.items():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            continue  # the CPU reports nothing: host memory is the operating system's to manage
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if needed > free:
+            raise ValueError(
+                f"the weights need {needed / 1e9:.2f} GB on {device}, which has {free / 1e9:.2f} GB free; "
+                "use a larger mesh (`mtp-jax plan` finds the smallest that fits)"
+            )
+
+
+def check_copies(files: dict[str, TensorFile], where: dict[str, str], copies: dict[str, str], layout) -> None:
+    """Refuses a stored copy of a shared tensor (`shared_copies`) that differs from it in the loaded dtype,
+    compared a block of rows at a time (under `jax.distributed` each process compares its share of rows)."""
+    for name, source in copies.items():
+        dtype = layout[source][3]
+        copy_file, source_file = files[where[name]], files[where[source]]
+        _, shape, _ = copy_file.entries[name]
+        rows = shape[0] if shape else 1
+        step = max(1, (1 << 24) // max(1, int(np.prod(shape[1:])) * 4))
+        share = -(-rows // jax.process_count())
+        first = jax.process_index() * share
+        for start in range(first, min(rows, first + share), step):
+            index = (slice(start, min(rows, first + share, start + step)),) if shape else ()
+            a = copy_file.read(name, index).astype(dtype)
+            b = source_file.read(source, index).astype(dtype)
+            if not np.array_equal(a, b):
+                raise CheckpointError(
+                    f"{name} in {copy_file.shown} must be a copy of the shared {source} but differs",
+                    unexpected=[name],
+                )
