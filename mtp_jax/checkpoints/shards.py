@@ -28,6 +28,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -236,20 +237,60 @@ def param_sharding(variable: nnx.Variable, mesh: Mesh | None) -> NamedSharding |
 
 def build_param(reader: ShardReader, path: tuple, abstract: jax.ShapeDtypeStruct, sharding) -> jax.Array:
     """The parameter at `path` as a `jax.Array` on `sharding` (None: the default device), one device's
-    shard read at a time (devices holding the same index share one read)."""
+    shard read at a time (devices holding the same index share one read). A stacked layer group's
+    parameter [n, ...] (`ModelConfig.scan_layers`) is built a layer at a time (`_stacked`), so the host holds
+    one layer's shard, not the group's."""
     shape, dtype = tuple(abstract.shape), abstract.dtype
+    if str(path[0]) == "layer_groups" and shape[0] > 1:
+        return _stacked(reader, path, shape, dtype, sharding)
+    return _placed(reader, path, shape, dtype, sharding, lambda index: index)
+
+
+def _placed(reader: ShardReader, path: tuple, shape: tuple, dtype, sharding, to_param, read_shape=None) -> jax.Array:
+    """An array of `shape` on `sharding` (None: the default device) whose shard at each device's index is
+    `reader.read(path, read_shape, dtype, to_param(index))` (reshaped to the shard's shape)."""
+    read_shape = shape if read_shape is None else read_shape
     if sharding is None:
-        return jax.device_put(reader.read(path, shape, dtype, ()))
+        full = tuple(slice(0, n) for n in shape)
+        return jax.device_put(reader.read(path, read_shape, dtype, to_param(full)).reshape(shape))
     groups: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
         groups.setdefault(key, []).append(device)
     arrays = []
     for key, devices in groups.items():
-        host = reader.read(path, shape, dtype, tuple(slice(start, stop) for start, stop, _ in key))
+        index = tuple(slice(start, stop) for start, stop, _ in key)
+        host = reader.read(path, read_shape, dtype, to_param(index))
+        host = host.reshape(tuple(stop - start for start, stop, _ in key))
         arrays += [jax.device_put(host, device) for device in devices]
         del host
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _stacked(reader: ShardReader, path: tuple, shape: tuple, dtype, sharding) -> jax.Array:
+    """A stacked parameter [n, ...] written layer by layer into a zero array already on its devices (an
+    in-place, donated update: the devices hold the parameter and one layer, the host one layer's shard)."""
+    if sharding is None:
+        layer_sharding, stacked = None, jnp.zeros(shape, dtype)
+    else:
+        layer_sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+        stacked = _zeros(shape, jnp.dtype(dtype), sharding)()
+    for i in range(shape[0]):
+        layer = _placed(
+            reader, path, shape[1:], dtype, layer_sharding, lambda index, i=i: (slice(i, i + 1), *index), shape
+        )
+        stacked = _put_layer(stacked, layer, i)
+    return stacked if sharding is None else jax.device_put(stacked, sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, layer, i, 0)
 
 
 def check_device_memory(flat_params, shardings) -> None:
