@@ -156,7 +156,9 @@ def test_fp8_preset_is_deepseek_v3_with_block_fp8():
 def test_full_size_presets_agree_with_transformers_config_defaults():
     """transformers' DeepseekV3Config defaults are DeepSeek-V3's sizes (positions and RoPE aside);
     Glm4MoeConfig's are GLM-4.5-Air's (head_dim, bias, RoPE base and routed scaling aside)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="compares with transformers' config classes, installed by the [parity] extra"
+    )
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     sizes += ("num_key_value_heads", "moe_intermediate_size", "n_routed_experts", "n_shared_experts")
     sizes += ("num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers")
@@ -357,7 +359,10 @@ def test_plan_errors_name_the_problem():
         plan("deepseek-v3", "tensor=2", device_memory=0)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend reports no device memory")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="checks a plan where the backend reports no device memory (the CPU); GPUs report theirs",
+)
 def test_plan_without_device_memory_has_no_fit_check():
     p = plan("glm-4.5-air", "expert=8")
     assert p.device_memory_bytes is None and p.fits is None and p.smallest_mesh is None
