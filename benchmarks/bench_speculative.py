@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax
+from mtp_jax.cache import settle
 from mtp_jax.decode import drafters
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
@@ -123,7 +124,8 @@ def _looped_time(body, params, carry, steps: int, repeats: int) -> float:
 
 
 def _forward_timer(model, batch: int, prefix: int, capacity: int, steps: int = 20):
-    """time(T): one main-model forward of T tokens on a cache holding `prefix` tokens, in a device loop."""
+    """time(T): one main-model forward of T tokens on a cache holding `prefix` tokens, in a device loop, as a
+    step's verify runs it: recurrent layers keep the state after each token, and one is selected."""
     graphdef, params = nnx.split(model)
     cache = model.init_cache(batch, capacity)
 
@@ -133,8 +135,8 @@ def _forward_timer(model, batch: int, prefix: int, capacity: int, steps: int = 2
 
         def body(params, carry):
             cache, acc = carry
-            logits, _, new = nnx.merge(graphdef, params)(tokens, positions, cache)
-            return new, acc + jnp.sum(logits)
+            logits, _, new = nnx.merge(graphdef, params)(tokens, positions, cache, keep_candidates=True)
+            return settle(new, jnp.full((batch,), num, jnp.int32)), acc + jnp.sum(logits)
 
         return _looped_time(body, params, (cache, jnp.float32(0)), steps, repeats)
 

@@ -28,6 +28,12 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MTP_STYLES = ("deepseek", "parallel")
 MTP_CONCAT_ORDERS = ("embedding_first", "hidden_first")
+# Where a checkpoint keeps its MTP layers (`mtp_jax.checkpoints.names`): DeepSeek-V3's `model.layers.{L + j}`,
+# Qwen3.5's `mtp.*` (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `layers.0`, `norm`), MiMo's
+# `model.mtp_layers.{j}` (`input_proj`, `token_layernorm`, `hidden_layernorm`, `final_layernorm`).
+MTP_LAYOUTS = ("deepseek", "qwen3_5", "mimo")
+# A decoder layer's token mixer (`layer_types`, Hugging Face's names): attention, or a Gated DeltaNet.
+LAYER_TYPES = ("full_attention", "linear_attention")
 ATTENTION_TYPES = ("gqa", "mla")
 FFN_TYPES = ("dense", "moe")
 MOE_SCORING_FUNCS = ("sigmoid", "softmax")
@@ -150,6 +156,28 @@ class ModelConfig:
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 0
     scoring_func: str = "sigmoid"
+    # Qwen3.5-MoE's shared expert: its width (None: moe_intermediate_size x n_shared_experts, DeepSeek-V3's
+    # `shared_experts`), and `shared_expert_gate`: the shared expert's output scaled by sigmoid(x @ w) per token
+    # (then named `shared_expert`, as Qwen's checkpoints name it).
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    # Hybrid models (Qwen3.5, Qwen3-Next): layer_types[i] is layer i's token mixer, "full_attention" or
+    # "linear_attention" (a Gated DeltaNet, `mtp_jax.layers.gated_deltanet`, arXiv 2412.06464, with
+    # linear_num_key_heads x linear_key_head_dim query/key heads, linear_num_value_heads x linear_value_head_dim
+    # value heads and a causal depthwise conv of width linear_conv_kernel_dim); None: all full attention.
+    # MTP layers are full attention.
+    layer_types: tuple[str, ...] | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # Qwen3.5's gated attention: q_proj yields per head a query and an output gate ([H, 2D], query first);
+    # the attention output is multiplied by sigmoid(gate) before o_proj.
+    attn_output_gate: bool = False
+    # Zero-centred RMSNorm weights (Qwen3.5): stored around 0 and applied as (1 + w) * norm(x), for every
+    # RMSNorm but the Gated DeltaNet's gated output norm.
+    rms_norm_unit_offset: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
     # Block-scaled FP8 weights (DeepSeek-V3's `quantization_config`, `mtp_jax.quantization`); None: none.
@@ -179,6 +207,10 @@ class ModelConfig:
     # The h^k handed to depth k + 1 (and to the next draft step) is taken after shared_head.norm
     # (True: TRT-LLM, SGLang) or before it, straight from the block (False: vLLM).
     mtp_chain_after_shared_head_norm: bool = True
+    # MiMo: the embedding of the token at position 0 enters its MTP layer as zeros.
+    mtp_zero_embedding_at_start: bool = False
+    # The checkpoint's names for the MTP layers (`MTP_LAYOUTS`).
+    mtp_layout: str = "deepseek"
 
     def __post_init__(self):
         for name in (
@@ -248,9 +280,43 @@ class ModelConfig:
             raise ValueError(f"mtp_style must be one of {MTP_STYLES}, got {self.mtp_style!r}")
         if self.mtp_concat_order not in MTP_CONCAT_ORDERS:
             raise ValueError(f"mtp_concat_order must be one of {MTP_CONCAT_ORDERS}, got {self.mtp_concat_order!r}")
-        for name in ("mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm"):
+        for name in ("mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm", "mtp_zero_embedding_at_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mtp_layout not in MTP_LAYOUTS:
+            raise ValueError(f"mtp_layout must be one of {MTP_LAYOUTS}, got {self.mtp_layout!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        for name in ("attn_output_gate", "rms_norm_unit_offset", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.shared_expert_intermediate_size is not None:
+            _check_int(self, "shared_expert_intermediate_size", 1)
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not hasattr(self.layer_types, "__len__"):
+            raise ValueError(f"layer_types must be a sequence of {LAYER_TYPES}, got {self.layer_types!r}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}] must be one of {LAYER_TYPES}, got {kind!r}")
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads"):
+                _check_int(self, name, 1)
+            _check_int(self, "linear_num_value_heads", 1)
+            _check_int(self, "linear_conv_kernel_dim", 2)
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                    f"linear_num_key_heads ({self.linear_num_key_heads})"
+                )
+            if self.attention_type == "mla":
+                raise ValueError("linear_attention layers are supported with attention_type='gqa' only")
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -288,6 +354,17 @@ class ModelConfig:
         """Entries of each GQA head that RoPE rotates (all, unless partial_rotary_factor < 1)."""
         return int(self.resolved_head_dim * self.partial_rotary_factor)
 
+    def layer_type(self, layer: int) -> str:
+        """Decoder layer `layer`'s token mixer (`LAYER_TYPES`); MTP layers (numbered from L on) are full attention."""
+        if self.layer_types is None or layer >= self.num_hidden_layers:
+            return "full_attention"
+        return self.layer_types[layer]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer is a Gated DeltaNet, whose cache is a recurrent state (`mtp_jax.cache.RecurrentCache`)."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has the MoE feed-forward block."""
         return self.ffn_type == "moe" and layer >= self.first_k_dense_replace
@@ -297,11 +374,12 @@ class ModelConfig:
         """The runs of consecutive decoder layers of one kind (the same modules and shapes), in order.
 
         One run for a dense model; DeepSeek-V3 / GLM-4.5: the dense layers [0, first_k_dense_replace)
-        (when any), then the MoE layers up to num_hidden_layers. With `scan_layers` each run is one
-        stacked module (`mtp_jax.layers.decoder.DecoderStack`).
+        (when any), then the MoE layers up to num_hidden_layers; a hybrid model: each run of one
+        `layer_type`. With `scan_layers` each run is one stacked module (`mtp_jax.layers.decoder.DecoderStack`).
         """
-        cut = min(self.first_k_dense_replace, self.num_hidden_layers) if self.ffn_type == "moe" else 0
-        return tuple(r for r in (range(0, cut), range(cut, self.num_hidden_layers)) if len(r))
+        kinds = [(self.layer_type(i), self.is_moe_layer(i)) for i in range(self.num_hidden_layers)]
+        starts = [i for i in range(self.num_hidden_layers) if i == 0 or kinds[i] != kinds[i - 1]]
+        return tuple(range(a, b) for a, b in zip(starts, [*starts[1:], self.num_hidden_layers], strict=True))
 
     @property
     def resolved_head_dim(self) -> int:
@@ -432,6 +510,30 @@ PRESETS: dict[str, ModelConfig] = {
         topk_group=2,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
+    ),
+    # Qwen3.5's shape at the benchmark's small scale: 3 Gated DeltaNet layers then one gated-attention layer
+    # (full_attention_interval 4), 8 query / 2 KV heads of 64 with q/k norm and RoPE on a quarter of each head,
+    # linear attention with 4 key heads and 8 value heads of 64, zero-centred norms, one MTP layer in `mtp.*`.
+    "qwen3.5-small": ModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        partial_rotary_factor=0.25,
+        use_qk_norm=True,
+        attn_output_gate=True,
+        rms_norm_unit_offset=True,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_nextn_predict_layers=1,
+        mtp_layout="qwen3_5",
     ),
     # Full-size architectures, for memory plans and abstract lowering (`mtp_jax.memory_plan`): never
     # initialise their weights (671.0B / 352.8B / 106.9B parameters, 682.6B / 356.8B / 109.2B with the MTP

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.cache import KVCache, StackedCache
+from mtp_jax.cache import KVCache, RecurrentCache, StackedCache
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.decoder import DecoderLayer, DecoderStack
 from mtp_jax.layers.indexing import sequence_positions, take_rows
@@ -35,13 +35,14 @@ from mtp_jax.layers.mla import MLACache
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.mtp import make_mtp_modules
 
-Cache = KVCache | MLACache | StackedCache  # one entry of the main model's cache
+Cache = KVCache | MLACache | RecurrentCache | StackedCache  # one entry of the main model's cache
 
 
 class Transformer(nnx.Module):
     """Decoder-only language model in Hugging Face's layout: Llama / Qwen2 / Mistral (`LlamaForCausalLM`),
-    GLM-4.5's attention (partial rotary, q/k norm), and DeepSeek-V3 (MLA, MoE from layer
-    `first_k_dense_replace` on), as `config` selects."""
+    GLM-4.5's attention (partial rotary, q/k norm), DeepSeek-V3 (MLA, MoE from layer
+    `first_k_dense_replace` on), and Qwen3.5 (Gated DeltaNet and gated attention layers, zero-centred
+    norms), as `config` selects."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -59,7 +60,7 @@ class Transformer(nnx.Module):
             self.layer_groups = nnx.List([DecoderStack(layers[g.start : g.stop], g.start) for g in config.layer_groups])
         else:
             self.layers = nnx.List(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.norm = RMSNorm.of(config)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -100,6 +101,8 @@ class Transformer(nnx.Module):
         *,
         logits_at: Int[Array, " B"] | None = None,
         with_logits: bool = True,
+        advance: Int[Array, " B"] | None = None,
+        keep_candidates: bool = False,
     ) -> tuple[jax.Array | None, jax.Array, tuple[Cache, ...]]:
         """Forward of T new tokens per row at the positions the caller gives (the model contract).
 
@@ -117,6 +120,11 @@ class Transformer(nnx.Module):
             only (a prefill needs the last prompt token's), as float32 [B, 1, V].
           with_logits: False to skip the final norm and head (logits None): a caller that needs
             both the normed hidden states and the logits applies `norm` and `head` itself, once.
+          advance: optional int32 [B] in [0, T], for recurrent layers (`ModelConfig.layer_types`): their
+            state absorbs row b's first `advance[b]` new tokens only (a right-padded prefill: its prompt's).
+            Default all T. Attention layers ignore it.
+          keep_candidates: static; recurrent layers return `mtp_jax.cache.RecurrentCandidates` (the state
+            after each new token) for a speculative commit to select from (`mtp_jax.cache.settle`).
 
         Returns:
           logits float32 [B, T, V] ([B, 1, V] with `logits_at`, None without `with_logits`); hidden
@@ -127,7 +135,9 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         new_cache = []
         for block, block_cache in zip(self.blocks, cache, strict=True):
-            x, block_cache = block(x, positions, block_cache, segment_ids)
+            x, block_cache = block(
+                x, positions, block_cache, segment_ids, advance=advance, keep_candidates=keep_candidates
+            )
             new_cache.append(block_cache)
         if not with_logits:
             return None, x, tuple(new_cache)

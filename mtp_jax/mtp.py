@@ -9,9 +9,11 @@ embedding of token t_{i+k} and predicts t_{i+k+1}:
     logits_i = head(shared_head.norm(o_i))                               # float32 [B, T, V]
     h_i^k = shared_head.norm(o_i) or o_i                                 # the hidden chained onward
 
-h^0 is the main model's hidden state, after its final norm or before it; the concat order and
-the chained hidden are checkpoint conventions, all set in `ModelConfig` (`mtp_concat_order`,
-`mtp_hidden_after_norm`, `mtp_chain_after_shared_head_norm`). `embed` and `head` are the main
+h^0 is the main model's hidden state, after its final norm or before it; the concat order, the
+chained hidden and MiMo's zero embedding at position 0 are checkpoint conventions, all set in
+`ModelConfig` (`mtp_concat_order`, `mtp_hidden_after_norm`, `mtp_chain_after_shared_head_norm`,
+`mtp_zero_embedding_at_start`). Qwen3.5's `mtp.*` head and MiMo's `model.mtp_layers.*` are this module
+under other names (`ModelConfig.mtp_layout`, `mtp_jax.checkpoints.names`). `embed` and `head` are the main
 model's, passed in at call time, never copied.
 
 Parallel heads (`mtp_style="parallel"`, Gloeckle et al. 2024, arXiv 2404.19737 §2): head k is one
@@ -57,7 +59,7 @@ class SharedHead(nnx.Module):
     """DeepSeek-V3's `shared_head`, holding only `norm`: the projection is the main model's head, shared."""
 
     def __init__(self, config: ModelConfig):
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.norm = RMSNorm.of(config)
 
 
 class _MTPBlock(DecoderLayer):
@@ -96,8 +98,8 @@ class MTPModule(_MTPBlock):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_index: int):
         super().__init__(config, rngs, layer_index)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.enorm = RMSNorm.of(config)
+        self.hnorm = RMSNorm.of(config)
         self.eh_proj = linear(
             config, 2 * config.hidden_size, config.hidden_size, rngs, axes=(None, "embed"), name="eh_proj"
         )
@@ -132,7 +134,10 @@ class MTPModule(_MTPBlock):
           shape [B, T, E], as chained to
           depth k + 1 (`config.mtp_chain_after_shared_head_norm`); the cache with the T entries written.
         """
-        e, h = self.enorm(embed(tokens)), self.hnorm(hidden)  # [B, T, E] each
+        embedded = embed(tokens)  # [B, T, E]
+        if self.config.mtp_zero_embedding_at_start:  # MiMo: row 0 pairs h_0 with no token embedding
+            embedded = jnp.where(positions[..., None] == 0, 0, embedded).astype(embedded.dtype)
+        e, h = self.enorm(embedded), self.hnorm(hidden)  # [B, T, E] each
         parts = (e, h) if self.config.mtp_concat_order == "embedding_first" else (h, e)
         x = self.eh_proj(jnp.concatenate(parts, axis=-1))  # [B, T, 2E] -> [B, T, E]
         return self._block_and_head(x, positions, cache, head, segment_ids, logits_at)

@@ -11,7 +11,9 @@ A step, for every unfinished row (`docs/MTP_SPEC.md`):
   Committing advances `lengths`, the only length there is; that is also the **roll back**: caches
   keep no lengths, every cache of a row holds the positions before its last committed token, and
   what a verify pass wrote for rejected drafts lies past that, stale, masked out and overwritten
-  later.
+  later. A recurrent layer's state (Qwen3.5's Gated DeltaNet) cannot be rolled back by a length: verify
+  keeps its state after each of the K+1 tokens and the commit selects, per row, the one after its last
+  committed token (`mtp_jax.cache.settle`).
 - **draft** (`drafters.draft_after_verify`): the next K drafts (none when not speculating).
 
 `prefill` starts a state (its first token through `commit_first_token`), `decode_step` advances it,
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.cache import KVCache, write_at
+from mtp_jax.cache import KVCache, settle, write_at
 from mtp_jax.decode.acceptance import Target, accept, update_phase
 from mtp_jax.decode.drafters import draft_after_prefill, draft_after_verify
 from mtp_jax.decode.speculative import SpeculativeConfig
@@ -42,13 +44,12 @@ def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, t
 
     Returns the K+1 targets, h^0 [B, K+1, E] for the drafter (`mtp.initial_hidden`; the final norm
     runs once for it and the logits) and the main cache with the K+1 entries written (a finished
-    row's writes land past its length, stale).
+    row's writes land past its length, stale), its recurrent layers' states as candidates for `commit`.
     """
     last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
     window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
-    _, hidden, cache = model(
-        window, sequence_positions(*window.shape, state.lengths - 1), state.cache, with_logits=False
-    )
+    positions = sequence_positions(*window.shape, state.lengths - 1)
+    _, hidden, cache = model(window, positions, state.cache, with_logits=False, keep_candidates=True)
     normed = model.norm(hidden)
     target = Target.from_logits(model.head(normed), state.sampling)
     return target, initial_hidden(model, hidden, normed), cache
@@ -130,15 +131,17 @@ def prefill(
     """
     offset = jnp.zeros_like(state.lengths) if start is None else start
     positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
+    # Recurrent states absorb each row's prompt tokens only, not the padding after them.
+    advance = jnp.clip(state.prompt_lengths - offset, 0, padded_prompts.shape[1])
     if final:
         logits, hidden, cache = model(
-            padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1 - offset
+            padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1 - offset, advance=advance
         )
         target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
         state = commit_first_token(speculative, state.replace(cache=cache), target)
         lengths = state.lengths
     else:
-        _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False)
+        _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False, advance=advance)
         state = state.replace(cache=cache)
         lengths = offset + padded_prompts.shape[1] + 1  # as if the chunk's next token were committed too
     state = state.replace(
@@ -156,6 +159,7 @@ def decode_step(model: Transformer, speculative: SpeculativeConfig | None, state
     state, num, num_accepted = accept_and_commit(
         speculative, state.replace(cache=cache), target, state.draft.tokens, state.draft.probs
     )
+    state = state.replace(cache=settle(state.cache, num))  # recurrent states: after the last committed token
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
     state = state.replace(
         draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num)

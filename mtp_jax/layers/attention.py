@@ -125,27 +125,32 @@ class Attention(nnx.Module):
     divides G, `mtp_jax.sharding`) keeps each device's q, k and v local. `mtp_jax.checkpoints` builds
     it from HF's tensors on load and takes them back out on export. `o_proj` [H D, E]; with
     `use_qk_norm`, `q_norm` and `k_norm` [D].
+
+    Qwen3.5's gated attention (`attn_output_gate`, HF `Qwen3_5Attention`): q_proj is [H 2D], each head's query
+    then its output gate (`qkv_layout(..., gated=True)`: each group holds its heads' 2D entries), and the
+    attention output is multiplied by sigmoid(gate) before `o_proj`.
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
+        layout = qkv_layout(h, g, d, gated=config.attn_output_gate)
         self.qkv_proj = linear(
             config,
             config.hidden_size,
-            (h + 2 * g) * d,
+            layout.width,
             rngs,
             config.attention_bias,
-            axes=("embed", ("heads", (h // g + 2) * d)),
+            axes=("embed", ("heads", layout.width // g)),
             name="self_attn.qkv_proj",
-            layout=qkv_layout(h, g, d),
+            layout=layout,
         )  # splits between KV groups
         self.o_proj = linear(
             config, h * d, config.hidden_size, rngs, axes=(("heads", d), "embed"), name="self_attn.o_proj"
         )
         if config.use_qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.weight_dtype)
+            self.q_norm = RMSNorm.of(config, d)
+            self.k_norm = RMSNorm.of(config, d)
 
     def _rope(self, x: Float[Array, "B T N D"], positions: Int[Array, "B T"]) -> Float[Array, "B T N D"]:
         """RoPE over the first `rotary_dim` entries of each head; the rest pass through."""
@@ -171,8 +176,9 @@ class Attention(nnx.Module):
         c = self.config
         batch, num_new, _ = x.shape
         d, h, g = c.resolved_head_dim, c.num_attention_heads, c.num_key_value_heads
-        qkv = self.qkv_proj(x).reshape(batch, num_new, g, h // g + 2, d)  # [B, T, G, H/G + 2, D], group-major
-        q = qkv[:, :, :, :-2].reshape(batch, num_new, h, d)  # [B, T, H, D], head h = g * (H/G) + j
+        qkv = self.qkv_proj(x).reshape(batch, num_new, g, -1, d)  # [B, T, G, H/G (x2 gated) + 2, D], group-major
+        q = qkv[:, :, :, :-2].reshape(batch, num_new, h, -1, d)  # [B, T, H, 1 or 2, D], head h = g * (H/G) + j
+        q, gate = q[:, :, :, 0], q[:, :, :, -1]  # [B, T, H, D] each (gate: the query itself when not gated)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [B, T, G, D] each
         if c.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -184,4 +190,6 @@ class Attention(nnx.Module):
             )  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only
             out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
+        if c.attn_output_gate:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         return self.o_proj(out.reshape(batch, num_new, h * d)), cache

@@ -1,7 +1,9 @@
 """The pre-norm decoder layer (Llama / DeepSeek-V3 names), shared by the main model and the MTP modules.
 
-Its attention is the config's (`attention_type`: grouped-query `Attention` with a `KVCache`, or
-DeepSeek-V3's `MLAttention` with an `MLACache`) and its feed-forward block the layer's (`MLP`, or
+Its token mixer is the config's attention (`attention_type`: grouped-query `Attention` with a `KVCache`, or
+DeepSeek-V3's `MLAttention` with an `MLACache`), or, in a hybrid model's "linear_attention" layers
+(`ModelConfig.layer_types`, Qwen3.5), a `GatedDeltaNet` with a `RecurrentCache`; its feed-forward block the
+layer's (`MLP`, or
 the `MoE` from layer `first_k_dense_replace` on; DeepSeek-V3's MTP layers, numbered after the
 main model's, are MoE layers too).
 
@@ -20,10 +22,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.cache import KVCache, StackedCache
+from mtp_jax.cache import KVCache, RecurrentCache, RecurrentCandidates, StackedCache, check_shape
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.attention import Attention
 from mtp_jax.layers.ffn import MLP
+from mtp_jax.layers.gated_deltanet import GatedDeltaNet
 from mtp_jax.layers.mla import MLACache, MLAttention
 from mtp_jax.layers.moe import MoE
 from mtp_jax.layers.norm import RMSNorm
@@ -42,13 +45,21 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_index: int = 0):
         self.config = config
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
-        self.self_attn = MLAttention(config, rngs) if config.attention_type == "mla" else Attention(config, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.recurrent = config.layer_type(layer_index) == "linear_attention"
+        self.input_layernorm = RMSNorm.of(config)
+        if self.recurrent:
+            self.linear_attn = GatedDeltaNet(config, rngs)
+        else:
+            self.self_attn = MLAttention(config, rngs) if config.attention_type == "mla" else Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm.of(config)
         self.mlp = MoE(config, rngs) if config.is_moe_layer(layer_index) else MLP(config, rngs)
 
-    def init_cache(self, batch_size: int, max_length: int) -> KVCache | MLACache:
-        """This layer's empty cache (its attention type's layout), capacity `max_length` tokens."""
+    def init_cache(self, batch_size: int, max_length: int) -> KVCache | MLACache | RecurrentCache:
+        """This layer's empty cache (its token mixer's layout), capacity `max_length` tokens (a recurrent
+        state has no capacity: `max_length` is only checked)."""
+        if self.recurrent:
+            check_shape(batch_size, max_length)
+            return RecurrentCache.init(self.config, batch_size)
         cache_type = MLACache if self.config.attention_type == "mla" else KVCache
         return cache_type.init(self.config, batch_size, max_length)
 
@@ -56,15 +67,26 @@ class DecoderLayer(nnx.Module):
         self,
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],
-        cache: KVCache | MLACache,
+        cache: KVCache | MLACache | RecurrentCache,
         segment_ids: Int[Array, "B T"] | None = None,
-    ) -> tuple[jax.Array, KVCache | MLACache]:
-        """x + attn(norm(x)), then + ffn(norm(.)), for T new tokens at `positions`; returns it and the cache.
+        *,
+        advance: Int[Array, " B"] | None = None,
+        keep_candidates: bool = False,
+    ) -> tuple[jax.Array, KVCache | MLACache | RecurrentCache | RecurrentCandidates]:
+        """x + mixer(norm(x)), then + ffn(norm(.)), for T new tokens at `positions`; returns it and the cache.
 
-        Raises ValueError for `segment_ids` (packed training rows) with MLA, which has no segment mask yet.
+        `advance` and `keep_candidates` reach a Gated DeltaNet only (`GatedDeltaNet.__call__`); attention
+        ignores them (its entries past a row's length are stale anyway).
+
+        Raises ValueError for `segment_ids` (packed training rows) with MLA or a Gated DeltaNet, which have no
+        segment mask yet.
         """
         h = self.input_layernorm(x)
-        if self.config.attention_type == "mla":
+        if self.recurrent:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed training rows) are not supported with linear_attention layers")
+            attn, cache = self.linear_attn(h, cache, advance=advance, keep_candidates=keep_candidates)
+        elif self.config.attention_type == "mla":
             if segment_ids is not None:
                 raise ValueError("segment_ids (packed training rows) are not supported with attention_type='mla'")
             attn, cache = self.self_attn(h, positions, cache, absorbed=x.shape[1] <= MLA_ABSORBED_MAX_TOKENS)
@@ -106,18 +128,31 @@ class DecoderStack(nnx.Module):
         positions: Int[Array, "B T"],
         cache: StackedCache,
         segment_ids: Int[Array, "B T"] | None = None,
+        *,
+        advance: Int[Array, " B"] | None = None,
+        keep_candidates: bool = False,
     ) -> tuple[jax.Array, StackedCache]:
         """`DecoderLayer.__call__` of each layer in turn (a scan over the layer axis); returns x and the cache.
 
-        The stacked cache is the scan's carry: layer i reads slice i and writes it back in place.
+        The stacked cache is the scan's carry: layer i reads slice i and writes it back in place. A recurrent
+        stack with `keep_candidates` returns its layers' `RecurrentCandidates`, stacked, as the scan's outputs.
         """
         graphdef, params = nnx.split(self.layer)
+        layer_kwargs = dict(advance=advance, keep_candidates=keep_candidates)
+        if keep_candidates and self.layer.recurrent:  # a new cache per layer, of another type: scan outputs
+
+            def candidates_body(x, inputs):
+                layer_params, layer_cache = inputs
+                return nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids, **layer_kwargs)
+
+            x, candidates = jax.lax.scan(candidates_body, x, (params, cache.layers))
+            return x, StackedCache(candidates)
 
         def body(carry, inputs):
             x, stacked = carry
             layer_params, i = inputs
             layer_cache = jax.tree.map(lambda c: c[i], stacked)
-            x, layer_cache = nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids)
+            x, layer_cache = nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids, **layer_kwargs)
             stacked = jax.tree.map(lambda c, new: c.at[i].set(new), stacked, layer_cache)
             return (x, stacked), None
 

@@ -6,7 +6,7 @@ and the fused axis is, group by group, the pieces' runs in order ([..., groups, 
 flattened). Every projection of the models is one such layout:
 
   - `qkv_layout(H, G, D)`: q [H D], k, v [G D] in G groups: KV head g's H/G query heads, then k_g, v_g
-    (`mtp_jax.layers.attention.Attention.qkv_proj`, group-major);
+    (`mtp_jax.layers.attention.Attention.qkv_proj`, group-major; with Qwen3.5's output gate q is [H 2D]);
   - `gate_up_layout(I)`: gate, up [I] in I groups: column 2i is gate_i, 2i + 1 up_i (`ffn.MLP`,
     `moe.Experts`, interleaved);
   - `FusedLayout((w_0, w_1))`: side by side (MLA's `fused_qkv_a_proj`: q_a_proj, then kv_a_proj_with_mqa);
@@ -81,9 +81,13 @@ def block_columns(layout: FusedLayout, b: int) -> np.ndarray:
     return columns
 
 
-def qkv_layout(heads: int, kv_heads: int, head_dim: int) -> FusedLayout:
-    """Grouped-query attention's q [H D], k [G D], v [G D], group-major: G groups of H/G query heads, k_g, v_g."""
-    return FusedLayout((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), groups=kv_heads)
+def qkv_layout(heads: int, kv_heads: int, head_dim: int, *, gated: bool = False) -> FusedLayout:
+    """Grouped-query attention's q [H D], k [G D], v [G D], group-major: G groups of H/G query heads, k_g, v_g.
+
+    `gated` (Qwen3.5's gated attention): q_proj is [H 2D], each head's query then its output gate, so each
+    group holds H/G heads of 2D entries, then k_g, v_g."""
+    q_width = heads * head_dim * (2 if gated else 1)
+    return FusedLayout((q_width, kv_heads * head_dim, kv_heads * head_dim), groups=kv_heads)
 
 
 def gate_up_layout(intermediate: int) -> FusedLayout:

@@ -29,6 +29,10 @@ Checkpoint layout (DeepSeek-V3 safetensors, prefix `model.layers.{l}.mlp.`):
   `experts.{r}.down_proj.weight` [E, I]     -> `experts.down_proj` [R, I, E] = stack over r, then transpose(0, 2, 1)
   `shared_experts.{gate,up,down}_proj.weight` -> `shared_experts` (an `MLP`: `gate_up_proj` [E, 2I] is the
                                                gate and up weights' transposes interleaved, `down_proj` [I, E])
+Qwen3.5-MoE (`Qwen3_5MoeSparseMoeBlock`): softmax scores, no bias (the router has no `e_score_correction_bias`
+when `scoring_func` is "softmax"), no groups, and one shared expert `shared_expert` of width
+`shared_expert_intermediate_size` whose output is scaled per token by sigmoid(`shared_expert_gate`(x))
+(`shared_expert_gate.weight` [1, E]).
 transformers 5 holds the stacked experts as `gate_up_proj` [R, 2I, E] (gate rows first, then up) and
 `down_proj` [R, E, I]; ours are `gate_up_proj.reshape(R, 2, I, E).transpose(0, 3, 2, 1).reshape(R, E, 2I)`
 and `down_proj.transpose(0, 2, 1)`.
@@ -59,6 +63,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.layers.ffn import MLP, split_gate_up
 from mtp_jax.layers.fp8 import dequantize, quantize
 from mtp_jax.layers.fused import FusedLayout, gate_up_layout
+from mtp_jax.layers.linear import linear
 from mtp_jax.sharding import axis_size, context_spec
 
 
@@ -118,7 +123,8 @@ def route(
 
 
 class Router(nnx.Module):
-    """DeepSeek-V3's `mlp.gate`: `weight` [R, E] and `e_score_correction_bias` [R], both float32.
+    """DeepSeek-V3's `mlp.gate`: `weight` [R, E] and `e_score_correction_bias` [R], both float32 (the bias with
+    sigmoid scoring only: softmax routers, Qwen's, have none).
 
     `__call__(x [N, E]) -> (indices int32 [N, k], weights float32 [N, k])`, computed in float32.
     """
@@ -130,7 +136,8 @@ class Router(nnx.Module):
             nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32),
             logical_axes=(None, "embed"),
         )  # small: whole on every device
-        self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
+        if config.scoring_func == "sigmoid":
+            self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
@@ -144,13 +151,16 @@ class Router(nnx.Module):
             routed_scaling_factor=c.routed_scaling_factor,
             scoring_func=c.scoring_func,
         )
+        bias = (
+            self.e_score_correction_bias[...]
+            if hasattr(self, "e_score_correction_bias")
+            else jnp.zeros((c.n_routed_experts,), jnp.float32)
+        )
         rows = context_spec(P("batch", None), logits.shape)  # None: no mesh
         if rows is None or rows == P(None, None):
-            return choose(logits, self.e_score_correction_bias[...])
+            return choose(logits, bias)
         # Row by row, so per device on its rows (GSPMD gathers the rows for lax.top_k otherwise).
-        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows), check_vma=False)(
-            logits, self.e_score_correction_bias[...]
-        )
+        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows), check_vma=False)(logits, bias)
 
 
 class Experts(nnx.Module):
@@ -258,7 +268,9 @@ def _experts_on_mesh(
 
 class MoE(nnx.Module):
     """DeepSeek-V3's MoE feed-forward block: `gate` (a `Router`), `experts` (stacked `Experts`) and,
-    when `n_shared_experts > 0`, `shared_experts` (an `MLP` of width moe_intermediate_size * n_shared_experts).
+    when `n_shared_experts > 0`, `shared_experts` (an `MLP` of width moe_intermediate_size * n_shared_experts);
+    Qwen3.5-MoE's (`shared_expert_gate`): `shared_expert` (an `MLP` of width shared_expert_intermediate_size)
+    and `shared_expert_gate` [E, 1], the shared expert's output scaled by sigmoid(x @ shared_expert_gate).
 
     `__call__(x [B, T, E]) -> [B, T, E]` in x's dtype; the router runs in float32, the experts in
     `config.compute_dtype`. Requires `config.ffn_type == "moe"`. Source: arXiv 2412.19437 §2.1.2 and
@@ -270,14 +282,16 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE needs ffn_type='moe', got {config.ffn_type!r}")
         self.gate = Router(config, rngs)
         self.experts = Experts(config, rngs)
-        self.shared_experts = (
-            MLP(
-                config,
-                rngs,
-                intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-                name="mlp.shared_experts",
+        width = config.shared_expert_intermediate_size or config.moe_intermediate_size * config.n_shared_experts
+        self.gated_shared = config.shared_expert_gate
+        if self.gated_shared:  # Qwen3.5-MoE's names
+            self.shared_expert = MLP(config, rngs, intermediate_size=width, name="mlp.shared_expert")
+            self.shared_expert_gate = linear(
+                config, config.hidden_size, 1, rngs, axes=("embed", None), name="mlp.shared_expert_gate"
             )
-            if config.n_shared_experts > 0
+        self.shared_experts = (
+            MLP(config, rngs, intermediate_size=width, name="mlp.shared_experts")
+            if config.n_shared_experts > 0 and not self.gated_shared
             else None
         )
 
@@ -288,4 +302,7 @@ class MoE(nnx.Module):
         y = self.experts(tokens, indices, weights).reshape(b, t, e)  # [B, T, E]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)  # [B, T, E]
+        if self.gated_shared:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(x.dtype)  # [B, T, 1]
+            y = y + gate * self.shared_expert(x)
         return y
