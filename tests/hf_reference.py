@@ -1,12 +1,15 @@
 """The Hugging Face `transformers` reference (the oracle) of the parity tests (`test_hf_parity`,
-`test_hf_parity_moe`, `test_mla`): transformers configs with eager attention, random float32 reference models,
-checkpoints loaded into transformers, their logits and greedy `generate`, and ours to compare with.
+`test_hf_parity_moe`, `test_mla`, `test_hf_parity_qwen3_5`, `test_hf_parity_mimo`): transformers configs with
+eager attention, random float32 reference models and modules, checkpoints loaded into transformers (or edited:
+`add_to_checkpoint`), their logits and greedy `generate`, and ours to compare with.
 
 Importing this module skips the importing test module when the [parity] extra (torch, transformers) is
 missing. Every reference model is float32, with eager attention, in eval mode.
 """
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +37,15 @@ def random_hf_model(
     """A random float32 HF causal LM of `config` (eager attention, eval mode) with every parameter perturbed:
     norm weights ~ 1 + N(0, 0.2^2), any other parameter ~ N(0, s^2) with s the first of `stds` whose name
     suffix it has, else `std`; buffers with a suffix in `buffer_stds` ~ N(0, s^2). Seeded by `seed`."""
-    stds, buffer_stds = stds or {}, buffer_stds or {}
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return perturbed(model, std, stds=stds, buffer_stds=buffer_stds).eval()
+
+
+def perturbed(model, std: float, *, stds: dict[str, float] | None = None, buffer_stds: dict[str, float] | None = None):
+    """`model` (any torch module) with its parameters and buffers redrawn in place as `random_hf_model` draws them
+    (torch's global generator: seed it first); returned for chaining."""
+    stds, buffer_stds = stds or {}, buffer_stds or {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -47,7 +56,32 @@ def random_hf_model(
             scale = next((s for suffix, s in buffer_stds.items() if name.endswith(suffix)), None)
             if scale is not None:
                 buffer.copy_(scale * torch.randn_like(buffer))
-    return model.eval()
+    return model
+
+
+def causal_mask(length: int):
+    """The additive causal mask [1, 1, T, T] (float32; the dtype's minimum above the diagonal) that eager
+    attention adds to its scores: for calling a transformers decoder layer directly."""
+    upper = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    return torch.zeros(length, length).masked_fill(upper, torch.finfo(torch.float32).min)[None, None]
+
+
+def add_to_checkpoint(root, tensors: dict | None = None, *, rename=None, **config_fields) -> None:
+    """Edits the `save_pretrained` checkpoint in `root` (one `model.safetensors`) in place: each stored tensor
+    renamed by `rename(name)` (None drops it), `tensors` (name -> torch tensor) added, and config.json updated
+    with `config_fields` (a value None removes the field)."""
+    from safetensors.torch import load_file, save_file
+
+    root = Path(root)
+    stored = load_file(root / "model.safetensors")
+    if rename is not None:
+        stored = {new: t for name, t in stored.items() if (new := rename(name)) is not None}
+    stored.update({name: t.detach().contiguous() for name, t in (tensors or {}).items()})
+    save_file(stored, root / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "config.json").read_text())
+    config.update(config_fields)
+    config = {name: value for name, value in config.items() if value is not None}
+    (root / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def load_hf_model(path):

@@ -15,6 +15,8 @@ Reads and writes the `config.json` of the checkpoints `mtp_jax.checkpoints` load
     `use_sliding_window` / `max_window_layers` / `layer_types`);
   - MTP: DeepSeek-V3's `num_nextn_predict_layers` (README_WEIGHTS.md), plus mtp_jax's conventions
     (`MTP_CONVENTION_FIELDS`), which DeepSeek's own files lack;
+  - the families whose MTP layers are named otherwise, `mtp_jax.checkpoints.families`: Qwen3.5 ("qwen3_5_text",
+    "qwen3_5_moe_text" and their multimodal wrappers "qwen3_5" / "qwen3_5_moe") and MiMo ("mimo");
   - quantization: DeepSeek-V3's block-scaled FP8 `quantization_config` (`quant_method` "fp8", `fmt`
     "e4m3", `activation_scheme` "dynamic", `weight_block_size` [b_out, b_in], optional
     `modules_to_not_convert`) <-> `ModelConfig.quantization` (`mtp_jax.quantization.Fp8Config`); every
@@ -35,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mtp_jax.checkpoints import families
 from mtp_jax.checkpoints.hf_rope import rope_from_hf, rope_to_hf
 from mtp_jax.checkpoints.json_fields import or_default, read_field, read_kind, read_positive, read_token_ids
 from mtp_jax.config import ModelConfig
@@ -43,7 +46,14 @@ from mtp_jax.validation import is_int
 
 # mtp_jax's MTP convention fields, stored in config.json beside DeepSeek's num_nextn_predict_layers
 # (absent in DeepSeek's own files: the defaults follow DeepSeek-V3 as serving engines load it).
-MTP_CONVENTION_FIELDS = ("mtp_style", "mtp_concat_order", "mtp_hidden_after_norm", "mtp_chain_after_shared_head_norm")
+_MTP_CONVENTION_KINDS = {
+    "mtp_style": "str",
+    "mtp_concat_order": "str",
+    "mtp_hidden_after_norm": "bool",
+    "mtp_chain_after_shared_head_norm": "bool",
+    "mtp_zero_embedding_at_start": "bool",
+}
+MTP_CONVENTION_FIELDS = tuple(_MTP_CONVENTION_KINDS)
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -122,7 +132,10 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def _family_from_hf(hf: Mapping[str, Any], model_type: str, sizes: Mapping[str, int], partial: float) -> dict[str, Any]:
-    """The ModelConfig fields that depend on the model type: attention, biases, head_dim, MoE."""
+    """The ModelConfig fields that depend on the model type: attention, biases, head_dim, MoE (the Qwen3.5 and
+    MiMo families: `families.family_from_hf`, with D and their MTP conventions)."""
+    if model_type in families.FAMILY_TYPES:
+        return families.family_from_hf(hf, model_type, sizes, partial)
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     attention_bias = read_field(hf, "attention_bias", "bool", False)
     if model_type in _MOE_TYPES and read_field(hf, "use_sliding_window", "bool", False):
@@ -221,7 +234,8 @@ def _mtp_layers_from_hf(hf: Mapping[str, Any]) -> int:
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face `config.json` dict (model_type llama, qwen2, mistral,
-    deepseek_v3 or glm4_moe).
+    deepseek_v3, glm4_moe, or the families of `mtp_jax.checkpoints.families`: qwen3_5_text, qwen3_5_moe_text,
+    their multimodal wrappers qwen3_5 / qwen3_5_moe (`text_config`; the vision tower is ignored), mimo).
 
     Reads transformers 4.x (`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x
     (`rope_parameters`) RoPE fields, rope types default / linear / llama3 / yarn. The stored
@@ -232,7 +246,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     Every field read is type-checked as JSON, without coercion (see `read_field`); null means absent.
     deepseek_v3 and glm4_moe fields absent from the file take their HF config class's defaults
     (GLM's partial_rotary_factor 0.5 included). `num_nextn_predict_layers` (or transformers 5's
-    `num_mtp_layers`) is D; `mtp_jax.checkpoints` checks that the weights hold exactly D MTP layers.
+    `num_mtp_layers`; Qwen3.5: `mtp_num_hidden_layers`) is D; `mtp_jax.checkpoints` checks that the weights
+    hold exactly D MTP layers. mtp_jax's `MTP_CONVENTION_FIELDS`, when present, override the defaults (the
+    families': `families.FAMILY_CONVENTIONS`).
 
     Raises:
       ValueError naming the field for anything this model cannot reproduce: another model_type,
@@ -246,40 +262,51 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
       a list where an object is), a number that is NaN or infinite, a size that is 0 or negative,
       and a `rope_theta` or `partial_rotary_factor` given twice (top level, `rope_scaling`,
       `rope_parameters`) with different values. Values `ModelConfig` / `RopeScaling` refuse (a yarn
-      `beta_fast` of 0, topk_group > n_group, ...) raise their ValueError naming the field.
+      `beta_fast` of 0, topk_group > n_group, ...) raise their ValueError naming the field. The
+      families' own errors: `families.unwrap`, `families.family_from_hf` (e.g. `mtp_num_hidden_layers` > 1,
+      a `layer_types` entry of an unknown kind or a `layer_types` of the wrong length).
     """
     if not isinstance(hf_config, Mapping):
         raise ValueError(f"the config must be a JSON object, got {type(hf_config).__name__}")
     hf = dict(hf_config)
     model_type = read_field(hf, "model_type", "str")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
+    if model_type in families.WRAPPERS:
+        hf = families.unwrap(hf, model_type)
+        model_type = hf["model_type"]
+    if model_type not in _ARCHITECTURES and model_type not in families.FAMILY_TYPES:
+        supported = (*_ARCHITECTURES, *families.FAMILY_TYPES, *families.WRAPPERS)
+        raise ValueError(f"model_type must be one of {supported}, got {model_type!r}")
     sizes = {}
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         sizes[name] = read_positive(hf, name)
+        if sizes[name] is None and name == "intermediate_size" and model_type == "qwen3_5_moe_text":
+            sizes[name] = read_positive(hf, "moe_intermediate_size", 512)  # every layer is MoE: unused
         if sizes[name] is None:
             raise ValueError(f"{name} is missing from the config")
     quantization = _quantization_from_hf(hf)
     if read_field(hf, "mlp_bias", "bool", False):
         raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
-    max_positions = read_positive(hf, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
-    _check_sliding_window(hf, model_type, max_positions, sizes["num_hidden_layers"])
-    theta, scaling, partial = rope_from_hf(hf, max_positions, partial_default=0.5 if model_type == "glm4_moe" else 1.0)
+    default_positions = _DEFAULT_MAX_POSITIONS.get(model_type, families.DEFAULT_MAX_POSITIONS)
+    max_positions = read_positive(hf, "max_position_embeddings", default_positions)
+    window_type = "qwen2" if model_type == "mimo" else model_type
+    _check_sliding_window(hf, window_type, max_positions, sizes["num_hidden_layers"])
+    qwen3_5 = model_type in families.QWEN3_5_TYPES
+    partial_default = {"glm4_moe": 0.5}.get(model_type, 0.25 if qwen3_5 else 1.0)
+    rope_hf = families.without_mrope(hf) if qwen3_5 else hf
+    theta, scaling, partial = rope_from_hf(rope_hf, max_positions, partial_default=partial_default)
     family = _family_from_hf(hf, model_type, sizes, partial)
     dtype = or_default(or_default(read_field(hf, "dtype", "str"), read_field(hf, "torch_dtype", "str")), "float32")
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
-    mtp_kinds = {
-        "mtp_style": "str",
-        "mtp_concat_order": "str",
-        "mtp_hidden_after_norm": "bool",
-        "mtp_chain_after_shared_head_norm": "bool",
-    }
-    mtp_conventions = {name: read_field(hf, name, mtp_kinds[name]) for name in MTP_CONVENTION_FIELDS}
+    for name, kind in _MTP_CONVENTION_KINDS.items():
+        if (value := read_field(hf, name, kind)) is not None:
+            family[name] = value
+    family.setdefault("num_nextn_predict_layers", _mtp_layers_from_hf(hf))
+    default_kv_heads = families.DEFAULT_KV_HEADS.get(model_type, sizes["num_attention_heads"])
     return ModelConfig(
         **sizes,
         **family,
-        num_key_value_heads=read_positive(hf, "num_key_value_heads", sizes["num_attention_heads"]),
+        num_key_value_heads=read_positive(hf, "num_key_value_heads", default_kv_heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=read_field(hf, "rms_norm_eps", "number", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)),
         rope_theta=theta,
@@ -291,18 +318,18 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         initializer_range=read_field(hf, "initializer_range", "number", 0.02),
         bos_token_id=read_field(hf, "bos_token_id", "int"),
         eos_token_id=read_token_ids(hf, "eos_token_id"),
-        num_nextn_predict_layers=_mtp_layers_from_hf(hf),
         quantization=quantization,
-        **{name: value for name, value in mtp_conventions.items() if value is not None},
     )
 
 
 def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for `config`; `config_from_hf` inverts it.
 
-    model_type: "llama", "qwen2", "mistral", "deepseek_v3" or "glm4_moe"; default "deepseek_v3"
-    for MLA + MoE, "glm4_moe" for GQA + MoE, else "qwen2" when `attention_bias` (Qwen2's q/k/v bias
-    without an o_proj bias) else "llama". RoPE is written both ways, and they agree:
+    model_type: "llama", "qwen2", "mistral", "deepseek_v3", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text" or
+    "mimo"; default by `mtp_layout`: "qwen3_5" -> "qwen3_5_moe_text" / "qwen3_5_text" by `ffn_type`, "mimo" ->
+    "mimo" (`families.family_to_hf`), else "deepseek_v3" for MLA + MoE, "glm4_moe" for GQA + MoE, else "qwen2"
+    when `attention_bias` (Qwen2's q/k/v bias without an o_proj bias) else "llama". RoPE is written both ways,
+    and they agree:
     `rope_parameters` (transformers 5) and `rope_theta` + `rope_scaling` (4.x). `dtype` is
     written as `param_dtype`, the weights' storage dtype: config.json holds one dtype, so a
     mixed-precision compute dtype is not recorded and the inverse is exact when
@@ -312,16 +339,28 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
       ValueError when the chosen model_type cannot express the config: attention_bias must be True
       for qwen2 and False for llama / mistral; those three take GQA with a dense MLP and full
       rotary; deepseek_v3 takes MLA + MoE, glm4_moe GQA + MoE, both with sigmoid routing, and
-      deepseek_v3 neither q/k norm nor partial rotary.
+      deepseek_v3 neither q/k norm nor partial rotary; none of them takes another `mtp_layout`, hybrid
+      layers, gated attention, zero-centred norms or a gated shared expert; the families'
+      (`families.check_expressible`) take what they fix.
     """
     default = (
         {"mla": "deepseek_v3", "gqa": "glm4_moe"}.get(config.attention_type)
         if config.ffn_type == "moe"
         else ("qwen2" if config.attention_bias else "llama")
     )
-    model_type = model_type or default
+    model_type = model_type or families.default_model_type(config) or default
+    if model_type in families.FAMILY_TYPES:
+        families.check_expressible(config, model_type)
+        return _common_to_hf(config, model_type) | families.family_to_hf(config, model_type)
     if model_type not in _ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {tuple(_ARCHITECTURES)}, got {model_type!r}")
+        raise ValueError(f"model_type must be one of {(*_ARCHITECTURES, *families.FAMILY_TYPES)}, got {model_type!r}")
+    for name in ("attn_output_gate", "rms_norm_unit_offset", "shared_expert_gate"):
+        if getattr(config, name):
+            raise ValueError(f"{name}=True cannot be expressed as model_type {model_type!r}")
+    if config.is_hybrid:
+        raise ValueError(f"layer_types {config.layer_types} cannot be expressed as model_type {model_type!r}")
+    if config.mtp_layout != "deepseek":
+        raise ValueError(f"mtp_layout={config.mtp_layout!r} cannot be expressed as model_type {model_type!r}")
     expected = {"deepseek_v3": ("mla", "moe"), "glm4_moe": ("gqa", "moe")}.get(model_type, ("gqa", "dense"))
     if (config.attention_type, config.ffn_type) != expected:
         raise ValueError(
@@ -340,35 +379,7 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         )
     if model_type in ("llama", "qwen2", "mistral") and config.attention_bias != (model_type == "qwen2"):
         raise ValueError(f"attention_bias={config.attention_bias} cannot be expressed as model_type {model_type!r}")
-    scaling = rope_to_hf(config.rope_scaling)
-    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
-    if model_type == "glm4_moe":
-        rope_parameters["partial_rotary_factor"] = config.partial_rotary_factor
-    eos = config.eos_token_id
-    hf: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.qk_rope_head_dim if model_type == "deepseek_v3" else config.resolved_head_dim,
-        "hidden_act": config.hidden_act,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": rope_parameters,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "initializer_range": config.initializer_range,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "dtype": config.param_dtype,
-    }
-    if config.quantization is not None:
-        hf["quantization_config"] = _quantization_to_hf(config.quantization)
+    hf = _common_to_hf(config, model_type)
     if model_type in _MOE_TYPES:
         hf.update(
             {name: getattr(config, name) for name in _MOE_FIELDS},
@@ -392,4 +403,39 @@ def config_to_hf(config: ModelConfig, *, model_type: str | None = None) -> dict[
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
     elif model_type == "mistral":
         hf.update(sliding_window=None)
+    return hf
+
+
+def _common_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The config.json fields every model_type writes: architecture, sizes, RoPE (both spellings; the partial
+    rotary factor in `rope_parameters` for glm4_moe and Qwen3.5), embeddings, token ids, dtype, quantization."""
+    scaling = rope_to_hf(config.rope_scaling)
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rope_theta}
+    if model_type == "glm4_moe" or model_type in families.QWEN3_5_TYPES:
+        rope_parameters["partial_rotary_factor"] = config.partial_rotary_factor
+    eos = config.eos_token_id
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES.get(model_type)],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.qk_rope_head_dim if model_type == "deepseek_v3" else config.resolved_head_dim,
+        "hidden_act": config.hidden_act,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "dtype": config.param_dtype,
+    }
+    if config.quantization is not None:
+        hf["quantization_config"] = _quantization_to_hf(config.quantization)
     return hf

@@ -16,8 +16,12 @@ and a scanned model's stacked layer groups (`ModelConfig.scan_layers`, `layer_gr
 [n, ...]) one tensor set per layer, under the unrolled layout's names: both layouts read and write
 the same files. The router `mlp.gate.weight` [R, E] and `mlp.gate.e_score_correction_bias` [R] are
 as they are (float32, whatever the dtype of the rest). MTP modules are imported and exported in
-DeepSeek-V3's layout (README_WEIGHTS.md): module j's `mtp.j.<name>` is `model.layers.{L + j}.<name>`,
-and `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`) sit in config.json.
+`ModelConfig.mtp_layout`'s names: DeepSeek-V3's (README_WEIGHTS.md), module j's `mtp.j.<name>` being
+`model.layers.{L + j}.<name>`, with `num_nextn_predict_layers` plus mtp_jax's conventions (`MTP_CONVENTION_FIELDS`)
+in config.json; Qwen3.5's `mtp.*` and MiMo's `model.mtp_layers.{j}.*` (`mtp_jax.checkpoints.families.mtp_name`).
+Qwen3.5's linear-attention layers are `linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}` (kernels,
+transposed as any), `linear_attn.conv1d.weight` [C, 1, W] (as stored, not transposed), `linear_attn.dt_bias`,
+`linear_attn.A_log` [Hv] (float32) and `linear_attn.norm.weight` [Dv]; its norms are stored zero-centred, as HF's.
 Block-scaled FP8 models (`ModelConfig.quantization`, DeepSeek-V3's format) add a scale per quantized kernel
 (`is_scale`): `<module>.kernel_scale_inv` [ceil(in/b_in), sum_p ceil(out_p/b_out)] (`mtp_jax.layers.fp8`) is
 each piece's `<module>.weight_scale_inv` [ceil(out_p/b_out), ceil(in/b_in)] transposed, the pieces side by
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.checkpoints import families
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.fused import FusedLayout, gate_up_layout, qkv_layout
 from mtp_jax.model import per_layer_path
@@ -52,7 +57,8 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
     """The HF tensor name of one unfused, unstacked parameter path and whether it is transposed.
 
     The whole mapping: `lm_head.*` stays at top level, main-model paths get the `model.` prefix,
-    MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3); leaf
+    MTP module j's paths `mtp.j.<name>` become `model.layers.{L + j}.<name>` (DeepSeek-V3; the other
+    `mtp_layout`s: `families.mtp_name`); leaf
     `kernel` [in, out] is `weight` [out, in], an FP8 kernel's `kernel_scale_inv` [ceil(in/b_in), ceil(out/b_out)]
     is `weight_scale_inv` [ceil(out/b_out), ceil(in/b_in)] (transposed too), `embedding` is `weight`, others
     keep their name. Fused and stacked parameters are several tensors: `hf_names`.
@@ -60,6 +66,8 @@ def hf_name(path: tuple[str | int, ...], config: ModelConfig) -> tuple[str, bool
     *modules, leaf = (str(p) for p in path)
     if modules[0] == "lm_head":
         prefix = []
+    elif modules[0] == "mtp" and config.mtp_layout != "deepseek":
+        prefix, modules = families.mtp_name(modules[2:], int(modules[1]), config), []
     elif modules[0] == "mtp":
         prefix, modules = ["model", "layers", str(config.num_hidden_layers + int(modules[1]))], modules[2:]
     else:
@@ -126,7 +134,7 @@ def output_layout(path: tuple[str | int, ...], width: int, config: ModelConfig) 
     if module == "gate_up_proj":  # a scale's halves: ceil(I / b_out) blocks each
         return FusedLayout((width // 2, width // 2)) if is_scale(path) else gate_up_layout(width // 2)
     if module == "qkv_proj":
-        fused = qkv_layout(c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim)
+        fused = qkv_layout(c.num_attention_heads, c.num_key_value_heads, c.resolved_head_dim, gated=c.attn_output_gate)
     elif module == "fused_qkv_a_proj":
         fused = FusedLayout((c.q_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim))
     else:
@@ -163,7 +171,8 @@ def hf_names(path: tuple[str | int, ...], config: ModelConfig) -> list[tuple[str
         the 2R tensors `...mlp.experts.{r}.gate_proj.weight`, `...mlp.experts.{r}.up_proj.weight` [I, E]
         (the transposes of slice r's even and odd columns, interleaved), `down_proj` [R, I, E] the R tensors
         `...mlp.experts.{r}.down_proj.weight` [E, I]; this is DeepSeek-V3's and GLM-4.5's layout,
-        which transformers 5 stacks on load and splits on save;
+        which transformers 5 stacks on load and splits on save (Qwen3.5's fused files are read as these
+        names: `families.tensor_views`);
       - a layer group's parameters (`layer_groups.{g}.layer.<path>`, [n, ...], `ModelConfig.scan_layers`):
         slice i is layer `start + i`'s `<path>` (`mtp_jax.model.per_layer_path`), so both layouts
         read and write the same files. A stacked layer's experts are n x R tensor sets, layer-major;
@@ -233,7 +242,10 @@ def check_quantized_modules(params: nnx.State, config: ModelConfig) -> None:
 
 
 def mtp_layers_present(names: Iterator[str], config: ModelConfig) -> int:
-    """How many MTP layers the tensor `names` hold: distinct `model.layers.{n}` with n >= L (max n + 1 - L)."""
+    """How many MTP layers the tensor `names` hold: distinct `model.layers.{n}` with n >= L (max n + 1 - L);
+    in the other `mtp_layout`s, `families.mtp_layers_present`."""
+    if config.mtp_layout != "deepseek":
+        return families.mtp_layers_present(names, config)
     layers = {int(m.group(1)) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     extra = [n for n in layers if n >= config.num_hidden_layers]
     return max(extra) + 1 - config.num_hidden_layers if extra else 0
@@ -243,11 +255,12 @@ def shared_copies(config: ModelConfig) -> dict[str, str]:
     """Tensors a checkpoint may carry as copies of shared ones: copy name -> the name it must equal.
 
     Tied models may still store `lm_head.weight`; DeepSeek-V3 stores each MTP layer's
-    `embed_tokens` and `shared_head.head` (README_WEIGHTS.md), which here are the main model's.
+    `embed_tokens` and `shared_head.head` (README_WEIGHTS.md), which here are the main model's (the
+    other `mtp_layout`s store none).
     """
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     copies = {"lm_head.weight": head} if config.tie_word_embeddings else {}
-    for j in range(config.num_nextn_predict_layers):
+    for j in range(config.num_nextn_predict_layers if config.mtp_layout == "deepseek" else 0):
         layer = f"model.layers.{config.num_hidden_layers + j}"
         copies[f"{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
         copies[f"{layer}.shared_head.head.weight"] = head

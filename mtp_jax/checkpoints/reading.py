@@ -3,9 +3,13 @@
 Loading is strict: every tensor in the files must fill a parameter (or its piece of a fused one) and
 every parameter must be filled, each tensor with its own shape; otherwise a `CheckpointError` lists
 what is missing, unexpected or mis-shaped, tensor by tensor (a fused parameter's pieces each under
-its HF name). Two documented exceptions: `*.rotary_emb.inv_freq` buffers (old exports) are
+its HF name). Documented exceptions: `*.rotary_emb.inv_freq` buffers (old exports) are
 ignored, and with tied embeddings a `lm_head.weight` equal to `model.embed_tokens.weight` is
-accepted as a redundant copy (a *different* one is an error: the checkpoint is not tied).
+accepted as a redundant copy (a *different* one is an error: the checkpoint is not tied). Qwen3.5
+checkpoints may also hold their tensors in the multimodal wrapper's names (`model.language_model.*`,
+whose vision tower `model.visual.*` is ignored) and their routed experts fused (`experts.gate_up_proj`
+[R, 2I, E], `experts.down_proj` [R, E, I]): those are read as the names `names.hf_names` gives
+(`mtp_jax.checkpoints.families.tensor_views`), and errors name them so.
 Every field of config.json that is read is type-checked (`mtp_jax.checkpoints.hf_config`), and a corrupt
 file (invalid JSON, a truncated or garbage safetensors file, an index without `weight_map` or
 with a shard name that is not a plain file name) raises a `CheckpointError` naming the file.
@@ -29,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
-from mtp_jax.checkpoints import atomic_dir
+from mtp_jax.checkpoints import atomic_dir, families
 from mtp_jax.checkpoints.format import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError
 from mtp_jax.checkpoints.hf_config import DTYPE_NAMES, config_from_hf
 from mtp_jax.checkpoints.names import (
@@ -235,8 +239,10 @@ def load_hf_checkpoint(
         exceeds what is free on it (before any tensor is read; `mtp-jax plan` sizes a mesh).
       OSError: `path` was replaced by concurrent saves during each attempt to read it (`atomic_dir.read_dir`).
 
-    MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout:
-    `model.layers.{L + j}.{enorm,hnorm,eh_proj,shared_head.norm,<block>}` for module j.
+    MTP modules (`num_nextn_predict_layers` > 0) load from DeepSeek-V3's layout,
+    `model.layers.{L + j}.{enorm,hnorm,eh_proj,shared_head.norm,<block>}` for module j, or from Qwen3.5's
+    `mtp.*` / MiMo's `model.mtp_layers.{j}.*` (`ModelConfig.mtp_layout`, `mtp_jax.checkpoints.families`); the
+    weights/config mismatch error then names `mtp_num_hidden_layers` (Qwen3.5) or `num_nextn_predict_layers`.
 
     Every file comes from one save even while another process overwrites `path`
     (`mtp_jax.checkpoints.atomic_dir.read_dir`), and a save that a kill interrupted between its two renames
@@ -310,6 +316,7 @@ def _read_weights(
     its tensors, and its `TensorFile`, which reads them), its parameters on `mesh` (None: one device);
     `block`: the files' FP8 block when their quantized weights are dequantized on load."""
     where, shapes, dtypes = _scan(handles, shown)
+    files = _with_views(files, where, shapes, dtypes, config)
     graphdef, params = _abstract(config)
     if config.quantization is not None:
         kept = _unquantized_in_files(params, config, dtypes)
@@ -333,10 +340,11 @@ def _read_weights(
 
     present = mtp_layers_present(iter(where), config)
     if present != config.num_nextn_predict_layers:
+        field, location = families.mtp_field(config)
         raise CheckpointError(
-            f"checkpoint {shown}: config.json says num_nextn_predict_layers={config.num_nextn_predict_layers} but "
-            f"the weights hold {present} MTP layers (model.layers.{config.num_hidden_layers} on); set "
-            f"num_nextn_predict_layers={present} in config.json or add/remove the MTP layers' tensors"
+            f"checkpoint {shown}: config.json says {field}={config.num_nextn_predict_layers} but "
+            f"the weights hold {present} MTP layers ({location}); set "
+            f"{field}={present} in config.json or add/remove the MTP layers' tensors"
         )
     copies = {name: source for name, source in shared_copies(config).items() if name in where}
     found = set(where) - set(copies) - set(dequantized.values())
@@ -388,6 +396,29 @@ def _read_weights(
         error = raised
     agree_on(error)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _with_views(
+    files: dict[str, TensorFile], where: dict[str, str], shapes: dict, dtypes: dict, config: ModelConfig
+) -> dict[str, TensorFile | families.ViewFile]:
+    """`files` wrapped to read the tensors the files hold under other names (`families.tensor_views`: the
+    Qwen3.5 wrapper's `model.language_model.*`, fused routed experts), `where` / `shapes` / `dtypes` updated
+    in place to those names, the stored names they replace and the ignored ones (`model.visual.*`) dropped.
+
+    Raises CheckpointError naming both for a tensor stored under its own name and in another form too."""
+    views, ignored = families.tensor_views(shapes, config)
+    twice = sorted(name for name in views if name in where)
+    if twice:
+        raise CheckpointError(
+            f"{twice[0]} is stored both as itself and as {views[twice[0]].stored}", unexpected=[views[twice[0]].stored]
+        )
+    by_file: dict[str, dict[str, families.TensorView]] = {}
+    for name, view in views.items():
+        where[name], shapes[name], dtypes[name] = where[view.stored], view.shape, dtypes[view.stored]
+        by_file.setdefault(where[name], {})[name] = view
+    for stored in {view.stored for view in views.values()} | ignored:
+        del where[stored], shapes[stored], dtypes[stored]
+    return {file: families.ViewFile(f, by_file[file]) if file in by_file else f for file, f in files.items()}
 
 
 def _stored_dtypes(name: str, entry: tuple, dequantized: dict[str, str]) -> tuple[str, ...]:

@@ -4,7 +4,10 @@ FP8 models (`ModelConfig.quantization`) are written in DeepSeek-V3's format: eac
 `<module>.weight` F8_E4M3 [out, in] beside `<module>.weight_scale_inv` F32 [ceil(out/b_out), ceil(in/b_in)]
 (`safetensors.numpy.save_file` writes an `ml_dtypes.float8_e4m3fn` array as F8_E4M3; its NumPy reader
 cannot return one, torch's can). DeepSeek's MTP layers also carry copies of the shared embedding and head
-(`names.shared_copies`), written as the official checkpoints hold them.
+(`names.shared_copies`), written as the official checkpoints hold them. Qwen3.5 and MiMo models
+(`ModelConfig.mtp_layout`) are written in their own layouts (`mtp_jax.checkpoints.families`): the
+text model's `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` names with `mtp.*` (routed experts one tensor per
+expert, as transformers' `save_pretrained` writes them), and MiMo's `model.mtp_layers.{j}.*`.
 
 Saving is atomic (`mtp_jax.checkpoints.atomic_dir`): the checkpoint is written to a temporary sibling
 directory and swapped in, so a kill at any point leaves the old or the new checkpoint at `path`.
@@ -176,7 +179,10 @@ def save_hf_checkpoint(
     shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Linear kernels
     [in, out] are written as torch's [out, in]; tied models write no `lm_head.weight`; DeepSeek MTP
     layers carry copies of the embedding and head (`model.layers.{L + j}.embed_tokens.weight`,
-    `.shared_head.head.weight`), as DeepSeek-V3's files do.
+    `.shared_head.head.weight`), as DeepSeek-V3's files do. Qwen3.5 and MiMo models are written as
+    "qwen3_5_text" / "qwen3_5_moe_text" (transformers' `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` load them
+    and ignore `mtp.*`) and "mimo" (XiaomiMiMo's remote code; transformers' `Qwen2ForCausalLM` loads its main
+    model), their MTP layers in their own names (`mtp_jax.checkpoints.families`).
 
     The save is atomic (`mtp_jax.checkpoints.atomic_dir.replace_dir`): the files go to a temporary sibling
     directory `.{name}.tmp-*`, fsynced, which then replaces `path`; a kill at any point leaves
