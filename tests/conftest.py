@@ -60,3 +60,16 @@ def plain(models):
         return generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[])
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hybrid_models():
+    """{kind: {"random": model, "scripted": model}} for the Qwen3.5-shaped hybrids (`speculative_helpers.HYBRID`,
+    kind "dense", and `HYBRID_MOE`, kind "moe"): random weights (std 0.3) where the recurrent state decides
+    tokens, scripted ones where the acceptance pattern is built in."""
+    from speculative_helpers import HYBRID_CONFIGS, hybrid_scripted, make_model
+
+    return {
+        kind: {"random": make_model(config, 11 + i, 0.3), "scripted": hybrid_scripted(config, 21 + i)}
+        for i, (kind, config) in enumerate(HYBRID_CONFIGS.items())
+    }

@@ -255,3 +255,70 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
 def generated(state, prompts) -> list[list[int]]:
     tokens, lengths = jax.device_get((state.tokens, state.lengths))
     return [tokens[b, len(p) : lengths[b]].tolist() for b, p in enumerate(prompts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3.5-shaped hybrid models (`test_hybrid_speculative`, `test_hybrid_serving`): two Gated DeltaNet layers
+# (`ModelConfig.layer_types`, a `RecurrentCache` each) then one gated full-attention layer, zero-centred norms,
+# q/k norms, partial rotary; one MTP module (eagle chains it). The MoE twin routes by softmax over 4 experts
+# (2 per token) beside a sigmoid-gated shared expert.
+
+HYBRID = CFG.replace(
+    num_hidden_layers=3,
+    layer_types=("linear_attention", "linear_attention", "full_attention"),
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    attn_output_gate=True,
+    use_qk_norm=True,
+    rms_norm_unit_offset=True,
+    partial_rotary_factor=0.25,
+    num_nextn_predict_layers=1,
+)
+HYBRID_MOE = HYBRID.replace(
+    ffn_type="moe",
+    scoring_func="softmax",
+    shared_expert_gate=True,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    first_k_dense_replace=0,
+)
+HYBRID_CONFIGS = {"dense": HYBRID, "moe": HYBRID_MOE}
+
+
+def hybrid_scripted(config: ModelConfig, seed: int):
+    """`scripted` for a hybrid config; a MoE's routers get weights ~ N(0, 1) (make_model's norm-like ones would
+    score every expert alike), so tokens take different experts while the script still decides the tokens."""
+    model = scripted(config, seed)
+    rng = np.random.default_rng(seed + 100)
+    for layer in model.layers:
+        if config.ffn_type == "moe":
+            router = layer.mlp.gate.weight
+            router.set_value(jnp.asarray(rng.normal(0.0, 1.0, router.get_value().shape), jnp.float32))
+    return model
+
+
+def recurrent_states(cache) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(state, conv) of every `RecurrentCache` of a main-model cache (unstacked layers), in layer order, on the host."""
+    from mtp_jax.cache import RecurrentCache
+
+    return [(np.array(c.state), np.array(c.conv)) for c in cache if isinstance(c, RecurrentCache)]
+
+
+def memoryless(model):
+    """A copy of a hybrid `model` whose Gated DeltaNets remember nothing: a log decay g = -50 softplus(a + 30)
+    (about -1500: the state is multiplied by exactly 0 at every token) and a causal conv that reads the current
+    token only. Same graph, so its programs are shared; for short calls only (T <= RECURRENT_MAX_TOKENS: the
+    chunked form's exponentials of such cumulative decays overflow)."""
+    twin = nnx.clone(model)
+    for layer in twin.layers:
+        if layer.recurrent:
+            mixer = layer.linear_attn
+            mixer.A_log.set_value(jnp.full_like(mixer.A_log.get_value(), np.log(50.0)))
+            mixer.dt_bias.set_value(jnp.full_like(mixer.dt_bias.get_value(), 30.0))
+            mixer.conv1d.weight.set_value(mixer.conv1d.weight.get_value().at[..., :-1].set(0.0))
+    return twin
