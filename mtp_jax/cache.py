@@ -78,7 +78,7 @@ class RecurrentCache:
     conv: jax.Array
 
     LOGICAL_AXES: ClassVar[dict[str, P]] = {
-        "state": P("batch", None, None, None),
+        "state": P("batch", "heads", None, None),  # value heads, split like the layer's (tensor parallelism)
         "conv": P("batch", None, None),
     }
 
@@ -109,7 +109,7 @@ class RecurrentCandidates:
     conv: jax.Array
 
     LOGICAL_AXES: ClassVar[dict[str, P]] = {
-        "states": P("batch", None, None, None, None),
+        "states": P("batch", None, "heads", None, None),
         "conv": P("batch", None, None),
     }
 

@@ -53,16 +53,20 @@ class GatedDeltaNet(nnx.Module):
         def proj(fan_in: int, fan_out: int, name: str, axes) -> nnx.Module:
             return linear(c, fan_in, fan_out, rngs, axes=axes, name=f"linear_attn.{name}")
 
+        # Tensor parallelism splits the value heads ("heads"): z, a, b, the decay parameters, the state and
+        # out_proj's rows. in_proj_qkv (queries and keys of the key heads, then the values: no contiguous
+        # shard is whole heads) and the conv over its channels stay whole on every device.
         self.in_proj_qkv = proj(e, 2 * key_dim + value_dim, "in_proj_qkv", ("embed", None))
-        self.in_proj_z = proj(e, value_dim, "in_proj_z", ("embed", None))
-        self.in_proj_b = proj(e, hv, "in_proj_b", ("embed", None))
-        self.in_proj_a = proj(e, hv, "in_proj_a", ("embed", None))
+        self.in_proj_z = proj(e, value_dim, "in_proj_z", ("embed", ("heads", dv)))
+        self.in_proj_b = proj(e, hv, "in_proj_b", ("embed", "heads"))
+        self.in_proj_a = proj(e, hv, "in_proj_a", ("embed", "heads"))
         self.conv1d = ShortConv(2 * key_dim + value_dim, c.linear_conv_kernel_dim, c, rngs)
-        self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+        self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32), logical_axes=("heads",))
         # HF draws A from U(0.01, 16); float32, as the router's weights (HF computes the decay in float32).
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 0.01, 16.0)))
+        a_init = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(a_init), logical_axes=("heads",))
         self.norm = GatedRMSNorm(dv, c.rms_norm_eps, c.weight_dtype)
-        self.out_proj = proj(value_dim, e, "out_proj", (None, "embed"))
+        self.out_proj = proj(value_dim, e, "out_proj", (("heads", dv), "embed"))
 
     def __call__(
         self,

@@ -25,7 +25,7 @@ from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.attention import attend
 from mtp_jax.model import init_model
-from mtp_jax.sharding import argmax_last, make_mesh
+from mtp_jax.sharding import argmax_last, make_mesh, shard_params
 
 _COMMON = dict(
     vocab_size=128,
@@ -56,6 +56,19 @@ DEEPSEEK = ModelConfig(
     topk_group=2,
     routed_scaling_factor=2.5,
     first_k_dense_replace=1,
+)
+# Qwen3.5-shaped: Gated DeltaNet layers around a gated-attention layer (4 value heads: one per `tensor` device).
+HYBRID = ModelConfig(
+    **{**_COMMON, "num_hidden_layers": 3, "num_nextn_predict_layers": 1},
+    layer_types=("linear_attention", "full_attention", "linear_attention"),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    attn_output_gate=True,
+    use_qk_norm=True,
+    rms_norm_unit_offset=True,
+    partial_rotary_factor=0.25,
 )
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2], [7, 7, 1, 8]]  # mixed lengths, one bucket
 EAGLE = SpeculativeConfig(method="eagle", num_speculative_tokens=2)
@@ -115,6 +128,25 @@ def test_gqa_greedy_on_data_2_tensor_4_equals_one_device(gqa, spec):
     if spec is not None:
         assert sharded.metrics == one.metrics
     np.testing.assert_allclose(np.concatenate(sharded.logprobs), np.concatenate(one.logprobs), rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_greedy_on_data_2_tensor_4_equals_one_device_with_the_value_heads_split():
+    """Qwen3.5's layers on a mesh: eagle tokens equal one device's, and the Gated DeltaNet's value heads (its
+    state, z / a / b / out_proj) are split over `tensor` while in_proj_qkv stays whole."""
+    model = init_model(HYBRID, seed=3)
+    one = one_device(model, EAGLE)
+    mesh = make_mesh("data=2,tensor=4")
+    sharded = generate(model, PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY, speculative=EAGLE, mesh=mesh)
+    assert sharded.tokens == one.tokens
+    assert sharded.metrics == one.metrics
+    engine = DecodeEngine(model, EAGLE, mesh=mesh)
+    state, padded = engine.init_state(PROMPTS, max_new_tokens=MAX_NEW, max_length=CAPACITY)
+    state = engine.step(engine.prefill(state, padded))
+    assert_equivalent(state.cache[0].state.sharding, jax.NamedSharding(mesh, P("data", "tensor")), 4)
+    layer = shard_params(nnx.state(model, nnx.Param), mesh)["layers"][0]["linear_attn"]
+    assert_equivalent(layer["out_proj"]["kernel"][...].sharding, jax.NamedSharding(mesh, P("tensor", None)), 2)
+    assert_equivalent(layer["A_log"][...].sharding, jax.NamedSharding(mesh, P("tensor")), 1)
+    assert_equivalent(layer["in_proj_qkv"]["kernel"][...].sharding, jax.NamedSharding(mesh, P()), 2)
 
 
 @pytest.mark.parametrize("mesh_spec", ["data=2,expert=4", "expert=2,tensor=4"])
