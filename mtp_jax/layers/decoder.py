@@ -2,10 +2,9 @@
 
 Its token mixer is the config's attention (`attention_type`: grouped-query `Attention` with a `KVCache`, or
 DeepSeek-V3's `MLAttention` with an `MLACache`), or, in a hybrid model's "linear_attention" layers
-(`ModelConfig.layer_types`, Qwen3.5), a `GatedDeltaNet` with a `RecurrentCache`; its feed-forward block the
-layer's (`MLP`, or
-the `MoE` from layer `first_k_dense_replace` on; DeepSeek-V3's MTP layers, numbered after the
-main model's, are MoE layers too).
+(`ModelConfig.layer_types`, Qwen3.5), a `GatedDeltaNet` with a `RecurrentCache`; its feed-forward block is
+the layer's (`MLP`, or the `MoE` from layer `first_k_dense_replace` on; DeepSeek-V3's MTP layers, numbered
+after the main model's, are MoE layers too).
 
 `DecoderStack` holds consecutive layers of one kind as one module whose every parameter has a leading
 layer axis, and runs them under `jax.lax.scan` (`ModelConfig.scan_layers`): the compiled program holds

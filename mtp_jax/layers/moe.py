@@ -136,8 +136,11 @@ class Router(nnx.Module):
             nnx.initializers.normal(config.initializer_range)(rngs.params(), shape, jnp.float32),
             logical_axes=(None, "embed"),
         )  # small: whole on every device
-        if config.scoring_func == "sigmoid":
-            self.e_score_correction_bias = ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
+        self.e_score_correction_bias = (
+            ScoreCorrectionBias(jnp.zeros((config.n_routed_experts,), jnp.float32))
+            if config.scoring_func == "sigmoid"
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
@@ -152,9 +155,9 @@ class Router(nnx.Module):
             scoring_func=c.scoring_func,
         )
         bias = (
-            self.e_score_correction_bias[...]
-            if hasattr(self, "e_score_correction_bias")
-            else jnp.zeros((c.n_routed_experts,), jnp.float32)
+            jnp.zeros((c.n_routed_experts,), jnp.float32)
+            if self.e_score_correction_bias is None
+            else self.e_score_correction_bias[...]
         )
         rows = context_spec(P("batch", None), logits.shape)  # None: no mesh
         if rows is None or rows == P(None, None):
