@@ -258,7 +258,7 @@ def test_train_model_neither_preset_nor_model_dir(tmp_path, capsys, no_corpus, n
     err = _one_line_error(capsys.readouterr().err, "train")
     assert err == (
         f"mtp-jax train: error: --model {model!r} is neither a preset (deepseek-v3-small, demo, medium, "
-        f"small, tiny, tiny-qwen2) nor a saved model directory ({found}; a model directory needs a "
+        f"qwen3.5-small, small, tiny, tiny-qwen2) nor a saved model directory ({found}; a model directory needs a "
         "config.json, safetensors weights and tokenizer.json)\n"
     )
     assert not (tmp_path / "run").exists()
