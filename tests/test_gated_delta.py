@@ -170,3 +170,41 @@ def test_causal_conv_advance_and_window_after():
     n = np.array([2, 0, steps, 3], np.int32)
     picked = window_after(jnp.asarray(full), jnp.asarray(n), W - 1)
     np.testing.assert_array_equal(picked, np.stack([full[b, i : i + W - 1] for b, i in enumerate(n)]))
+
+
+def test_packed_segments_run_as_separate_documents():
+    """Packed training rows (`segment_ids`): both forms and the conv give each document's outputs exactly as
+    running it alone from a zero state and a zero window would (the transformers reference, per document).
+    Row 0 packs documents of 5, 20 and 45 tokens (boundaries inside and across 16-token chunks), row 1 is one
+    document; the final state is the last document's."""
+    lengths, steps = [5, 20, 45], 70
+    q, k, v, g, beta, _ = inputs(steps, seed=11)
+    zero = np.zeros((2, HV, DK, DV), np.float32)
+    segment_ids = np.stack([np.repeat([1, 2, 3], lengths), np.ones(steps, int)]).astype(np.int32)
+    want_out = np.zeros_like(v)
+    want_final = np.zeros_like(zero)
+    for b, bounds in enumerate([np.cumsum([0, *lengths]), [0, steps]]):
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            piece = (x[b : b + 1, start:stop] for x in (q, k, v, g, beta))
+            out, final = torch_rule(hf.torch_recurrent_gated_delta_rule, *piece, zero[:1])
+            want_out[b, start:stop], want_final[b] = out[0], final[0]
+    args = (*map(jnp.asarray, (q, k, v, g, beta, zero)),)
+    ids = jnp.asarray(segment_ids)
+    for out, final in (
+        gated_delta_recurrent(*args, segment_ids=ids),
+        gated_delta_chunked(*args, chunk_size=16, segment_ids=ids),
+    ):
+        assert_close(out, want_out)
+        assert_close(final, want_final)
+
+    x = np.random.default_rng(12).normal(size=(2, steps, C)).astype(np.float32)
+    weight = np.random.default_rng(13).normal(size=(C, 1, W)).astype(np.float32)
+    out, _ = causal_conv(jnp.zeros((2, W - 1, C)), jnp.asarray(x), jnp.asarray(weight), None, ids)
+    for b, bounds in enumerate([np.cumsum([0, *lengths]), [0, steps]]):
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            ref = hf.causal_conv1d_fn(
+                torch.from_numpy(x[b : b + 1, start:stop]).transpose(1, 2),
+                torch.from_numpy(weight[:, 0]),
+                activation="silu",
+            )
+            assert_close(out[b, start:stop], ref.transpose(1, 2)[0].numpy())

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
@@ -124,10 +125,24 @@ def test_compute_loss_on_a_model_matches_hand_computation():
     np.testing.assert_allclose(loss, main + 0.1 * (mtp[0] + mtp[1]) / 2, rtol=1e-5)
 
 
-def test_packed_rows_equal_separate_documents():
-    """Attention stays within documents: packing two documents into one row changes no loss, and
-    the token ids under padding do not matter."""
-    model = init_model(TINY)
+# Qwen3.5-shaped: a Gated DeltaNet layer, whose state and conv must restart at each document too.
+HYBRID = TINY.replace(
+    num_hidden_layers=2,
+    layer_types=("linear_attention", "full_attention"),
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    attn_output_gate=True,
+    rms_norm_unit_offset=True,
+)
+
+
+@pytest.mark.parametrize("config", [TINY, HYBRID], ids=["attention", "hybrid"])
+def test_packed_rows_equal_separate_documents(config):
+    """Attention (and a Gated DeltaNet's state) stays within documents: packing two documents into one row
+    changes no loss, and the token ids under padding do not matter."""
+    model = init_model(config)
     rng = np.random.default_rng(2)
     a, b = rng.integers(0, 32, 4), rng.integers(0, 32, 2)
     # Each document twice when packed (so the token means agree), once when separate.

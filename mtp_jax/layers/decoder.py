@@ -77,14 +77,15 @@ class DecoderLayer(nnx.Module):
         `advance` and `keep_candidates` reach a Gated DeltaNet only (`GatedDeltaNet.__call__`); attention
         ignores them (its entries past a row's length are stale anyway).
 
-        Raises ValueError for `segment_ids` (packed training rows) with MLA or a Gated DeltaNet, which have no
-        segment mask yet.
+        With `segment_ids` (packed training rows, from an empty cache) tokens see only their own document, in
+        attention and in a Gated DeltaNet's state alike. Raises ValueError for `segment_ids` with MLA, which has
+        no segment mask yet.
         """
         h = self.input_layernorm(x)
         if self.recurrent:
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packed training rows) are not supported with linear_attention layers")
-            attn, cache = self.linear_attn(h, cache, advance=advance, keep_candidates=keep_candidates)
+            attn, cache = self.linear_attn(
+                h, cache, advance=advance, keep_candidates=keep_candidates, segment_ids=segment_ids
+            )
         elif self.config.attention_type == "mla":
             if segment_ids is not None:
                 raise ValueError("segment_ids (packed training rows) are not supported with attention_type='mla'")

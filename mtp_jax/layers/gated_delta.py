@@ -52,9 +52,13 @@ def causal_conv(
     x: Float[Array, "B T C"],
     weight: Float[Array, "C 1 W"],
     advance: Int[Array, " B"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B Wm1 C"]]:
     """The causal depthwise convolution with SiLU of `causal_conv1d_fn(..., activation="silu")` (no bias),
     continued from `window`, and the window after it.
+
+    segment_ids: optional int32 [B, T], packed documents (training, from an empty window): token t's output
+    reads only the inputs of its own segment, as if each document were convolved alone.
 
     window: the W-1 inputs before x (zeros at the start of a sequence); weight: the checkpoint's `conv1d.weight`
     layout. With full = concat(window, x) over time, out[b, t, c] = silu(sum_j weight[c, 0, j] full[b, t + j, c]),
@@ -65,7 +69,12 @@ def causal_conv(
     width, steps = weight.shape[-1], x.shape[1]
     full = jnp.concatenate([window.astype(x.dtype), x], axis=1)
     full32, taps = full.astype(jnp.float32), weight[:, 0, :].astype(jnp.float32)
-    acc = sum(taps[:, j] * full32[:, j : j + steps] for j in range(width))
+    if segment_ids is None:
+        acc = sum(taps[:, j] * full32[:, j : j + steps] for j in range(width))
+    else:  # tap j reads token t + j - (W - 1): only within t's segment (the window counts as token 0's)
+        ids = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+        own = [(ids[:, j : j + steps] == segment_ids)[..., None] for j in range(width)]  # [B, T, 1] each
+        acc = sum(jnp.where(own[j], taps[:, j] * full32[:, j : j + steps], 0.0) for j in range(width))
     new_window = full[:, steps:] if advance is None else window_after(full, advance, width - 1)
     return jax.nn.silu(acc).astype(x.dtype), new_window
 
@@ -87,6 +96,11 @@ def _prepare(q, k, v, g, beta):
     return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
 
 
+def _segment_starts(segment_ids: Int[Array, "B T"]) -> jax.Array:
+    """bool [B, T]: token t starts a new segment (its id differs from token t - 1's; never token 0)."""
+    return jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+
+
 def gated_delta_recurrent(
     q: Float[Array, "B T Hk Dk"],
     k: Float[Array, "B T Hk Dk"],
@@ -96,25 +110,28 @@ def gated_delta_recurrent(
     state: Float[Array, "B Hv Dk Dv"],
     *,
     keep_states: bool = False,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], Float[Array, "B Hv Dk Dv"] | Float[Array, "B T+1 Hv Dk Dv"]]:
     """The gated delta rule token by token (`torch_recurrent_gated_delta_rule`, `use_qk_l2norm_in_kernel=True`).
 
     g: log decays (<= 0); beta: steps; state: float32, the state before the first token. Returns the outputs
     in v.dtype (math in float32) and the final float32 state, or with `keep_states` every state [B, T+1, Hv, Dk,
     Dv]: index i is the state after the first i tokens (index 0 is `state`), for a speculative commit of i tokens.
+    segment_ids: optional int32 [B, T], packed documents: the state restarts from zero where the id changes.
     """
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    starts = jnp.zeros(g.shape[:2], bool) if segment_ids is None else _segment_starts(segment_ids)  # [B, T]
 
     def step(s, xs):  # s [B, H, Dk, Dv]; one token per row: q_t, k_t [B, H, Dk], v_t [B, H, Dv], g_t, b_t [B, H]
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
+        q_t, k_t, v_t, g_t, b_t, start = xs
+        s = jnp.where(start[:, None, None, None], 0.0, s) * jnp.exp(g_t)[..., None, None]
         delta = (v_t - _einsum("bhk,bhkv->bhv", k_t, s)) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
         return s, (_einsum("bhk,bhkv->bhv", q_t, s), s if keep_states else None)
 
     state = state.astype(jnp.float32)
-    final, (out, states) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+    final, (out, states) = lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, starts)))
     out = jnp.moveaxis(out, 0, 1).astype(dtype)
     if keep_states:
         return out, jnp.concatenate([state[:, None], jnp.moveaxis(states, 0, 1)], axis=1)
@@ -130,6 +147,7 @@ def gated_delta_chunked(
     state: Float[Array, "B Hv Dk Dv"],
     *,
     chunk_size: int = 64,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], Float[Array, "B Hv Dk Dv"]]:
     """`gated_delta_recurrent`'s outputs and final state by chunks (`torch_chunk_gated_delta_rule`).
 
@@ -140,6 +158,11 @@ def gated_delta_chunked(
     w = (I + A)^-1 (beta exp(c) k), the keys reading the old state. A scan over chunks then carries the state:
     v_new = u - w S; o = (exp(c) q) S + causal(q k^T exp(c_i - c_j)) v_new; S <- exp(c_last) S + (exp(c_last - c)
     k)^T v_new. Outputs in v.dtype, the final state float32.
+
+    segment_ids: optional int32 [B, T], packed documents: the state restarts from zero where the id changes, as
+    the recurrent form's. Every exp(c_i - c_j) between tokens of different segments is zeroed, and so is the old
+    state's reach (exp(c) q, exp(c) k, exp(c_last)) into a chunk's tokens past a segment start; no -inf enters
+    the cumulative sums.
     """
     batch, steps, heads, dv = v.shape
     dtype = v.dtype
@@ -156,15 +179,24 @@ def gated_delta_chunked(
     causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
     # exp(c_i - c_j) on and below the diagonal, 0 above (masked before the exp: no overflow)
     decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    from_start = jnp.exp(cum)  # [N, B, H, C]: the old state's decay to token i
+    to_end = jnp.exp(cum[..., -1:] - cum)  # token j's decay to the chunk's end
+    if segment_ids is not None:
+        ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge").reshape(batch, n, chunk_size)
+        ids = jnp.moveaxis(ids, 1, 0)[:, :, None, :]  # [N, B, 1, C]
+        before = jnp.concatenate([ids[:1, ..., :1], ids[:-1, ..., -1:]], axis=0)  # the token before each chunk
+        decay = decay * (ids[..., :, None] == ids[..., None, :])
+        from_start = from_start * (ids == before)
+        to_end = to_end * (ids == ids[..., -1:])
     k_beta = k * beta[..., None]
     system = _einsum("...ik,...jk->...ij", k_beta, k) * decay  # its diagonal is ignored: unit_diagonal
     attn = _einsum("...ik,...jk->...ij", q, k) * decay
-    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * from_start[..., None]], axis=-1)
     solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     u, w = solved[..., :dv], solved[..., dv:]
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+    q_decayed = q * from_start[..., None]
+    k_decayed = k * to_end[..., None]
+    chunk_decay = from_start[..., -1][..., None, None]  # [N, B, H, 1, 1]
 
     def step(s, xs):  # s [B, H, Dk, Dv]; one chunk of every row
         u_c, w_c, q_c, k_c, attn_c, decay_c = xs

@@ -75,6 +75,7 @@ class GatedDeltaNet(nnx.Module):
         *,
         advance: Int[Array, " B"] | None = None,
         keep_candidates: bool = False,
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> tuple[Float[Array, "B T E"], RecurrentCache | RecurrentCandidates]:
         """The mixer's output for T new tokens per row, after the positions `cache` summarises.
 
@@ -85,6 +86,8 @@ class GatedDeltaNet(nnx.Module):
             rest is padding; their outputs are finite and meaningless). Default: all T.
           keep_candidates: static; return `RecurrentCandidates` (the state after each new token, for a
             speculative commit to select) instead of the advanced `RecurrentCache`.
+          segment_ids: optional int32 [B, T], packed documents (training, from an empty cache): the state and
+            the conv restart at each segment's first token, as if each document ran alone.
 
         Returns:
           The output [B, T, E] in x's dtype, and the new cache (or candidates).
@@ -99,7 +102,7 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])  # [B, T, Hv], log decay <= 0
         conv_in = mixed.astype(cache.conv.dtype)
-        mixed, window = causal_conv(cache.conv, conv_in, self.conv1d.weight[...], advance)  # [B, T, C]
+        mixed, window = causal_conv(cache.conv, conv_in, self.conv1d.weight[...], advance, segment_ids)  # [B, T, C]
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
         q, k = q.reshape(batch, num, hk, dk), k.reshape(batch, num, hk, dk)
         v = v.reshape(batch, num, hv, dv)
@@ -110,7 +113,7 @@ class GatedDeltaNet(nnx.Module):
             new_cache = RecurrentCandidates(states=states, conv=jnp.concatenate([cache.conv, conv_in], axis=1))
         else:
             form = gated_delta_recurrent if num <= RECURRENT_MAX_TOKENS else gated_delta_chunked
-            core, state = form(q, k, v, g, beta, cache.state)
+            core, state = form(q, k, v, g, beta, cache.state, segment_ids=segment_ids)
             new_cache = RecurrentCache(state=state, conv=window)
         out = self.norm(core.astype(x.dtype), z).reshape(batch, num, hv * dv)  # [B, T, Hv Dv]
         return self.out_proj(out), new_cache
