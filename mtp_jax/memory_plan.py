@@ -14,10 +14,17 @@ quantizes), the main model's KV cache (GQA keys and values, or MLA's latent and 
 position and layer, replicated over `tensor`), the MTP modules' caches (one for eagle, K for vanilla and
 parallel) and the rest of the decode state (tokens, logprobs, drafts, draft probabilities when drafts are
 sampled, vanilla's hidden window, counters). The cache capacity is `max_length` tokens: the engine adds no
-positions for the K drafts (positions past the capacity are dropped, `mtp_jax.cache`). Not counted: a step's
-activations and XLA's temporary buffers (small for decode steps; a long prefill's can reach gigabytes: chunk
-it), and the runtime's own reserve (give the memory the allocator may use: on GPU JAX's `bytes_limit`, 75% of
-the card unless `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise).
+positions for the K drafts (positions past the capacity are dropped, `mtp_jax.cache`). A hybrid model's
+(Qwen3.5's) step also holds, for every Gated DeltaNet layer, what its verify forward keeps until the commit
+selects one state per row (`mtp_jax.cache.RecurrentCandidates`, placed by its `LOGICAL_AXES`): the state
+before and after each of the K+1 tokens, float32 [B, K+2, Hv, Dk, Dv], and the conv inputs [B, W-1+K+1, C]
+(K = 0 when not speculating). These temporaries, about K+2 times the recurrent states' cache, have a line of
+their own, in the total (qwen3.5-small, batch 32, K = 7: 118 MB, more than its weights, caches and state
+together; XLA may need less where it can skip copies: a plain step of it, unscanned on CPU, keeps about a
+third). Not counted: a step's other activations and XLA's other temporary buffers (small for the decode steps
+of attention layers; a long prefill's can reach gigabytes: chunk it), and the runtime's own reserve (give the
+memory the allocator may use: on GPU JAX's `bytes_limit`, 75% of the card unless
+`XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise).
 
 Units: bytes; the table prints GB = 10**9 bytes.
 """
@@ -38,6 +45,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from mtp_jax.cache import RecurrentCache, RecurrentCandidates
 from mtp_jax.cache import logical_axes as cache_axes
 from mtp_jax.checkpoints.format import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError
 from mtp_jax.checkpoints.hf_config import config_from_hf
@@ -137,9 +145,27 @@ def _device_bytes(entries: list[_Entry], mesh: AbstractMesh) -> dict[str, int]:
     return dict(out)
 
 
+def _verify_candidates(cache, new_tokens: int):
+    """The `RecurrentCandidates` (abstract) that a verify forward of `new_tokens` tokens per row keeps of the
+    recurrent layers of `cache` (abstract; a stacked layer axis leads where the model scans), in its tree
+    (`()` in place of every other cache): states [B, T+1, Hv, Dk, Dv], conv [B, W-1+T, C]."""
+
+    def one(node):
+        if not isinstance(node, RecurrentCache):
+            return ()
+        state, conv = node.state, node.conv
+        return RecurrentCandidates(
+            states=jax.ShapeDtypeStruct((*state.shape[:-3], new_tokens + 1, *state.shape[-3:]), state.dtype),
+            conv=jax.ShapeDtypeStruct((*conv.shape[:-2], conv.shape[-2] + new_tokens, conv.shape[-1]), conv.dtype),
+        )
+
+    return jax.tree.map(one, cache, is_leaf=lambda node: hasattr(node, "LOGICAL_AXES"))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Arrays:
-    """What a plan places: the abstract weights, the main cache, the MTP caches and the rest of the state."""
+    """What a plan places: the abstract weights, the main cache, the MTP caches, the rest of the state and the
+    recurrent states a verify forward keeps (none for a model without recurrent layers)."""
 
     config: ModelConfig
     max_batch: int
@@ -147,6 +173,7 @@ class _Arrays:
     kv_cache: list[_Entry]
     mtp_cache: list[_Entry]
     state: list[_Entry]
+    candidates: list[_Entry]
 
     @classmethod
     def build(
@@ -158,6 +185,8 @@ class _Arrays:
         axes = state.logical_axes()
         no_caches = state.replace(cache=(), draft=state.draft.replace(caches=()))
         rest_axes = axes.replace(cache=(), draft=axes.draft.replace(caches=()))
+        # verify runs the main model over [t_{L-1}, d_1 .. d_K]: K + 1 tokens (`mtp_jax.decode.step.verify`)
+        candidates = _verify_candidates(state.cache, state.draft.tokens.shape[1] + 1)
         return cls(
             config=config,
             max_batch=max_batch,
@@ -165,6 +194,7 @@ class _Arrays:
             kv_cache=_entries(state.cache, cache_axes(state.cache)),
             mtp_cache=_entries(state.draft.caches, cache_axes(state.draft.caches)),
             state=_entries(no_caches, rest_axes),
+            candidates=_entries(candidates, cache_axes(candidates)),
         )
 
     def check_mesh(self, sizes: Mapping[str, int]) -> None:
@@ -176,13 +206,12 @@ class _Arrays:
                 f"mesh's expert axis ({n})"
             )
 
-    def device_bytes(self, sizes: Mapping[str, int]) -> tuple[dict[str, int], int, int, int]:
-        """(weights by dtype, KV cache, MTP caches, rest of the state): one device's bytes on mesh `sizes`."""
+    def device_bytes(self, sizes: Mapping[str, int]) -> tuple[dict[str, int], int, int, int, int]:
+        """(weights by dtype, KV cache, MTP caches, rest of the state, recurrent states kept by a verify
+        forward): one device's bytes on mesh `sizes`."""
         mesh = _abstract_mesh(sizes)
-        kv_cache, mtp_cache, state = (
-            sum(_device_bytes(entries, mesh).values()) for entries in (self.kv_cache, self.mtp_cache, self.state)
-        )
-        return _device_bytes(self.weights, mesh), kv_cache, mtp_cache, state
+        rest = (self.kv_cache, self.mtp_cache, self.state, self.candidates)
+        return _device_bytes(self.weights, mesh), *(sum(_device_bytes(e, mesh).values()) for e in rest)
 
     def total_bytes(self, sizes: Mapping[str, int]) -> int:
         weights, *rest = self.device_bytes(sizes)
@@ -255,13 +284,14 @@ class MemoryPlan:
     """Bytes per device of decoding a model on a mesh (`memory_plan`); every device holds as much.
 
     mesh: every axis of `MESH_AXES` -> its size. weights_bytes: the weights by dtype (NumPy names).
-    kv_cache_bytes: the main model's cache; mtp_cache_bytes: the MTP modules' caches; decode_state_bytes:
-    the rest of the decode state. weights_total_bytes: the weights by dtype, unsharded (all of them once).
-    device_memory_bytes: what one device has (None: unknown, no fit check). smallest_mesh: the mesh of
-    fewest devices that fits, when device memory is known (None otherwise, or when none of up to
+    kv_cache_bytes: the main model's cache; mtp_cache_bytes: the MTP modules' caches; decode_state_bytes: the
+    rest of the decode state; verify_states_bytes: the recurrent states a step's verify forward keeps (0
+    without recurrent layers; module docstring). weights_total_bytes: the weights by dtype, unsharded (all of
+    them once). device_memory_bytes: what one device has (None: unknown, no fit check). smallest_mesh: the
+    mesh of fewest devices that fits, when device memory is known (None otherwise, or when none of up to
     `search_limit` devices does; searched: every `SEARCH_AXES` split over powers of two, data dividing the
-    batch and expert the routed experts, the fewest bytes per device among equals). checkpoint: a
-    checkpoint directory's header totals (`plan_checkpoint`).
+    batch and expert the routed experts, the fewest bytes per device among equals). checkpoint: a checkpoint
+    directory's header totals (`plan_checkpoint`).
     """
 
     mesh: dict[str, int]
@@ -274,6 +304,7 @@ class MemoryPlan:
     kv_cache_bytes: int
     mtp_cache_bytes: int
     decode_state_bytes: int
+    verify_states_bytes: int
     device_memory_bytes: int | None
     smallest_mesh: MeshFit | None
     search_limit: int
@@ -285,8 +316,9 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes per device: weights, caches and decode state."""
-        return sum(self.weights_bytes.values()) + self.kv_cache_bytes + self.mtp_cache_bytes + self.decode_state_bytes
+        """Bytes per device: weights, caches, decode state and the recurrent states a verify forward keeps."""
+        state = self.kv_cache_bytes + self.mtp_cache_bytes + self.decode_state_bytes + self.verify_states_bytes
+        return sum(self.weights_bytes.values()) + state
 
     @property
     def fits(self) -> bool | None:
@@ -324,8 +356,10 @@ class MemoryPlan:
             ("KV cache (main model)", self.kv_cache_bytes),
             ("KV cache (MTP modules)", self.mtp_cache_bytes),
             ("decode state (rest)", self.decode_state_bytes),
-            ("total", self.total_bytes),
         ]
+        if self.verify_states_bytes:  # a model with recurrent layers
+            rows.append(("recurrent states kept by a verify step", self.verify_states_bytes))
+        rows.append(("total", self.total_bytes))
         if self.device_memory_bytes is not None:
             rows.append(("device memory", self.device_memory_bytes))
         width = max(len(name) for name, _ in rows)
@@ -379,7 +413,7 @@ def memory_plan(
         raise ValueError(f"device_memory_bytes must be an int >= 1, got {device_memory_bytes!r}")
     arrays = _Arrays.build(config, max_batch, max_length, speculative)
     arrays.check_mesh(sizes)
-    weights, kv_cache, mtp_cache, state = arrays.device_bytes(sizes)
+    weights, kv_cache, mtp_cache, state, candidates = arrays.device_bytes(sizes)
     total = Counter()
     for shape, dtype, _ in arrays.weights:
         total[dtype] += math.prod(shape) * np.dtype(dtype).itemsize
@@ -394,6 +428,7 @@ def memory_plan(
         kv_cache_bytes=kv_cache,
         mtp_cache_bytes=mtp_cache,
         decode_state_bytes=state,
+        verify_states_bytes=candidates,
         device_memory_bytes=device_memory_bytes,
         smallest_mesh=None
         if device_memory_bytes is None
@@ -408,12 +443,14 @@ def check_fits(plan: MemoryPlan) -> None:
     device memory is unknown."""
     if plan.fits is not False:
         return
-    weights = sum(plan.weights_bytes.values())
+    weights, verify = sum(plan.weights_bytes.values()), plan.verify_states_bytes
+    verify_text = f", recurrent states kept by a verify step {verify / GB:,.2f} GB" if verify else ""
     raise ValueError(
         f"the model needs {plan.total_bytes / GB:,.2f} GB per device on mesh {mesh_text(plan.mesh)} "
         f"but {plan.device_memory_bytes / GB:,.2f} GB are available (weights "
         f"{weights / GB:,.2f} GB, KV cache {(plan.kv_cache_bytes + plan.mtp_cache_bytes) / GB:,.2f} GB, decode "
-        f"state {plan.decode_state_bytes / GB:,.2f} GB, for batch {plan.max_batch} x {plan.max_length} tokens); "
+        f"state {plan.decode_state_bytes / GB:,.2f} GB{verify_text}, for batch {plan.max_batch} x "
+        f"{plan.max_length} tokens); "
         f"the smallest mesh that fits: {plan.smallest_mesh_text()}"
     )
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
@@ -408,6 +409,115 @@ def test_plan_equals_what_the_engine_allocates_on_one_device(config, speculative
     assert p.kv_cache_bytes == _nbytes(state.cache)
     assert p.mtp_cache_bytes == _nbytes(state.draft.caches)
     assert p.decode_state_bytes == _nbytes(state) - _nbytes(state.cache) - _nbytes(state.draft.caches)
+
+
+# ---------------------------------------------------------------------------------------------
+# A hybrid model's step: every Gated DeltaNet layer's states that verify keeps until the commit selects one.
+
+QWEN35 = ModelConfig.from_name("qwen3.5-small")  # 3 linear_attention layers (Hv 8, Dk = Dv = 64) + 1 attention
+
+
+def _verify_line(table: str) -> str:
+    return next(line for line in table.splitlines() if "recurrent states kept by a verify step" in line)
+
+
+def verify_states_bytes(config: ModelConfig, batch: int, k: int, data: int = 1, tensor: int = 1) -> int:
+    """By hand, per linear_attention layer (`mtp_jax.cache.RecurrentCandidates`): states float32
+    [B, K+2, Hv, Dk, Dv] (batch over data, value heads over tensor) and conv [B, W-1+K+1, C] in the compute
+    dtype, C = 2 Hk Dk + Hv Dv (batch over data)."""
+    c = config
+    states = batch * (k + 2) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * F32
+    channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    conv = batch * (c.linear_conv_kernel_dim - 1 + k + 1) * channels * np.dtype(c.compute_dtype).itemsize
+    return c.layer_types.count("linear_attention") * (states // (data * tensor) + conv // data)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("k", [0, 3])  # K = 0: plain decoding, a step of one token still keeps 2 states
+@pytest.mark.parametrize(
+    "mesh,data,tensor", [(None, 1, 1), ("data=2", 2, 1), ("tensor=4", 1, 4), ("data=2,tensor=4", 2, 4)]
+)
+def test_verify_states_of_a_hybrid_model_by_hand(scan, k, mesh, data, tensor):
+    speculative = SpeculativeConfig(method="eagle", num_speculative_tokens=k) if k else None
+    p = memory_plan(QWEN35.replace(scan_layers=scan), mesh, max_batch=4, max_length=64, speculative=speculative)
+    assert p.verify_states_bytes == verify_states_bytes(QWEN35, 4, k, data, tensor) > 0
+    rest = sum(p.weights_bytes.values()) + p.kv_cache_bytes + p.mtp_cache_bytes + p.decode_state_bytes
+    assert p.total_bytes == rest + p.verify_states_bytes
+    assert _verify_line(p.table()).split()[-1] == f"{p.verify_states_bytes:,}"
+
+
+@pytest.mark.parametrize("scan,k", [(False, 2), (True, 5)])
+def test_verify_states_are_what_the_real_verify_keeps(scan, k):
+    """The plan's shapes against `jax.eval_shape` of `mtp_jax.decode.step.verify`: the `RecurrentCandidates`
+    in the cache it returns (stacked, where the model scans), here with a bfloat16 conv."""
+    from mtp_jax.cache import RecurrentCandidates
+    from mtp_jax.decode.step import verify
+    from mtp_jax.memory_plan import abstract_decode_state
+
+    speculative = SpeculativeConfig(method="eagle", num_speculative_tokens=k)
+    config = QWEN35.replace(scan_layers=scan, dtype="bfloat16", param_dtype="bfloat16")
+    model = abstract_model(config)
+    graph, params = nnx.split(model)
+    state, _ = abstract_decode_state(model, max_batch=3, max_length=32, speculative=speculative)
+    _, _, cache = jax.eval_shape(lambda params, state: verify(nnx.merge(graph, params), state), params, state)
+    is_kept = lambda node: isinstance(node, RecurrentCandidates)  # noqa: E731
+    kept = [node for node in jax.tree.leaves(cache, is_leaf=is_kept) if is_kept(node)]
+    assert len(kept) == (1 if scan else 3)
+    p = memory_plan(config, max_batch=3, max_length=32, speculative=speculative)
+    kept_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kept))
+    assert p.verify_states_bytes == kept_bytes == verify_states_bytes(config, 3, k)
+
+
+def test_verify_states_count_in_the_fit_and_the_smallest_mesh():
+    eagle_7 = SpeculativeConfig(method="eagle", num_speculative_tokens=7)
+    p = memory_plan(QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=10**9)
+    verify = verify_states_bytes(QWEN35, 32, 7)
+    assert p.verify_states_bytes == verify == 117_571_584  # more than all the rest: 112,840,832 bytes
+    assert p.total_bytes - verify == 112_840_832
+    tight = memory_plan(
+        QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=p.total_bytes - verify
+    )
+    assert tight.fits is False  # what fitted without them does not
+    with pytest.raises(ValueError, match=r"recurrent states kept by a verify step 0\.12 GB"):
+        check_fits(tight)
+    fit = tight.smallest_mesh  # data=2,tensor=2: the heads split over tensor, the batch over data
+    assert fit.num_devices > 1 and fit.total_bytes <= tight.device_memory_bytes
+    assert (
+        fit.total_bytes == memory_plan(QWEN35, fit.mesh, max_batch=32, max_length=256, speculative=eagle_7).total_bytes
+    )
+    dense = plan("glm-4.5-air", "expert=8")  # no recurrent layer: no line, nothing added
+    assert dense.verify_states_bytes == 0 and "verify" not in dense.table()
+
+
+def test_cli_prints_the_verify_states_of_a_hybrid_model(capsys):
+    argv = ["plan", "qwen3.5-small", "--max-batch", "32", "--max-length", "256", "--num-speculative-tokens", "7"]
+    assert main([*argv, "--mesh", "tensor=4", "--device-memory", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative eagle K=7" in out
+    assert _verify_line(out).split()[-1] == f"{verify_states_bytes(QWEN35, 32, 7, tensor=4):,}"  # 29,884,416
+
+
+def test_compiled_hybrid_step_holds_the_verify_states():
+    """XLA's memory analysis of the real step (qwen3.5-small, batch 32, K = 7, compiled for this backend from
+    abstract arguments, not run): the arguments are the plan's weights and state; the temporaries hold at least
+    every layer's K+1 states after a new token (the commit needs the last layer's logits before it can choose;
+    the state before them may be the argument's, so K+1 of the plan's K+2), and were more than the whole plan
+    without them (134.9 MB here against 112.8 MB). 3-6 s, most of it compiling."""
+    from mtp_jax.decode import engine
+    from mtp_jax.memory_plan import abstract_decode_state
+    from mtp_jax.model import static_split
+
+    eagle_7 = SpeculativeConfig(method="eagle", num_speculative_tokens=7)
+    p = memory_plan(QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=10**9)
+    model = abstract_model(QWEN35)
+    graph, params = static_split(model)
+    state, _ = abstract_decode_state(model, max_batch=32, max_length=256, speculative=eagle_7)
+    analysis = engine._step_jit.lower(graph, params, eagle_7, state).compile().memory_analysis()
+    rest = p.total_bytes - p.verify_states_bytes
+    assert analysis.argument_size_in_bytes == rest
+    states = 3 * 32 * 8 * 64 * 64 * F32  # every recurrent layer's states after one token: 3 layers x [B, Hv, Dk, Dv]
+    assert analysis.temp_size_in_bytes >= (7 + 1) * states > 0.85 * p.verify_states_bytes
+    assert analysis.temp_size_in_bytes > rest  # what the plan missed was more than all it counted
 
 
 # ---------------------------------------------------------------------------------------------

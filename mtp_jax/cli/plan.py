@@ -14,13 +14,14 @@ from mtp_jax.sharding import MESH_AXES, parse_mesh_spec
 
 PLAN_DESCRIPTION = """\
 Print how much memory each device needs to decode a model on a device mesh: the weights by dtype,
-the main model's KV cache, the MTP modules' caches and the rest of the decode state, for --max-batch
-rows of --max-length tokens. CHECKPOINT_DIR_OR_PRESET is a checkpoint directory (only config.json and
-the safetensors headers are read; the headers' byte total is printed beside the plan's) or a preset
-name. The mesh is abstract: --mesh expert=16,tensor=2 plans 32 devices on any machine. With the
-device memory known (--device-memory, else what the backend reports: GPUs do), the plan says whether
-it fits and names the smallest mesh that does (data x expert x tensor, powers of two, up to 1024
-devices); exit status 1 when it does not fit. Activations and XLA's temporary buffers are not counted."""
+the main model's KV cache, the MTP modules' caches, the rest of the decode state and, for a hybrid
+model (Qwen3.5), the recurrent states a verify step keeps, for --max-batch rows of --max-length
+tokens. CHECKPOINT_DIR_OR_PRESET is a checkpoint directory (only config.json and the safetensors
+headers are read; the headers' byte total is printed beside the plan's) or a preset name. The mesh
+is abstract: --mesh expert=16,tensor=2 plans 32 devices on any machine. With the device memory known
+(--device-memory, else what the backend reports: GPUs do), the plan says whether it fits and names
+the smallest mesh that does (data x expert x tensor, powers of two, up to 1024 devices); exit status
+1 when it does not fit. Other activations and XLA's temporary buffers are not counted."""
 
 # Parameters of the library that a `plan` flag sets: errors naming them name the flag too.
 _PLAN_FLAGS = {
