@@ -120,6 +120,21 @@ def our_logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(_jit_logits(*nnx.split(model), jnp.asarray(tokens)))
 
 
+@nnx.jit
+def our_first_mtp_module(model, tokens, shifted):
+    """MTP module 1 over whole sequences from position 0 with an empty cache, fed h^0 of the main model's
+    `forward_full` and the token inputs `shifted` (t_{i+1} at row i): (logits [B, T, V], chained hidden)."""
+    from mtp_jax.model import sequence_positions
+    from mtp_jax.mtp import initial_hidden
+
+    batch, length = tokens.shape
+    _, main_hidden = model.forward_full(tokens)
+    module = model.mtp[0]
+    h0 = initial_hidden(model, main_hidden)
+    cache = module.init_cache(batch, length)
+    return module(h0, shifted, sequence_positions(batch, length), cache, embed=model.embed, head=model.head)[:2]
+
+
 def relative_error(ours, theirs) -> float:
     ours, theirs = np.asarray(ours), np.asarray(theirs)
     assert ours.shape == theirs.shape

@@ -18,7 +18,6 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hf_reference import (
     RTOL,
     add_to_checkpoint,
@@ -26,6 +25,7 @@ from hf_reference import (
     causal_mask,
     hf_config,
     hf_logits,
+    our_first_mtp_module,
     our_logits,
     perturbed,
     random_hf_model,
@@ -36,8 +36,7 @@ from hf_reference import (
 from safetensors.numpy import load_file
 
 from mtp_jax.checkpoints import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
-from mtp_jax.layers.indexing import sequence_positions
-from mtp_jax.mtp import initial_hidden, shift_left
+from mtp_jax.mtp import shift_left
 
 VOCAB, HIDDEN, STD = 128, 64, 0.2
 QWEN2 = dict(
@@ -122,16 +121,7 @@ def test_mtp_layer_matches_transformers_qwen2_modules(checkpoint):
         chained = mtp["final_layernorm"](out)
         expected = hf_model.lm_head(chained).numpy()
 
-    @nnx.jit
-    def ours(model, tokens, shifted):
-        batch, length = tokens.shape
-        _, main_hidden = model.forward_full(tokens)
-        module = model.mtp[0]
-        cache = module.init_cache(batch, length)
-        h0 = initial_hidden(model, main_hidden)
-        return module(h0, shifted, sequence_positions(batch, length), cache, embed=model.embed, head=model.head)[:2]
-
-    logits, ours_chained = ours(model, jnp.asarray(tokens), shifted)
+    logits, ours_chained = our_first_mtp_module(model, jnp.asarray(tokens), shifted)
     err = relative_error(logits, expected)
     assert err <= RTOL, f"relative MTP logit error {err:.2e} > {RTOL}"
     err = relative_error(ours_chained, chained.numpy())

@@ -31,6 +31,7 @@ from hf_reference import (
     hf_greedy,
     hf_logits,
     load_hf_model,
+    our_first_mtp_module,
     our_logits,
     perturbed,
     random_hf_model,
@@ -42,8 +43,7 @@ from safetensors.numpy import load_file
 
 from mtp_jax.checkpoints import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.decode.generation import SamplingParams, generate
-from mtp_jax.layers.indexing import sequence_positions
-from mtp_jax.mtp import initial_hidden, shift_left
+from mtp_jax.mtp import shift_left
 
 VOCAB, HIDDEN, STD, MIN_MARGIN = 128, 64, 0.2, 1e-3
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -229,17 +229,7 @@ def test_mtp_head_matches_transformers_modules(checkpoint):
         expected = hf_model.lm_head(chained).numpy()
     margins.check()
 
-    @nnx.jit
-    def ours(model, tokens, shifted):
-        batch, length = tokens.shape
-        _, main_hidden = model.forward_full(tokens)
-        module = model.mtp[0]
-        cache = module.init_cache(batch, length)
-        positions = sequence_positions(batch, length)
-        h0 = initial_hidden(model, main_hidden)
-        return module(h0, shifted, positions, cache, embed=model.embed, head=model.head)[:2]
-
-    logits, ours_chained = ours(model, jnp.asarray(tokens), shifted)
+    logits, ours_chained = our_first_mtp_module(model, jnp.asarray(tokens), shifted)
     err = relative_error(logits, expected)
     assert err <= RTOL, f"relative MTP logit error {err:.2e} > {RTOL}"
     err = relative_error(ours_chained, chained.numpy())
