@@ -24,11 +24,20 @@ like the KV entries. A state that absorbed a rejected draft cannot be hidden by 
 forward returns `RecurrentCandidates` instead, the state after each of its T new tokens, and the commit
 keeps per row the one after its last committed token (`settle`, a gather inside the step; docs/MTP_SPEC.md
 "Recurrent layers").
+
+A serving engine keeps its attention caches in pages instead (`PagedCache`; docs/MTP_SPEC.md "Paged caches"):
+per layer a pool of `num_pages` pages of `page_size` positions shared by all rows, and per row a block table
+(int32 [B, W]) naming the page that holds each run of `page_size` positions, one table for all of a row's
+caches (the main model's and every MTP module's). The table is not part of the state: the host allocates
+pages and binds the table it chose for a call (`bind_pages`), whose width W (in pages) is also how much of
+each row a call reads. Recurrent caches stay per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -38,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from mtp_jax.config import ModelConfig
+from pallas_kernels.attention_reference import gather_pages
 
 
 @struct.dataclass
@@ -158,6 +168,142 @@ def _is_stacked(node) -> bool:
     return isinstance(node, StackedCache)
 
 
+@struct.dataclass
+class PagedCache:
+    """One attention layer's cache in pages: `pool` is the layer's cache class (`KVCache`, `MLACache`) whose
+    arrays are pools [N, P, ...] (N pages of P positions, no row axis), and `block_table` (int32 [B, W], bound
+    for a call by `bind_pages`, else None) gives row b's position s in page `block_table[b, s // P]`, offset
+    `s % P`. Unused table entries hold a sentinel id >= N: writes there are dropped and reads give zeros, so a
+    row never touches a page it does not own; reads past a row's length are masked by the attention, as in a
+    dense cache. `write` and `view` give the layers the dense cache's interface."""
+
+    pool: Any
+    block_table: jax.Array | None = None
+
+    @property
+    def page_size(self) -> int:
+        return jax.tree.leaves(self.pool)[0].shape[1]
+
+    def write(self, positions: Int[Array, "B T"], *new: jax.Array) -> PagedCache:
+        """The cache with `new` (the pool class's `write` arguments, each [B, T, ...]) at `positions` (int32
+        [B, T]) of each row, through the block table; positions outside the table's W x P, or in a sentinel
+        entry, are dropped."""
+        table, size = self.block_table, self.page_size
+        num_pages = jax.tree.leaves(self.pool)[0].shape[0]
+        index = jnp.clip(positions // size, 0, table.shape[1] - 1)
+        page = jnp.take_along_axis(table, index, axis=1)  # [B, T]
+        outside = (positions < 0) | (positions >= table.shape[1] * size) | (page >= num_pages) | (page < 0)
+        flat = jnp.where(outside, num_pages * size, page * size + positions % size).reshape(-1)  # [B T]
+
+        def scatter(pool: jax.Array, values: jax.Array) -> jax.Array:
+            rows = pool.reshape(num_pages * size, *pool.shape[2:])
+            values = values.reshape(flat.shape[0], *values.shape[2:]).astype(pool.dtype)
+            return rows.at[flat].set(values, mode="drop").reshape(pool.shape)
+
+        fields = [f.name for f in dataclasses.fields(self.pool)]
+        arrays = {name: scatter(getattr(self.pool, name), value) for name, value in zip(fields, new, strict=True)}
+        return self.replace(pool=type(self.pool)(**arrays))
+
+    def view(self):
+        """The pool class's dense cache of the bound rows: arrays [B, W x P, ...], row b's pages in table order
+        (sentinel pages read as zeros): what the layer's attention reads."""
+        return jax.tree.map(lambda pool: gather_pages(pool, self.block_table), self.pool)
+
+
+def _is_paged(node) -> bool:
+    return isinstance(node, PagedCache) or (_is_stacked(node) and isinstance(node.layers, PagedCache))
+
+
+def dense_view(cache):
+    """What an attention layer reads of its cache: a dense cache as it is, a `PagedCache` as its bound rows'
+    `view` (arrays [B, W x P, ...])."""
+    return cache.view() if isinstance(cache, PagedCache) else cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """How a state's attention caches are paged: `num_pages` pages of `page_size` positions per layer;
+    `pools` False builds a row state's caches without pools (None), to borrow the engine's (`share_pools`)."""
+
+    num_pages: int
+    page_size: int
+    pools: bool = True
+
+
+def init_cache(init: Callable[[int, int], Any], batch_size: int, max_length: int, pages: PageLayout | None):
+    """`init(batch_size, max_length)` (a model's or an MTP module's `init_cache`), or with `pages` the same
+    layers paged (`init_paged`)."""
+    return init(batch_size, max_length) if pages is None else init_paged(init, batch_size, pages)
+
+
+def init_paged(init: Callable[[int, int], Any], batch_size: int, pages: PageLayout):
+    """A cache pytree in pages: `init(batch_size, max_length)` is the dense cache's builder; every attention
+    layer's cache becomes a `PagedCache` of zero pools [N, P, ...] (unbound; no pools without `pages.pools`),
+    every recurrent one stays per row, [B, ...]. Nothing of the dense shapes is allocated."""
+    check_shape(pages.num_pages, pages.page_size)
+    pools = jax.eval_shape(lambda: init(pages.num_pages, pages.page_size))
+    rows = jax.eval_shape(lambda: init(batch_size, 1))
+    zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, x.dtype))
+
+    def pick(pool, row):
+        inner = pool.layers if _is_stacked(pool) else pool
+        if _is_recurrent(inner):
+            return zeros(row)
+        paged = PagedCache(pool=zeros(inner) if pages.pools else None)
+        return StackedCache(paged) if _is_stacked(pool) else paged
+
+    is_node = lambda x: _is_stacked(x) or hasattr(x, "LOGICAL_AXES")  # noqa: E731
+    return jax.tree.map(pick, pools, rows, is_leaf=is_node)
+
+
+def bind_pages(cache, block_table: jax.Array | None):
+    """`cache` with every `PagedCache` bound to `block_table` (int32 [B, W]; None unbinds): before a forward
+    reads or writes it. A `StackedCache`'s layers each get the same table."""
+
+    def bind(node):
+        if _is_stacked(node):
+            layers = node.layers
+            table = (
+                None
+                if block_table is None
+                else jnp.broadcast_to(block_table, (_num_layers(layers), *block_table.shape))
+            )
+            return StackedCache(layers.replace(block_table=table))
+        return node.replace(block_table=block_table)
+
+    return jax.tree.map(lambda n: bind(n) if _is_paged(n) else n, cache, is_leaf=_is_paged)
+
+
+def _num_layers(paged: PagedCache) -> int:
+    return jax.tree.leaves(paged.pool)[0].shape[0]
+
+
+def share_pools(cache, source):
+    """`cache` with each `PagedCache`'s pool taken from the same node of `source` (a cache pytree of the same
+    layers; `cache`'s own pools may be None): how a row state borrows the engine's pools for a prefill and
+    gives them back. Other nodes are `cache`'s."""
+
+    def take(node, other):
+        if not _is_paged(node):
+            return node
+        if _is_stacked(node):
+            return StackedCache(node.layers.replace(pool=other.layers.pool))
+        return node.replace(pool=other.pool)
+
+    return jax.tree.map(take, cache, source, is_leaf=_is_paged)
+
+
+def without_pools(cache):
+    """`cache` with every `PagedCache`'s pool dropped (None): a row state that holds no pages itself."""
+
+    def drop(node):
+        if _is_stacked(node):
+            return StackedCache(node.layers.replace(pool=None))
+        return node.replace(pool=None)
+
+    return jax.tree.map(lambda n: drop(n) if _is_paged(n) else n, cache, is_leaf=_is_paged)
+
+
 def check_shape(batch_size: int, max_length: int) -> None:
     """Raises ValueError unless both are ints >= 1 (a cache's batch size and capacity S)."""
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
@@ -182,9 +328,12 @@ def logical_axes(cache):
     def axes(node):
         if _is_stacked(node):
             return StackedCache(jax.tree.map(lambda spec: P("layers", *spec), logical_axes(node.layers)))
+        if isinstance(node, PagedCache):  # pools have no rows: whole on every row's device, heads as the layer's
+            pool = None if node.pool is None else jax.tree.map(lambda spec: P(None, None, *spec[2:]), axes(node.pool))
+            return PagedCache(pool=pool, block_table=None if node.block_table is None else P("batch", None))
         return type(node)(**{f.name: node.LOGICAL_AXES[f.name] for f in dataclasses.fields(node)})
 
-    return jax.tree.map(axes, cache, is_leaf=lambda x: _is_stacked(x) or hasattr(x, "LOGICAL_AXES"))
+    return jax.tree.map(axes, cache, is_leaf=lambda x: _is_stacked(x) or _is_paged(x) or hasattr(x, "LOGICAL_AXES"))
 
 
 def capacity(cache) -> int:

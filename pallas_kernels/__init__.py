@@ -2,8 +2,16 @@
 
 `verify_attention`: the verify pass's attention, T = K + 1 new queries per row against a KV cache
 (grouped-query, per-row lengths, causal mask aligned to the end of each row), split-K over the cache.
+`paged_verify_attention`: the same attention over a paged KV cache (a pool of pages and a block table
+per row), with `paged_attention_reference` beside it.
 """
 
+from pallas_kernels.paged_attention import (
+    PagedAttentionConfig,
+    paged_attention_reference,
+    paged_verify_attention,
+    supports_paged,
+)
 from pallas_kernels.verify_attention import (
     PRESETS,
     VerifyAttentionConfig,
@@ -12,4 +20,14 @@ from pallas_kernels.verify_attention import (
     verify_attention_reference,
 )
 
-__all__ = ["PRESETS", "VerifyAttentionConfig", "supports", "verify_attention", "verify_attention_reference"]
+__all__ = [
+    "PRESETS",
+    "PagedAttentionConfig",
+    "VerifyAttentionConfig",
+    "paged_attention_reference",
+    "paged_verify_attention",
+    "supports",
+    "supports_paged",
+    "verify_attention",
+    "verify_attention_reference",
+]

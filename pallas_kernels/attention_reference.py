@@ -11,6 +11,8 @@ aligned to the end of each row; a length past S, a verify window reaching past t
 keeps that alignment). Entries at or past `lengths[b]` are stale: they are masked in the scores
 and zeroed in the values, so even NaN there cannot leak. A query with nothing to attend to
 returns zeros. `masked_attention` is the core under any boolean mask (training's segment mask too).
+Values may have another head dim Dv than queries and keys (D): DeepSeek MLA's absorbed attention,
+whose keys are [latent, rope key] and whose values are the latent alone.
 """
 
 from __future__ import annotations
@@ -31,21 +33,22 @@ def attention_mask(lengths: Int[Array, " B"], num_queries: int, cache_len: int) 
 def verify_attention_reference(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S G D"],
-    v: Float[Array, "B S G D"],
+    v: Float[Array, "B S G Dv"],
     lengths: Int[Array, " B"],
     *,
     scale: float | None = None,
-) -> Float[Array, "B T H D"]:
+) -> Float[Array, "B T H Dv"]:
     """Causal grouped-query attention of T new queries against a cache.
 
     Args:
       q: queries of shape [B, T, H, D].
-      k, v: caches of shape [B, S, G, D], H a multiple of G (query head h reads KV head h // (H/G)).
+      k: key cache of shape [B, S, G, D], H a multiple of G (query head h reads KV head h // (H/G)).
+      v: value cache of shape [B, S, G, Dv] (Dv is usually D).
       lengths: int32 [B], valid entries per row including the T new tokens.
       scale: softmax scale, default 1/sqrt(D).
 
     Returns:
-      [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
+      [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum in float32.
     """
     cache_len = k.shape[1]
     mask = attention_mask(lengths, q.shape[1], cache_len)  # [B, T, S]
@@ -58,10 +61,10 @@ def verify_attention_reference(
 def masked_attention(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S G D"],
-    v: Float[Array, "B S G D"],
+    v: Float[Array, "B S G Dv"],
     mask: Bool[Array, "B T S"],
     scale: float | None,
-) -> Float[Array, "B T H D"]:
+) -> Float[Array, "B T H Dv"]:
     """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -75,5 +78,16 @@ def masked_attention(
     weights = jnp.exp(scores - peak)  # masked entries are exactly 0
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bgjts,bsgd->btgjd", weights, v.astype(jnp.float32))  # [B, T, G, H/G, D]
-    return out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("bgjts,bsge->btgje", weights, v.astype(jnp.float32))  # [B, T, G, H/G, Dv]
+    return out.reshape(batch, num_queries, num_heads, v.shape[-1]).astype(q.dtype)  # [B, T, H, Dv]
+
+
+def gather_pages(pages: Float[Array, "N P ..."], block_table: Int[Array, "B W"]) -> Float[Array, "B S ..."]:
+    """Row b's pages in table order, [B, W * P, ...]; an id outside [0, N) (a sentinel) reads as zeros."""
+    num_pages, page_size = pages.shape[:2]
+    batch, width = block_table.shape
+    owned = (block_table >= 0) & (block_table < num_pages)  # [B, W]
+    rows = pages[jnp.clip(block_table, 0, num_pages - 1)]  # [B, W, P, ...]
+    owned = owned.reshape(batch, width, *([1] * (pages.ndim - 1)))
+    rows = jnp.where(owned, rows, 0)  # a sentinel's clamped read is dropped, NaN too
+    return rows.reshape(batch, width * page_size, *pages.shape[2:])  # [B, W * P, ...]

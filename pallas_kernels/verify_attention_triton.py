@@ -68,13 +68,7 @@ def _kernel(
         v = pltriton.load(v_ref.at[pl.ds(block * block_s, block_s), :], mask=live, other=0)  # [block_s, D]
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale  # [M, block_s] float32
         s = jnp.where(pos[None, :] < limit[:, None], s, -jnp.inf)
-        next_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # [M]; -inf while a row has seen nothing
-        shift = jnp.where(next_max == -jnp.inf, 0.0, next_max)  # keeps exp() away from -inf - -inf
-        p = jnp.exp(s - shift[:, None])  # [M, block_s]; masked entries are exactly 0
-        correction = jnp.exp(row_max - shift)  # [M]
-        row_sum = correction * row_sum + jnp.sum(p, axis=1)
-        acc = correction[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
-        return acc, next_max, row_sum
+        return online_softmax_step(s, v, acc, row_max, row_sum, precision)
 
     init = (
         jnp.zeros(acc_ref.shape, jnp.float32),
@@ -85,6 +79,18 @@ def _kernel(
     acc_ref[...] = acc
     max_ref[...] = row_max
     sum_ref[...] = row_sum
+
+
+def online_softmax_step(s, v, acc, row_max, row_sum, precision):
+    """One block of the online softmax: scores `s` [M, n] (float32, masked entries -inf) against values
+    `v` [n, Dv] folded into the running `acc` [M, Dv], `row_max` [M] and `row_sum` [M]; returns all three."""
+    next_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # [M]; -inf while a row has seen nothing
+    shift = jnp.where(next_max == -jnp.inf, 0.0, next_max)  # keeps exp() away from -inf - -inf
+    p = jnp.exp(s - shift[:, None])  # [M, n]; masked entries are exactly 0
+    correction = jnp.exp(row_max - shift)  # [M]
+    row_sum = correction * row_sum + jnp.sum(p, axis=1)
+    acc = correction[:, None] * acc + pltriton.dot(p.astype(v.dtype), v, precision=precision)  # [M, Dv]
+    return acc, next_max, row_sum
 
 
 def partials(

@@ -201,8 +201,10 @@ def test_gauges_follow_the_engine(demo):
         # A 12-token prompt is one chunk: a request admitted in a step has its first token by its end.
         assert value(found, "vllm:num_requests_running") == len(active) <= 2
         assert value(found, "vllm:num_requests_waiting") == 4 - len(started)
-        used = sum(len(prompt) + n for n in active.values())
-        assert value(found, "vllm:kv_cache_usage_perc") == pytest.approx(used / (2 * 128), abs=1e-12)
+        held = {rid: len(engine.pages.pages(rid)) for rid in active}  # KV pages: committed tokens + one step
+        for rid, n in active.items():
+            assert engine.pages.pages_for(len(prompt) + n) <= held[rid] <= engine.pages.pages_for(len(prompt) + n + K)
+        assert value(found, "vllm:kv_cache_usage_perc") == pytest.approx(sum(held.values()) / engine.num_pages)
     assert value(found, "vllm:generation_tokens_total") == 80
 
 
@@ -283,3 +285,22 @@ def test_render_and_registry():
     assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         PrometheusMetrics(MODEL, -1)
+
+
+def test_prefix_cache_and_preemption_counters_follow_the_engine(demo):
+    """Four requests behind one system prompt, two slots and 10 pages of 16 tokens (two requests at their
+    full length need 12, sharing two): prefixes hit, a request is preempted, and the counters equal the engine's
+    totals (tokens looked up and reused, preemptions)."""
+    _, tokenizer = demo
+    engine, metrics = make_engine(demo, K, page_size=16, num_pages=10)
+    system = tokenizer.encode("import os\nimport sys\nimport json\n" * 6).ids
+    assert 64 <= len(system) <= 80  # past the first page and one prefill chunk: a hit reuses >= 32 tokens
+    for p in PROMPTS + ("while True:\n",):
+        engine.add_request(system + tokenizer.encode(p).ids, max_tokens=30, ignore_eos=True)
+    outputs = run(engine)
+    found = samples(metrics)
+    assert engine.pages.hits > 0 and engine.num_preemptions > 0
+    assert value(found, "vllm:prefix_cache_queries_total") == engine.pages.queries
+    assert value(found, "vllm:prefix_cache_hits_total") == engine.pages.hits
+    assert value(found, "vllm:num_preemptions_total") == engine.num_preemptions
+    assert sum(m.num_preemptions for m in finished_metrics(outputs)) == engine.num_preemptions

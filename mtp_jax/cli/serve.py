@@ -8,6 +8,7 @@ imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,18 +25,21 @@ from mtp_jax.cli.common import (
     pick_model,
 )
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
-from mtp_jax.cli.plan import refuse_what_does_not_fit
+from mtp_jax.cli.plan import byte_size, refuse_what_does_not_fit
 
 SERVE_DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions (JSON or
 streamed server-sent events), GET /v1/models, /health and /metrics (Prometheus). --model DIR names
 the model: a saved model directory (config.json, safetensors, tokenizer.json; default: the bundled
 demo model); the positional MODEL_DIR means the same, give one or the other. Requests are batched
-continuously over --max-batch slots of --max-length tokens each, with plain decoding or MTP
-speculative decoding. The engine is compiled (warmed up) before the server listens; the URL is
-printed once it does. Chat requests use the model's chat_template from tokenizer_config.json, else a
-plain "<|role|>" template (mtp_jax.serving.chat_template). Compiled programs go to JAX's persistent
-compilation cache (--compilation-cache), which makes the warm-up short after the first start."""
+continuously over --max-batch rows of up to --max-length tokens each, with plain decoding or MTP
+speculative decoding; their KV caches are pages of --page-size tokens from a pool (--num-pages, or
+--kv-cache-memory), so memory follows the tokens held; requests are preempted when the pool runs out,
+and prompt pages are reused across requests (prefix caching, unless --no-prefix-caching). The engine
+is compiled (warmed up) before the server listens; the URL is printed once it does. Chat requests
+use the model's chat_template from tokenizer_config.json, else a plain "<|role|>" template
+(mtp_jax.serving.chat_template). Compiled programs go to JAX's persistent compilation cache
+(--compilation-cache), which makes the warm-up short after the first start."""
 
 # ServingEngine parameters named in its errors, and their flags.
 _FLAGS = {
@@ -43,6 +47,8 @@ _FLAGS = {
     "max_length": "--max-length",
     "prefill_chunk": "--prefill-chunk",
     "max_queue": "--max-queue",
+    "num_pages": "--num-pages",
+    "page_size": "--page-size",
     "num_speculative_tokens": "--num-speculative-tokens",
 }
 
@@ -64,13 +70,43 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", metavar="DIR", default=None, help=f"{MODEL_HELP}; default: the bundled demo model")
     add_speculative_arguments(p, default="eagle")
+    p.add_argument(
+        "--draft-sampling",
+        choices=("sample", "greedy"),
+        default="sample",
+        help="sample: a sampled request's drafts are drawn from the drafter's distribution and accepted by the "
+        "lossless rule, a greedy request's are greedy (default); greedy: every draft is the drafter's argmax",
+    )
     add_weight_arguments(p)
-    p.add_argument("--max-batch", type=int, default=8, help="slots decoding at once (default 8)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoding at once: rows of a step (default 8)")
     p.add_argument(
         "--max-length",
         type=int,
         default=None,
-        help="tokens per slot, prompt + output (default: the model's max positions)",
+        help="most tokens of one request, prompt + output (default: the model's max positions)",
+    )
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV pages in the pool (default: --max-batch x ceil(--max-length / --page-size), the memory of "
+        "--max-batch full-length requests)",
+    )
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the pool's memory instead of --num-pages: main model and MTP modules, all layers (e.g. 4GB, 2GiB)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        default=None,
+        help="never reuse cached prompt pages (default: reuse them where the model allows it)",
     )
     p.add_argument(
         "--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call, >= K + 1 (default 64)"
@@ -102,6 +138,7 @@ def _build_engine(args: argparse.Namespace, mesh):
     from mtp_jax.decode.speculative import SpeculativeConfig
     from mtp_jax.serving import ServingEngine
     from mtp_jax.serving.chat_template import ChatTemplate
+    from mtp_jax.serving.paging import page_bytes
     from mtp_jax.serving.prometheus import PrometheusMetrics
 
     given, spelling = pick_model(args.model_dir, args.model, "MODEL_DIR")
@@ -127,17 +164,28 @@ def _build_engine(args: argparse.Namespace, mesh):
     name = args.served_model_name or model_dir.resolve().name
     try:
         speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
+        if speculative is not None:
+            speculative = dataclasses.replace(speculative, draft_sampling=args.draft_sampling)
         metrics = PrometheusMetrics(
             name,
             0 if speculative is None else speculative.num_speculative_tokens,
             max_model_len=args.max_length or model.config.max_position_embeddings,
         )
+        num_pages = args.num_pages
+        if args.kv_cache_memory is not None:
+            per_page = page_bytes(model, speculative, args.page_size)
+            num_pages = args.kv_cache_memory // per_page
+            if num_pages < 1:
+                raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} bytes holds no KV page ({per_page} bytes)")
         engine = ServingEngine(
             model,
             speculative,
             tokenizer=tokenizer,
             max_batch=args.max_batch,
             max_length=args.max_length,
+            num_pages=num_pages,
+            page_size=args.page_size,
+            prefix_caching=args.prefix_caching,
             prefill_chunk=args.prefill_chunk,
             max_queue=args.max_queue,
             mesh=mesh,
@@ -172,7 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
         configure_compilation_cache(args)  # the warm-up compiles every engine step: cached after a first start
         print(
             f"mtp-jax serve: warming up {name} ({args.speculative}, max batch {engine.max_batch}, "
-            f"max length {engine.max_length}) ...",
+            f"max length {engine.max_length}, {engine.num_pages} KV pages of {engine.page_size} tokens, prefix "
+            f"caching {'on' if engine.prefix_caching else 'off'}) ...",
             file=sys.stderr,
             flush=True,
         )

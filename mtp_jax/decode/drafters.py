@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.cache import KVCache, write_at
+from mtp_jax.cache import KVCache, PageLayout, init_cache, write_at
 from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingState, sample_from, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.indexing import take_rows
@@ -52,8 +52,10 @@ def init_draft_state(
     batch_size: int,
     max_length: int,
     oracle_tokens: np.ndarray | None = None,
+    pages: PageLayout | None = None,
 ) -> DraftState:
-    """The drafter's empty state for B rows of capacity S (`speculative` None: no drafts, K = 0).
+    """The drafter's empty state for B rows of capacity S (`speculative` None: no drafts, K = 0), its caches
+    paged with `pages`.
 
     `oracle_tokens`: int [B, R] for method "oracle" (row b's full sequence, prompt first; positions
     past R draft token 0), required there and refused elsewhere (ValueError).
@@ -86,7 +88,9 @@ def init_draft_state(
         **jax.device_put(host),  # (jnp.zeros would compile a small program per array)
         caches=()
         if speculative is None
-        else tuple(model.mtp[j].init_cache(batch_size, max_length) for j in range(speculative.num_caches)),
+        else tuple(
+            init_cache(model.mtp[j].init_cache, batch_size, max_length, pages) for j in range(speculative.num_caches)
+        ),
     )
     # (not [B, 0]: on a mesh jitted calls return that empty array with varying specs, and recompile)
 

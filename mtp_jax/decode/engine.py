@@ -25,6 +25,7 @@ from mtp_jax.decode.step import (
     decode_step,
     insert_row,
     prefill,
+    prefill_rows,
     release_rows,
     run,
     step_with_output,
@@ -33,12 +34,12 @@ from mtp_jax.model import Transformer, static_split
 from mtp_jax.sharding import named_shardings, on_mesh, place, shard_params
 
 
-def _jit_with_model(fn: Callable, *static: str) -> Callable:
+def _jit_with_model(fn: Callable, *static: str, donate: tuple[str, ...] = ("state",)) -> Callable:
     """`fn(model, speculative, state, ...)` jitted as `(graph, params, speculative, state, ...)`: the model
     merged from its NNX split inside the program, `graph`, `speculative` and `static` static, the state
-    donated."""
+    (and the other arguments `donate` names) donated."""
 
-    @functools.partial(jax.jit, static_argnames=("graph", "speculative", *static), donate_argnames=("state",))
+    @functools.partial(jax.jit, static_argnames=("graph", "speculative", *static), donate_argnames=donate)
     def jitted(graph, params, speculative, state, *args, **kwargs):
         return fn(graph.merge(params), speculative, state, *args, **kwargs)
 
@@ -49,6 +50,7 @@ _prefill_jit = _jit_with_model(prefill, "final")
 _step_jit = _jit_with_model(decode_step)
 _run_jit = _jit_with_model(run)
 _step_with_output_jit = _jit_with_model(step_with_output)
+_prefill_rows_jit = _jit_with_model(prefill_rows, "final", donate=("state", "rows"))
 _insert_jit = jax.jit(insert_row, donate_argnames=("state",))
 _release_jit = jax.jit(release_rows, donate_argnames=("state",))
 
@@ -63,6 +65,7 @@ def compiled_counts() -> dict[str, int]:
             ("_step_jit", _step_jit),
             ("_run_jit", _run_jit),
             ("_step_with_output_jit", _step_with_output_jit),
+            ("_prefill_rows_jit", _prefill_rows_jit),
             ("_insert_jit", _insert_jit),
             ("_release_jit", _release_jit),
         )
@@ -129,9 +132,26 @@ class DecodeEngine:
         """Steps until every row is done, as one `lax.while_loop` on device."""
         return self._call(_run_jit, state)
 
-    def step_with_output(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """One decode step and what each row committed (`step_with_output`)."""
-        return self._call(_step_with_output_jit, state)
+    def step_with_output(
+        self, state: DecodeState, block_table: jax.Array | None = None
+    ) -> tuple[DecodeState, StepOutput]:
+        """One decode step and what each row committed (`step_with_output`; a paged state with its rows'
+        `block_table`, int32 [B, W])."""
+        return self._call(_step_with_output_jit, state, block_table)
+
+    def prefill_rows(
+        self,
+        state: DecodeState,
+        rows: DecodeState,
+        padded_prompts: jax.Array,
+        start: jax.Array,
+        block_table: jax.Array,
+        *,
+        final: bool,
+    ) -> tuple[DecodeState, DecodeState]:
+        """A chunk of the paged row state `rows` prefilled into `state`'s page pools (`prefill_rows`); both
+        states are donated and returned."""
+        return self._call(_prefill_rows_jit, state, rows, padded_prompts, start, block_table, final=final)
 
     def insert(self, state: DecodeState, rows: DecodeState, slot: int) -> DecodeState:
         """Row 0 of `rows` into row `slot` of `state` (`insert_row`; `rows` is not donated)."""

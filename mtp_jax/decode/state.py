@@ -17,7 +17,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, PageLayout
+from mtp_jax.cache import init_cache as build_cache
 from mtp_jax.cache import logical_axes as cache_axes
 from mtp_jax.config import MAX_STOP_TOKENS
 from mtp_jax.decode.acceptance import initial_phase
@@ -101,8 +102,10 @@ def init_state(
     stop_tokens: Iterable[int] | None = None,
     speculative: SpeculativeConfig | None = None,
     oracle_tokens: np.ndarray | None = None,
+    pages: PageLayout | None = None,
 ) -> tuple[DecodeState, jax.Array]:
-    """Checks the request and builds the initial state and the padded prompt array int32 [B, P].
+    """Checks the request and builds the initial state and the padded prompt array int32 [B, P]; with `pages`
+    its attention caches (main and MTP) are paged (`mtp_jax.cache.PagedCache`; the serving engine's).
 
     The request's arguments are `generate`'s (checked by `mtp_jax.decode.request.check_request`, which
     lists the TypeError / ValueError raised); `speculative` is checked against the model
@@ -144,9 +147,9 @@ def init_state(
     )
     state = DecodeState(
         **jax.device_put(host),
-        cache=model.init_cache(batch, capacity),
+        cache=build_cache(model.init_cache, batch, capacity, pages),
         sampling=SamplingState.from_params(request.sampling),
-        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens),
+        draft=init_draft_state(model, speculative, batch, capacity, oracle_tokens, pages),
         metrics=SpeculativeCounters.zeros(batch, k_max),
     )
     return state, jax.device_put(padded)

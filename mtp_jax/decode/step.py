@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.cache import KVCache, settle, write_at
+from mtp_jax.cache import KVCache, bind_pages, settle, share_pools, without_pools, write_at
 from mtp_jax.decode.acceptance import Target, accept, update_phase
 from mtp_jax.decode.drafters import draft_after_prefill, draft_after_verify
 from mtp_jax.decode.speculative import SpeculativeConfig
@@ -188,10 +188,13 @@ class StepOutput:
 
 
 def step_with_output(
-    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState
+    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, block_table: jax.Array | None = None
 ) -> tuple[DecodeState, StepOutput]:
-    """`decode_step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1]."""
-    new = decode_step(model, speculative, state)
+    """`decode_step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
+
+    A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
+    must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
+    new = with_pages(decode_step(model, speculative, with_pages(state, block_table)), None)
     positions = jnp.minimum(
         state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
     )  # [B, K+1]
@@ -204,11 +207,54 @@ def step_with_output(
     )
 
 
+def with_pages(state: DecodeState, block_table: jax.Array | None) -> DecodeState:
+    """`state` with its paged caches, main and MTP, bound to `block_table` (int32 [B, W]; None: unbound)."""
+    return state.replace(
+        cache=bind_pages(state.cache, block_table),
+        draft=state.draft.replace(caches=bind_pages(state.draft.caches, block_table)),
+    )
+
+
+def _pools_from(rows: DecodeState, state: DecodeState) -> DecodeState:
+    """`rows` with its paged caches' pools taken from `state` (`mtp_jax.cache.share_pools`)."""
+    return rows.replace(
+        cache=share_pools(rows.cache, state.cache),
+        draft=rows.draft.replace(caches=share_pools(rows.draft.caches, state.draft.caches)),
+    )
+
+
+def prefill_rows(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    state: DecodeState,
+    rows: DecodeState,
+    padded_prompts: jax.Array,
+    start: jax.Array,
+    block_table: jax.Array,
+    *,
+    final: bool,
+) -> tuple[DecodeState, DecodeState]:
+    """`prefill` of a paged row state `rows` (built without pools, `PageLayout(pools=False)`) into the pages
+    `block_table` (int32 [R, W]) gives its rows in the pools of the engine's state `state`: the serving
+    engine's prefill, whose KV lands where the row's decode steps read it (no copy at `insert_row`).
+    Returns both states (`rows` again without pools)."""
+    rows = with_pages(_pools_from(rows, state), block_table)
+    rows = with_pages(prefill(model, speculative, rows, padded_prompts, start, final=final), None)
+    state = _pools_from(state, rows)
+    return state, rows.replace(
+        cache=without_pools(rows.cache), draft=rows.draft.replace(caches=without_pools(rows.draft.caches))
+    )
+
+
 def insert_row(state: DecodeState, rows: DecodeState, slot: jax.Array) -> DecodeState:
     """`state` with row `slot` (an int32 scalar, traced) replaced by row 0 of `rows` (a state of the
-    same capacity and drafter, any batch size): how a prefilled request enters a running batch."""
+    same capacity and drafter, any batch size): how a prefilled request enters a running batch. Paged
+    caches' pools stay `state`'s (the row's KV is already in its pages, `prefill_rows`)."""
+    rows = _pools_from(rows, state)
 
     def put(x, new, pspec):
+        if "batch" not in pspec:  # a page pool: no row of it to copy
+            return x
         axis = list(pspec).index("batch")
         row = jax.lax.slice_in_dim(new, 0, 1, axis=axis).astype(x.dtype)
         return jax.lax.dynamic_update_slice_in_dim(x, row, slot, axis)

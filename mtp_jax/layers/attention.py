@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, PagedCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
 from mtp_jax.layers.fused import qkv_layout
 from mtp_jax.layers.linear import linear
@@ -63,6 +63,38 @@ def attend(
             kernel = functools.partial(verify_attention, scale=scale, interpret=impl == "pallas_interpret")
             return _per_shard(kernel, q, k, v, lengths)
     return attention_reference(q, k, v, lengths, scale=scale)
+
+
+def attend_paged(
+    q: Float[Array, "B T H D"],
+    cache: PagedCache,
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> Float[Array, "B T H D"]:
+    """`attend` over a bound paged `KVCache` (`mtp_jax.cache.PagedCache`, pools [N, P, G, D]).
+
+    With "pallas" / "pallas_interpret" (or "auto" on a GPU) and operands the paged kernel supports
+    (`pallas_kernels.paged_verify_attention`: page size a power of two >= 16, ...), the kernel reads the
+    rows' pages through the block table; otherwise, and under a mesh that shards rows or heads, the rows'
+    pages are gathered (`PagedCache.view`) and `attend` takes them with `impl`.
+    """
+    pool, table = cache.pool, cache.block_table
+    sharded = context_spec(P("batch", None, "heads", None), q.shape)
+    if (
+        impl != "reference"
+        and (impl != "auto" or jax.default_backend() == "gpu")
+        and not (sharded is not None and any(axis is not None for axis in sharded))
+    ):
+        from pallas_kernels.paged_attention import paged_verify_attention, supports_paged
+
+        if supports_paged(q, pool.k, pool.v, table, lengths):
+            return paged_verify_attention(
+                q, pool.k, pool.v, table, lengths, scale=scale, interpret=impl == "pallas_interpret"
+            )
+    view = cache.view()
+    return attend(q, view.k, view.v, lengths, scale=scale, impl=impl)
 
 
 def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -164,9 +196,9 @@ class Attention(nnx.Module):
         self,
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],
-        cache: KVCache,
+        cache: KVCache | PagedCache,
         segment_ids: Int[Array, "B T"] | None = None,
-    ) -> tuple[Float[Array, "B T E"], KVCache]:
+    ) -> tuple[Float[Array, "B T E"], KVCache | PagedCache]:
         """Attention of T new tokens at contiguous `positions` (int32 [B, T]) over `cache` and themselves.
 
         The new keys and values are written at `positions`; query t sees cache positions
@@ -185,9 +217,11 @@ class Attention(nnx.Module):
         q, k = self._rope(q, positions), self._rope(k, positions)
         cache = cache.write(positions, k, v)
         if segment_ids is None:  # `attend` counts each row's entries including the T new ones
-            out = attend(
-                q, cache.k, cache.v, positions[:, -1] + 1, scale=c.attention_scale, impl=c.attention_impl
-            )  # [B, T, H, D]
+            lengths, scale, impl = positions[:, -1] + 1, c.attention_scale, c.attention_impl
+            if isinstance(cache, PagedCache):
+                out = attend_paged(q, cache, lengths, scale=scale, impl=impl)  # [B, T, H, D]
+            else:
+                out = attend(q, cache.k, cache.v, lengths, scale=scale, impl=impl)  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only
             out = segment_attention_reference(q, k, v, segment_ids, scale=c.attention_scale)  # [B, T, H, D]
         if c.attn_output_gate:

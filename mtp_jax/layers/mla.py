@@ -33,7 +33,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from mtp_jax.cache import check_shape, write_at
+from mtp_jax.cache import check_shape, dense_view, write_at
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers.fused import FusedLayout
 from mtp_jax.layers.linear import compute_kernel, linear
@@ -211,12 +211,13 @@ class MLAttention(nnx.Module):
         k_rope = self._rope(kv[..., None, c.kv_lora_rank :], positions)[:, :, 0]  # [B, T, 1, R] -> [B, T, R]
 
         cache = cache.write(positions, latent, k_rope)
+        view = dense_view(cache)  # a paged cache: its rows' pages in order
 
         acc = jnp.promote_types(x.dtype, jnp.float32)
-        s = jnp.arange(cache.max_length)
+        s = jnp.arange(view.max_length)
         live = (s[None, :] <= positions[:, -1:])[:, :, None]  # [B, S, 1]
-        live_latent = jnp.where(live, cache.latent, 0)  # [B, S, C]
-        cached_rope = jnp.where(live, cache.k_rope, 0).astype(acc)  # [B, S, R]
+        live_latent = jnp.where(live, view.latent, 0)  # [B, S, C]
+        cached_rope = jnp.where(live, view.k_rope, 0).astype(acc)  # [B, S, R]
         visible = s[None, None, :] <= positions[:, :, None]  # [B, T, S]
         q_nope, q_rope = q_nope.astype(acc), q_rope.astype(acc)
         rope_scores = jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope)  # [B, H, T, S]
@@ -230,7 +231,7 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv)  # [B, T, H, V]
         else:
             kv_heads = self.kv_b_proj(live_latent).astype(acc)  # [B, S, H (N + V)]
-            kv_heads = kv_heads.reshape(batch, cache.max_length, heads, nope + v_dim)  # [B, S, H, N + V]
+            kv_heads = kv_heads.reshape(batch, view.max_length, heads, nope + v_dim)  # [B, S, H, N + V]
             k_nope, v = kv_heads[..., :nope], kv_heads[..., nope:]  # [B, S, H, N], [B, S, H, V]
             scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + rope_scores  # [B, H, T, S]
             weights = _masked_softmax(scores * softmax_scale(c), visible)  # [B, H, T, S]

@@ -17,6 +17,8 @@ class RequestMetrics:
     then one entry per decode step that committed some); committed_per_step[i] how many tokens it
     brought (1 .. K+1). num_drafts counts proposed draft tokens (K per decode step), num_accepted
     the accepted ones that were emitted, accepted_per_position[j] the steps whose draft j+1 was.
+    num_preemptions: times it gave up its KV pages to let older requests grow (`ServingEngine`).
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache, at its (last) admission.
     """
 
     arrival_time: float
@@ -29,10 +31,20 @@ class RequestMetrics:
     num_drafts: int = 0
     num_accepted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self):
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def count_step(self, num_drafts: int, num_accepted: int) -> None:
+        """One decode step that proposed `num_drafts` drafts, of which the first `num_accepted` were emitted."""
+        self.num_steps += 1
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
 
     @property
     def ttft(self) -> float | None:

@@ -11,7 +11,11 @@ Names and sources (vLLM: `vllm/v1/metrics/loggers.py`, `vllm/v1/metrics/stats.py
 
 - gauges, set after every step: `vllm:num_requests_running` (`ServingEngine.num_running`: prefilling
   or holding a slot), `vllm:num_requests_waiting` (`num_waiting`), `vllm:kv_cache_usage_perc`
-  (`kv_cache_usage`, committed tokens / slot capacity, 0..1).
+  (`kv_cache_usage`: KV pages held by requests / all pages, 0..1).
+- cache and scheduler counters, from the engine's totals after every step: `vllm:prefix_cache_queries_total`
+  and `vllm:prefix_cache_hits_total` (prompt tokens looked up in the prefix cache at admission, and those
+  whose KV it supplied: `ServingEngine.pages.queries` / `.hits`), `vllm:num_preemptions_total`
+  (`ServingEngine.num_preemptions`).
 - counters, per step from the step's outputs (vLLM counts per iteration):
   `vllm:prompt_tokens_total` (a request's prompt, at its first token, as vLLM counts it when the
   prefill completes), `vllm:generation_tokens_total` (the tokens handed to requests: tokens cut
@@ -168,6 +172,16 @@ class PrometheusMetrics:
             Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
         )
         self.kv_cache_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = metric(
+            Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = metric(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = metric(
+            Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self._engine_totals = (0, 0, 0)  # the engine's (queries, hits, preemptions) at the last step
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
@@ -265,6 +279,11 @@ class PrometheusMetrics:
         self.num_requests_running.set(engine.num_running)
         self.num_requests_waiting.set(engine.num_waiting)
         self.kv_cache_usage.set(engine.kv_cache_usage)
+        totals = (engine.pages.queries, engine.pages.hits, engine.num_preemptions)
+        counters = (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions)
+        for counter, now, before in zip(counters, totals, self._engine_totals, strict=True):
+            counter.inc(now - before)
+        self._engine_totals = totals
 
     def on_finished(self, out: RequestOutput) -> None:
         """Per-request values of a finished request (its `RequestMetrics` are complete)."""

@@ -12,7 +12,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.text import TextStream
-from mtp_jax.serving.outputs import RequestMetrics
+from mtp_jax.serving.outputs import RequestMetrics, RequestOutput
 
 
 @dataclasses.dataclass
@@ -41,6 +41,13 @@ class ServedRequest:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text_end: int | None = None  # where a stop string cut the text
+    admitted: int = -1  # admission order (the newest is preempted first)
+    pages_final: int = 0  # leading positions already offered to the prefix cache
+
+    @property
+    def length(self) -> int:
+        """L, the committed tokens of its row: prompt and everything received."""
+        return len(self.prompt) + len(self.token_ids)
 
     @classmethod
     def checked(
@@ -154,3 +161,20 @@ class ServedRequest:
         piece = self.text.text[self.text_sent : max(end, self.text_sent)]
         self.text_sent = max(end, self.text_sent)
         return piece
+
+    def output(self, tokens, logprobs, text: str, num_committed: int, num_accepted: int) -> RequestOutput:
+        """What it receives now: `tokens`, their logprobs and `text`, from a step that committed `num_committed`
+        tokens of which `num_accepted` were accepted drafts."""
+        return RequestOutput(
+            request_id=self.id,
+            token_ids=tokens,
+            logprobs=logprobs,
+            text=text,
+            num_committed=num_committed,
+            num_accepted=num_accepted,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            metrics=self.metrics,
+        )

@@ -2,15 +2,25 @@
 
 The seed serving guide (sections 7, 8, 11; `docs/MTP_SPEC.md`, "Serving") in one class, `ServingEngine`:
 
-- **Slots.** The decode state has `max_batch` rows of capacity `max_length`; a row is a slot. A
-  free slot is a finished row (`done`), which a step leaves alone. Every engine step runs the one
-  jitted speculative step over all slots (`DecodeEngine.step_with_output`), whoever holds them.
-- **Admission.** A waiting request is prefilled in a staging state of its own (one row, or one per
-  `data` x `fsdp` device on a mesh) in chunks of `prefill_chunk` tokens, at most `prefill_chunk`
-  prompt tokens per engine step while other requests decode (so they keep decoding: several short
-  prompts or one chunk of a long one), a whole prompt first when none does; the
-  prefilled row is then copied into a free slot (`DecodeEngine.insert`). Shapes never change:
-  nothing compiles after `warm_up`.
+- **Slots and pages.** The decode state has `max_batch` rows (slots) of at most `max_length` tokens; a
+  free slot is a finished row (`done`), which a step leaves alone. The KV caches, the main model's and
+  every MTP module's, are pools of `num_pages` pages of `page_size` positions (`mtp_jax.cache.PagedCache`),
+  lent to requests by a host allocator (`mtp_jax.serving.pages.PageAllocator`): before each step every
+  running row owns pages for its L + K + 1 positions, and a step reads only the pages the longest of
+  them needs, rounded up to one of a few compiled widths (`page_buckets`), so step time follows
+  the tokens held, not `max_length`. Pages are freed when a request ends, never on a rejected draft.
+- **Admission** is by free pages (and a free slot). A waiting request is prefilled in a staging row state
+  (one row, or one per `data` x `fsdp` device on a mesh) straight into its own pages, in chunks of
+  `prefill_chunk` tokens, at most `prefill_chunk` prompt tokens per engine step while other requests
+  decode (so they keep decoding), a whole prompt first when none does; the row then enters a free slot
+  (`DecodeEngine.insert`, no KV copied). Shapes never change: nothing compiles after `warm_up`.
+- **Preemption.** When a running row cannot get its next pages, the newest request gives all of its up and
+  waits at the head of the queue; re-admitted, its prompt and the tokens it had are prefilled again and
+  its output continues where it stopped (greedy: token for token what it would have been).
+- **Prefix caching** (`mtp_jax.serving.pages`): full pages of committed tokens are kept, keyed by the
+  whole prefix; a new request reuses the longest run of them, less the last one (whose MTP entry was
+  computed from the next token of the request that wrote it), from a multiple of `prefill_chunk` (so the
+  rest is computed exactly as without the cache), and prefills the rest.
 - **Advance by what was committed.** A step commits 1 .. K+1 tokens per row (`StepOutput`); the
   scheduler reads that count and hands each request exactly those tokens. KV use counts committed
   tokens only (rejected drafts' entries are stale, `mtp_jax.cache`).
@@ -19,8 +29,8 @@ The seed serving guide (sections 7, 8, 11; `docs/MTP_SPEC.md`, "Serving") in one
   detokenized text, token by token, so one that completes inside an accepted block ends the output
   exactly there; the tokens after it are dropped and the slot is released at once. A stop token's
   text and a stop string are not part of the output text (OpenAI's and vLLM's default).
-- **Cancellation** (`abort`) frees the slot before the next step; the other rows are untouched
-  (rows never read each other).
+- **Cancellation** (`abort`) frees the slot and the pages before the next step; the other rows are
+  untouched (rows never read each other's pages).
 
 Thread use: `add_request` and `abort` may be called from any thread; `step` from one thread at a
 time (`mtp_jax.serving.AsyncEngine` runs it in a background thread for the HTTP server).
@@ -35,21 +45,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 from tokenizers import Tokenizer
 
-from mtp_jax.decode.engine import DecodeEngine
-from mtp_jax.decode.engine import compiled_counts as decode_compiled_counts
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
 from mtp_jax.model import Transformer
 from mtp_jax.serving.outputs import FINISH_REASONS, RequestMetrics, RequestOutput
+from mtp_jax.serving.pages import PageAllocator
+from mtp_jax.serving.paging import RowPages, prefix_caching_default
 from mtp_jax.serving.requests import ServedRequest
-from mtp_jax.sharding import batch_rows, named_shardings, place, to_host, trim_specs
+from mtp_jax.serving.rows import DeviceRows
 from mtp_jax.validation import is_integer
 
 __all__ = ["FINISH_REASONS", "QueueFull", "RequestMetrics", "RequestOutput", "ServingEngine"]
@@ -61,11 +68,13 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass
 class _Staging:
-    """The request being prefilled, chunk by chunk, in its own state."""
+    """The request being prefilled, chunk by chunk, in its own row state: `prompt` is what the device
+    prefills (the request's prompt, and after a preemption the tokens it had received too)."""
 
     request: ServedRequest
     state: DecodeState
     slot: int
+    prompt: list[int]
     start: int = 0
 
 
@@ -83,8 +92,14 @@ class ServingEngine:
       model, speculative, mesh: as `DecodeEngine` (`max_batch` must then be a multiple of the
         mesh's `data` x `fsdp` size).
       tokenizer: an HF `tokenizers.Tokenizer` for text outputs and stop strings (None: ids only).
-      max_batch: B, slots decoding at once. max_length: S, tokens per slot (prompt + output),
-        default `config.max_position_embeddings`. prefill_chunk: C, prompt tokens per prefill call
+      max_batch: B, rows one step computes (requests decoding at once). max_length: S, most tokens of
+        one request (prompt + output), default `config.max_position_embeddings`. num_pages: N, KV pages
+        per layer (what the KV memory holds: N x page_size tokens in all), default B x ceil(S / P), the
+        memory of B dense rows. page_size: P, positions per page (>= 1). prefix_caching: reuse cached
+        prompt pages (default: on where the model allows it; True raises ValueError where it does not:
+        recurrent layers, method "vanilla"). page_buckets: the block-table widths in pages the
+        step compiles for (`mtp_jax.serving.paging.RowPages`; default 1, 4, 16, ... and the widest).
+        prefill_chunk: C, prompt tokens per prefill call
         (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
         which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
       stats: an optional listener with `on_step(engine, outputs)` and `on_finished(output)`
@@ -102,6 +117,10 @@ class ServingEngine:
         tokenizer: Tokenizer | None = None,
         max_batch: int = 8,
         max_length: int | None = None,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        prefix_caching: bool | None = None,
+        page_buckets: Sequence[int] | None = None,
         prefill_chunk: int = 64,
         max_queue: int = 256,
         mesh: Mesh | None = None,
@@ -111,9 +130,14 @@ class ServingEngine:
         config = model.config
         max_length = config.max_position_embeddings if max_length is None else max_length
         k = 0 if speculative is None else speculative.num_speculative_tokens
+        if not is_integer(page_size) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if is_integer(max_batch) and is_integer(max_length) and num_pages is None:
+            num_pages = max_batch * -(-max_length // page_size)
         for name, value, low in (
             ("max_batch", max_batch, 1),
             ("max_length", max_length, 2),
+            ("num_pages", num_pages, 1),
             ("prefill_chunk", prefill_chunk, max(1, k + 1)),
             ("max_queue", max_queue, 1),
         ):
@@ -123,24 +147,35 @@ class ServingEngine:
             raise ValueError(
                 f"max_length={max_length} exceeds config.max_position_embeddings={config.max_position_embeddings}"
             )
-        rows = batch_rows(mesh)
-        if max_batch % rows:
-            raise ValueError(f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {rows}")
         self.model, self.speculative, self.tokenizer, self.mesh = model, speculative, tokenizer, mesh
         self.max_batch, self.max_length, self.prefill_chunk = int(max_batch), int(max_length), int(prefill_chunk)
         self.max_queue, self.clock, self.stats = int(max_queue), clock, stats
         self.num_speculative_tokens = k
-        self.decode = DecodeEngine(model, speculative, mesh=mesh)
-        self._staging_rows = rows
-        self._oracle = speculative is not None and speculative.method == "oracle"
-        state, _ = self.decode.init_state(
-            [[0]] * self.max_batch,
-            max_new_tokens=1,
-            max_length=self.max_length,
-            stop_tokens=[],
-            oracle_tokens=np.zeros((self.max_batch, self.max_length), np.int32) if self._oracle else None,
+        self.prefix_caching = prefix_caching_default(model, speculative, prefix_caching)
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.pages = PageAllocator(
+            self.num_pages,
+            self.page_size,
+            prefix_caching=self.prefix_caching,
+            salt=repr(config),  # what changes a page's KV besides its tokens: the model and its dtypes
         )
-        self._state = self.decode.release(self._placed(state), np.ones(self.max_batch, bool))  # every slot free
+        self.paging = RowPages(
+            self.pages,
+            max_length=self.max_length,
+            num_speculative_tokens=k,
+            prefill_chunk=self.prefill_chunk,
+            buckets=page_buckets,
+        )
+        self.rows = DeviceRows(
+            model,
+            speculative,
+            mesh=mesh,
+            max_batch=self.max_batch,
+            max_length=self.max_length,
+            prefill_chunk=self.prefill_chunk,
+            paging=self.paging,
+        )
+        self.num_preemptions = 0
         self._slots: list[ServedRequest | None] = [None] * self.max_batch
         self._waiting: collections.deque[ServedRequest] = collections.deque()
         self._staging: _Staging | None = None
@@ -148,6 +183,7 @@ class ServingEngine:
         self._ids: set[str] = set()  # every request not yet finished
         self._lock = threading.Lock()
         self._counter = itertools.count()
+        self._admissions = itertools.count()  # admission order: the newest request is preempted first
 
     # ------------------------------------------------------------------------------------------
     # Requests in
@@ -174,8 +210,8 @@ class ServingEngine:
         required there), the sequence its drafts replay, prompt first (at most max_length ids).
 
         Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
-        over max_length, too many stop tokens, stop strings without a tokenizer, a request_id in
-        use, ...) and `QueueFull` when `max_queue` requests wait already.
+        over max_length or over what `num_pages` hold, too many stop tokens, stop strings without a
+        tokenizer, a request_id in use, ...) and `QueueFull` when `max_queue` requests wait already.
         """
         request = ServedRequest.checked(
             self.model.config,
@@ -187,10 +223,16 @@ class ServingEngine:
             ignore_eos=ignore_eos,
             stop=stop,
             tokenizer=self.tokenizer,
-            oracle=self._oracle,
+            oracle=self.rows.oracle,
             oracle_tokens=oracle_tokens,
             num_speculative_tokens=self.num_speculative_tokens,
         )
+        need = self.pages.pages_for(self.paging.reach(len(request.prompt) + request.max_tokens))
+        if need > self.num_pages:
+            raise ValueError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) needs {need} KV pages "
+                f"of {self.page_size} tokens; the pool has num_pages={self.num_pages}"
+            )
         now = self.clock()
         with self._lock:
             if request_id is None:
@@ -235,15 +277,13 @@ class ServingEngine:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Committed tokens in the slots / (max_batch x max_length), in [0, 1]: positions holding
-        entries a later step reads (rejected drafts' stale entries do not count)."""
-        used = sum(len(r.prompt) + len(r.token_ids) for r in self._slots if r is not None)
-        return used / (self.max_batch * self.max_length)
+        """KV pages held by requests / num_pages, in [0, 1] (vLLM's `kv_cache_usage_perc`); cached prefix
+        pages nobody holds count as free."""
+        return self.pages.usage
 
     def compiled_counts(self) -> dict[str, int]:
         """How many times each jitted call has compiled (tests check nothing compiles after warm-up)."""
-        counts = decode_compiled_counts()
-        return {name: counts[name] for name in ("_prefill_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")}
+        return self.rows.compiled_counts()
 
     # ------------------------------------------------------------------------------------------
     # The engine step
@@ -255,7 +295,7 @@ class ServingEngine:
         outputs: list[RequestOutput] = []
         self._apply_aborts(outputs)
         if any(r is not None for r in self._slots):
-            outputs.extend(self._decode_step())
+            self._decode_step(outputs)
         self._prefill(outputs)
         if self.stats is not None:
             for out in outputs:
@@ -265,18 +305,20 @@ class ServingEngine:
         return outputs
 
     def warm_up(self) -> None:
-        """Compiles every jitted call by serving throwaway requests to the end (a prompt of three
-        chunks and one of a single token, so every prefill kind runs), again until a pass compiles
-        nothing (a safety net: on a mesh, should a call return some array with another spec than it
-        was given, the next call compiles once more); afterwards `step` never compiles. The
-        throwaway requests bypass `max_queue` and are not reported to `stats`. Call before taking
-        requests (raises RuntimeError if some are unfinished)."""
+        """Compiles every jitted call: serves throwaway requests to the end (a prompt of three chunks and
+        one of a single token, so every prefill kind runs), then runs a step and both prefill kinds at
+        every block-table width of `page_buckets` with no page bound (nothing written), again until a
+        pass compiles nothing (a safety net: on a mesh, should a call return some array with another spec
+        than it was given, the next call compiles once more); afterwards `step` never compiles. The
+        throwaway requests bypass `max_queue` and are not reported to `stats`; the pages they used go
+        back free, their prefixes uncached. Call before taking requests (raises RuntimeError if some are
+        unfinished)."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request: this engine has unfinished requests")
         long = max(1, min(2 * self.prefill_chunk + 1, self.max_length - 1))  # the longest prompt, if shorter
         prompts = [[0] * long, [0]]
-        stats, max_queue = self.stats, self.max_queue
-        self.stats, self.max_queue = None, max(max_queue, len(prompts))
+        stats, max_queue, caching = self.stats, self.max_queue, self.pages.prefix_caching
+        self.stats, self.max_queue, self.pages.prefix_caching = None, max(max_queue, len(prompts)), False
         try:
             for n in range(3):
                 before = self.compiled_counts()
@@ -286,16 +328,17 @@ class ServingEngine:
                         max_tokens=min(2, self.max_length - len(p)),
                         ignore_eos=True,
                         request_id=f"warm-up-{n}-{i}",
-                        oracle_tokens=p if self._oracle else None,
+                        oracle_tokens=p if self.rows.oracle else None,
                     )
                     for i, p in enumerate(prompts)
                 ]
                 while any(i in self._ids for i in ids):
                     self.step()
+                self.rows.warm_widths()
                 if self.compiled_counts() == before:
                     return
         finally:
-            self.stats, self.max_queue = stats, max_queue
+            self.stats, self.max_queue, self.pages.prefix_caching = stats, max_queue, caching
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -303,42 +346,64 @@ class ServingEngine:
             waiting = [r for r in self._waiting if r.id in aborts]
             for r in waiting:
                 self._waiting.remove(r)
-        released = np.zeros(self.max_batch, bool)
         for r in waiting:
             outputs.append(self._finish(r, "abort", [], []))
         if self._staging is not None and self._staging.request.id in aborts:
             outputs.append(self._finish(self._staging.request, "abort", [], []))
             self._staging = None
-        for slot, r in enumerate(self._slots):
-            if r is not None and r.id in aborts:
-                released[slot] = True
-                outputs.append(self._finish(r, "abort", [], []))
-        if released.any():
-            self._state = self.decode.release(self._state, released)
+        released = [slot for slot, r in enumerate(self._slots) if r is not None and r.id in aborts]
+        for slot in released:
+            outputs.append(self._finish(self._slots[slot], "abort", [], []))
+        self.rows.release(released)
 
-    def _decode_step(self) -> list[RequestOutput]:
-        self._state, out = self.decode.step_with_output(self._state)
-        num, tokens, logprobs, accepted, done = to_host(
-            (out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)
-        )
+    def _reserve_running(self) -> None:
+        """Pages for every running row's next step; the newest requests are preempted while some row
+        cannot get them."""
+        for r in sorted((r for r in self._slots if r is not None), key=lambda r: r.admitted):
+            while r.slot is not None and not self.pages.reserve(r.id, self.paging.reach(r.length)):
+                self._preempt_newest()
+
+    def _preempt_newest(self) -> None:
+        """The most recently admitted running or prefilling request gives up its pages and its slot and
+        waits at the head of the queue (its received tokens become part of the prompt it is prefilled
+        with when re-admitted)."""
+        running = [r for r in self._slots if r is not None]
+        if self._staging is not None:
+            running.append(self._staging.request)
+        newest = max(running, key=lambda r: r.admitted)
+        self.pages.release(newest.id)
+        if self._staging is not None and newest is self._staging.request:
+            self._staging = None
+        else:
+            self.rows.release([newest.slot])
+            self._slots[newest.slot], newest.slot = None, None
+        newest.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        with self._lock:
+            self._waiting.appendleft(newest)
+
+    def _decode_step(self, outputs: list[RequestOutput]) -> None:
+        self._reserve_running()
+        running = [r for r in self._slots if r is not None]
+        if not running:
+            return
+        width = self.paging.width(max(self.paging.reach(r.length) for r in running))
+        out = self.rows.step(self._slots, width)
+        num, tokens, logprobs, accepted, done = out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done
         now = self.clock()
-        outputs, released = [], np.zeros(self.max_batch, bool)
+        released = []
         for slot, r in enumerate(self._slots):
             if r is None:
                 continue
             n = int(num[slot])
             out = self._absorb(r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now)
-            m = r.metrics
-            m.num_steps += 1
-            m.num_drafts += self.num_speculative_tokens
-            m.num_accepted += out.num_accepted
-            for j in range(out.num_accepted):
-                m.accepted_per_position[j] += 1
+            r.metrics.count_step(self.num_speculative_tokens, out.num_accepted)
             outputs.append(out)
-            released[slot] = out.finished and not done[slot]  # a stop string: the device row still runs
-        if released.any():
-            self._state = self.decode.release(self._state, released)
-        return outputs
+            if out.finished and not done[slot]:  # a stop string: the device row still runs
+                released.append(slot)
+            if not out.finished:
+                self.paging.offer(r)
+        self.rows.release(released)
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:
         """Prefill work for this step: chunks of up to `prefill_chunk` prompt tokens in all while
@@ -348,86 +413,66 @@ class ServingEngine:
             if self._staging is None and not self._admit():
                 return
             staging = self._staging
-            tokens = min(self.prefill_chunk, len(staging.request.prompt) - staging.start)
+            tokens = min(self.prefill_chunk, len(staging.prompt) - staging.start)
             if budget is not None and tokens > budget and staging.start == 0 and budget < self.prefill_chunk:
                 return  # a new prompt that would overrun this step's budget waits for the next step
-            final = staging.start + self.prefill_chunk >= len(staging.request.prompt)
-            self._prefill_chunk(staging, final)
+            final = staging.start + self.prefill_chunk >= len(staging.prompt)
+            staging.state = self.rows.prefill(
+                staging.state, staging.request, staging.prompt, staging.start, final=final
+            )
+            staging.start += self.prefill_chunk
             budget = self.prefill_chunk - tokens if budget is None else budget - tokens
             if final:
                 self._staging = None
                 outputs.append(self._first_token(staging))
 
     def _admit(self) -> bool:
-        """Starts prefilling the oldest waiting request into a free slot; False when there is none."""
+        """Starts prefilling the oldest waiting request into a free slot and its pages (a prefix of
+        them from the prefix cache); False when there is no free slot, no waiting request or not
+        enough free pages for its prompt (plus one page per running row, so they can grow)."""
         free = [slot for slot, r in enumerate(self._slots) if r is None]
         with self._lock:
             if not free or not self._waiting:
                 return False
-            request = self._waiting.popleft()
-        request.metrics.scheduled_time = self.clock()
-        dummies = self._staging_rows - 1  # rows for the other data-parallel devices, never read
-        oracle = None
-        if request.oracle_tokens is not None:  # fixed shape [rows, S]: no recompiles
-            oracle = np.zeros((self._staging_rows, self.max_length), np.int32)
-            oracle[0, : len(request.oracle_tokens)] = request.oracle_tokens
-        state, _ = self.decode.init_state(
-            [request.prompt] + [[0]] * dummies,
-            max_new_tokens=[request.max_tokens] + [1] * dummies,
-            sampling=[request.sampling] + [SamplingParams()] * dummies,
-            max_length=self.max_length,
-            stop_tokens=request.stop_token_ids,
-            oracle_tokens=oracle,
-        )
-        state = self._placed(state)
-        self._staging = _Staging(request=request, state=state, slot=free[0])  # the slot stays free until then
+            request = self._waiting[0]
+        prompt = request.prompt + request.token_ids  # after a preemption: what it had received, too
+        start = self.paging.cached_prefix(prompt)
+        if start:
+            self.pages.adopt(request.id, prompt, start)
+        reach, running = self.paging.reach(len(prompt)), sum(r is not None for r in self._slots)
+        need = self.pages.pages_for(reach) - start // self.page_size  # pages still to take
+        if self.pages.num_free_pages - running < need or not self.pages.reserve(request.id, reach):
+            if start:
+                self.pages.release(request.id)
+            return False  # (an idle engine always admits: add_request checked that the request fits the pool)
+        with self._lock:
+            self._waiting.popleft()
+        request.admitted = next(self._admissions)
+        if request.metrics.scheduled_time is None:
+            request.metrics.scheduled_time = self.clock()
+        request.pages_final, request.metrics.num_cached_tokens = start, start
+        self.paging.admitted(prompt, start)
+        state = self.rows.staging(prompt, request.max_tokens - len(request.token_ids), request)
+        self._staging = _Staging(request=request, state=state, slot=free[0], prompt=prompt, start=start)
         return True
-
-    def _placed(self, state: DecodeState) -> DecodeState:
-        """On a mesh: `state` placed with the specs jitted calls return (`trim_specs`), so a staged or
-        slot state compiles each call once, whichever call it comes from."""
-        if self.mesh is None:
-            return state
-        return place(state, trim_specs(named_shardings(state, state.logical_axes(), self.mesh)))
-
-    def _prefill_chunk(self, staging: _Staging, final: bool) -> None:
-        prompt, size, start = staging.request.prompt, self.prefill_chunk, staging.start
-        chunk = np.zeros((self._staging_rows, size), np.int32)
-        part = prompt[start : start + size]
-        chunk[0, : len(part)] = part
-        starts = np.zeros(self._staging_rows, np.int32)
-        starts[0] = start
-        chunk, starts = jnp.asarray(chunk), jnp.asarray(starts)
-        if self.mesh is not None:
-            chunk = place(chunk, named_shardings(chunk, P("batch"), self.mesh))
-            starts = place(starts, named_shardings(starts, P("batch"), self.mesh))
-        staging.state = self.decode.prefill(staging.state, chunk, starts, final=final)
-        staging.start = start + size
 
     def _first_token(self, staging: _Staging) -> RequestOutput:
         """The prefill's committed token handed out; the row enters its slot unless it finished."""
-        r, state = staging.request, staging.state
-        position = len(r.prompt)
-        token, logprob = to_host((state.tokens[0, position], state.logprobs[0, position]))
-        out = self._absorb(r, [int(token)], [float(logprob)], 1, 0, self.clock())
+        r = staging.request
+        token, logprob = self.rows.first_token(staging.state, len(staging.prompt))
+        out = self._absorb(r, [token], [logprob], 1, 0, self.clock())
         if not out.finished:  # (finished: by the device's rules, or a stop string; either way it stays out)
-            self._state = self.decode.insert(self._state, state, staging.slot)
+            self.rows.insert(staging.state, staging.slot)
             r.slot = staging.slot
             self._slots[staging.slot] = r
+            self.paging.offer(r)
         return out
 
     # ------------------------------------------------------------------------------------------
     # Host-side bookkeeping
 
-    def _absorb(
-        self,
-        r: ServedRequest,
-        tokens: list[int],
-        logprobs: list[float],
-        num_committed: int,
-        num_accepted: int,
-        now: float,
-    ) -> RequestOutput:
+    def _absorb(self, r: ServedRequest, tokens: list[int], logprobs: list[float], num_committed: int,
+                num_accepted: int, now: float) -> RequestOutput:  # fmt: skip
         """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
         taken = r.take(tokens, now)
         return self._output(
@@ -435,25 +480,16 @@ class ServingEngine:
         )
 
     def _output(self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
+        """`r`'s output; a finished request leaves its slot, its pages and the unfinished ids."""
         if r.finish_reason is not None:
             r.metrics.finished_time = now
             if r.slot is not None:
                 self._slots[r.slot] = None
+            if self.pages.holds(r.id):
+                self.pages.release(r.id)
             with self._lock:
                 self._ids.discard(r.id)
-        return RequestOutput(
-            request_id=r.id,
-            token_ids=tokens,
-            logprobs=logprobs,
-            text=text,
-            num_committed=num_committed,
-            num_accepted=num_accepted,
-            prompt_tokens=len(r.prompt),
-            completion_tokens=len(r.token_ids),
-            finish_reason=r.finish_reason,
-            stop_reason=r.stop_reason,
-            metrics=r.metrics,
-        )
+        return r.output(tokens, logprobs, text, num_committed, num_accepted)
 
     def _finish(self, r: ServedRequest, reason: str, tokens, logprobs) -> RequestOutput:
         r.finish_reason = reason

@@ -1,0 +1,168 @@
+"""The serving engine's device side: the decode state of its rows, the row states prompts are prefilled in,
+and the jitted calls over them (`mtp_jax.decode.engine.DecodeEngine`), each given the block table of the
+rows it touches (`mtp_jax.serving.paging.RowPages`).
+
+The decode state has `max_batch` rows (slots) over paged caches (`mtp_jax.cache.PagedCache`): the pools of
+every layer, main model and MTP modules, live in it. A prompt is prefilled in a staging row state of its own
+(one row, or one per `data` x `fsdp` device on a mesh) that holds no pools: each chunk borrows the decode
+state's (`DecodeEngine.prefill_rows`), so the KV lands in the request's pages and entering a slot copies
+no KV (`insert`). On a mesh every array is placed as the jitted calls return it, so nothing recompiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from mtp_jax.cache import PageLayout
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.engine import compiled_counts as decode_compiled_counts
+from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.decode.state import DecodeState
+from mtp_jax.decode.step import StepOutput
+from mtp_jax.model import Transformer
+from mtp_jax.serving.paging import RowPages
+from mtp_jax.serving.requests import ServedRequest
+from mtp_jax.sharding import batch_rows, named_shardings, place, to_host, trim_specs
+
+JITTED = ("_prefill_rows_jit", "_step_with_output_jit", "_insert_jit", "_release_jit")
+
+
+class DeviceRows:
+    """`max_batch` decode rows over `paging`'s pages, and the staging rows of prefills (see the module).
+
+    `state` is the decode state (donated to every call; read it only between calls). Raises ValueError
+    when `max_batch` is not a multiple of the mesh's `data` x `fsdp` size."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        speculative: SpeculativeConfig | None,
+        *,
+        mesh: Mesh | None,
+        max_batch: int,
+        max_length: int,
+        prefill_chunk: int,
+        paging: RowPages,
+    ):
+        self.staging_rows = batch_rows(mesh)
+        if max_batch % self.staging_rows:
+            raise ValueError(
+                f"max_batch={max_batch} must be a multiple of the mesh's data x fsdp size {self.staging_rows}"
+            )
+        self.mesh, self.paging, self.max_batch, self.max_length = mesh, paging, max_batch, max_length
+        self.prefill_chunk, self.num_pages = prefill_chunk, paging.allocator.num_pages
+        self.decode = DecodeEngine(model, speculative, mesh=mesh)
+        self.oracle = speculative is not None and speculative.method == "oracle"
+        state, _ = self.decode.init_state(
+            [[0]] * max_batch,
+            max_new_tokens=1,
+            max_length=max_length,
+            stop_tokens=[],
+            oracle_tokens=np.zeros((max_batch, max_length), np.int32) if self.oracle else None,
+            pages=PageLayout(self.num_pages, paging.page_size),
+        )
+        self.state = self.decode.release(self._placed(state), np.ones(max_batch, bool))  # every slot free
+
+    @staticmethod
+    def compiled_counts() -> dict[str, int]:
+        """Programs compiled so far by each jitted call the engine makes."""
+        counts = decode_compiled_counts()
+        return {name: counts[name] for name in JITTED}
+
+    def staging(self, prompt: list[int], max_new: int, request: ServedRequest | None = None) -> DecodeState:
+        """A staging row state for `prompt` (and `request`'s sampling, stops and oracle tokens), without pools."""
+        dummies = self.staging_rows - 1  # rows for the other data-parallel devices, never read
+        oracle = None
+        if self.oracle:  # fixed shape [rows, S]: no recompiles
+            oracle = np.zeros((self.staging_rows, self.max_length), np.int32)
+            if request is not None:
+                oracle[0, : len(request.oracle_tokens)] = request.oracle_tokens
+        state, _ = self.decode.init_state(
+            [prompt] + [[0]] * dummies,
+            max_new_tokens=[max_new] + [1] * dummies,
+            sampling=[SamplingParams() if request is None else request.sampling] + [SamplingParams()] * dummies,
+            max_length=self.max_length,
+            stop_tokens=[] if request is None else request.stop_token_ids,
+            oracle_tokens=oracle,
+            pages=PageLayout(self.num_pages, self.paging.page_size, pools=False),
+        )
+        return self._placed(state)
+
+    def prefill(
+        self, rows: DecodeState, request: ServedRequest, prompt: list[int], start: int, *, final: bool
+    ) -> DecodeState:
+        """The chunk of `prompt` at `start` (C tokens, the last one right-padded) prefilled from the staging
+        state `rows` into `request`'s pages; returns the new staging state."""
+        size = self.prefill_chunk
+        chunk = np.zeros((self.staging_rows, size), np.int32)
+        part = prompt[start : start + size]
+        chunk[0, : len(part)] = part
+        starts = np.zeros(self.staging_rows, np.int32)
+        starts[0] = start
+        table = self.table([request] + [None] * (self.staging_rows - 1), self.paging.prefill_width(start))
+        self.state, rows = self.decode.prefill_rows(
+            self.state, rows, self._on_mesh(chunk), self._on_mesh(starts), table, final=final
+        )
+        return rows
+
+    def first_token(self, rows: DecodeState, position: int) -> tuple[int, float]:
+        """The token a final prefill committed at `position` and its logprob."""
+        token, logprob = to_host((rows.tokens[0, position], rows.logprobs[0, position]))
+        return int(token), float(logprob)
+
+    def step(self, slots: Sequence[ServedRequest | None], width: int) -> StepOutput:
+        """One decode step of every slot (`slots[b]`: row b's request, None for a free row) reading `width`
+        pages per row; returns what each row committed, on the host."""
+        self.state, out = self.decode.step_with_output(self.state, self.table(slots, width))
+        return StepOutput(*to_host((out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)))
+
+    def insert(self, rows: DecodeState, slot: int) -> None:
+        """A prefilled staging row into slot `slot`."""
+        self.state = self.decode.insert(self.state, rows, slot)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The rows `slots` done: steps no longer commit for them, their slots are free."""
+        if slots:
+            released = np.zeros(self.max_batch, bool)
+            released[list(slots)] = True
+            self.state = self.decode.release(self.state, released)
+
+    def warm_widths(self) -> None:
+        """A step and a prefill chunk of each kind at every width of `paging.buckets`, every table entry the
+        sentinel and every slot free: all writes are dropped, nothing changes but the compiled programs."""
+        rows = self.staging([0], 1)
+        chunk = self._on_mesh(np.zeros((self.staging_rows, self.prefill_chunk), np.int32))
+        starts = self._on_mesh(np.zeros(self.staging_rows, np.int32))
+        free = [None] * self.staging_rows
+        for width in self.paging.buckets:
+            self.state, _ = self.decode.step_with_output(self.state, self.table([None] * self.max_batch, width))
+            if width < self.paging.prefill_width(0):
+                continue  # narrower than any prefill chunk reads
+            for final in (False, True):
+                self.state, rows = self.decode.prefill_rows(
+                    self.state, rows, chunk, starts, self.table(free, width), final=final
+                )
+
+    def table(self, owners: Sequence[ServedRequest | None], width: int) -> jnp.ndarray:
+        """`RowPages.table` on the device (rows over the batch axes on a mesh)."""
+        return self._on_mesh(self.paging.table(owners, width))
+
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """On a mesh: `state` placed with the specs jitted calls return (`trim_specs`), so a staged or
+        slot state compiles each call once, whichever call it comes from."""
+        if self.mesh is None:
+            return state
+        return place(state, trim_specs(named_shardings(state, state.logical_axes(), self.mesh)))
+
+    def _on_mesh(self, array: np.ndarray) -> jnp.ndarray:
+        """A host array of rows as a device array, its rows over the batch axes on a mesh."""
+        array = jnp.asarray(array)
+        if self.mesh is not None:
+            array = place(array, named_shardings(array, P("batch"), self.mesh))
+        return array
