@@ -12,7 +12,7 @@ The seed serving guide (sections 7, 8, 11; `docs/MTP_SPEC.md`, "Serving") in one
 - **Admission** is by free pages (and a free slot). A waiting request is prefilled in a staging row state
   (one row, or one per `data` x `fsdp` device on a mesh) straight into its own pages, in chunks of
   `prefill_chunk` tokens, at most `prefill_chunk` prompt tokens per engine step while other requests
-  decode (so they keep decoding), a whole prompt first when none does; the row then enters a free slot
+  decode (so they keep decoding), as much when none does; the row then enters a free slot
   (`DecodeEngine.insert`, no KV copied). Shapes never change: nothing compiles after `warm_up`.
 - **Preemption.** When a running row cannot get its next pages, the newest request gives all of its up and
   waits at the head of the queue; re-admitted, its prompt and the tokens it had are prefilled again and
@@ -289,9 +289,9 @@ class ServingEngine:
     # The engine step
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: aborts; one decode step of every slot; prefill work (one chunk, or a
-        whole prompt when no slot decodes) and the insertion of a prefilled request. Returns what
-        each request received, in this order (a request appears at most once)."""
+        """One engine iteration: aborts; one decode step of every slot; prefill work (up to `prefill_chunk`
+        prompt tokens: several short prompts or one chunk of a long one) and the insertion of a prefilled
+        request. Returns what each request received, in this order (a request appears at most once)."""
         outputs: list[RequestOutput] = []
         self._apply_aborts(outputs)
         if any(r is not None for r in self._slots):
@@ -407,7 +407,8 @@ class ServingEngine:
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:
         """Prefill work for this step: chunks of up to `prefill_chunk` prompt tokens in all while
-        slots decode (several short prompts, or one chunk of a long one), else a whole prompt first."""
+        slots decode (several short prompts, or one chunk of a long one); when none does, one chunk and then
+        whole prompts while they fit the rest of the chunk's budget."""
         budget = self.prefill_chunk if any(r is not None for r in self._slots) else None  # None: unbounded
         while budget is None or budget > 0:
             if self._staging is None and not self._admit():

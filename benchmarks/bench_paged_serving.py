@@ -1,0 +1,375 @@
+"""Paged KV caches in the serving engine: dense slots against pages, prefix caching, step time vs length.
+
+Engine level (`mtp_jax.serving.ServingEngine`, no HTTP server), the bundled demo model (fp32, greedy,
+eagle drafting with K = --k), prompts cut from the held-out stdlib files' token ids (distinct slices of
+one stream), every request with `ignore_eos` and a fixed max_tokens. With --max-length above the demo's
+1024 positions its config is widened (default rope, computed per position): the weights are the trained
+ones, but past 1024 positions the drafts are accepted less often than the model was trained for.
+
+Three parts (each optional, --parts):
+
+1. ``mix``: the same KV memory budget of M = --budget-rows x max_length tokens, served by
+   ``dense`` (the old dense slots: max_batch = M // max_length rows, each with max_length positions,
+   one block-table width) and ``paged`` (max_batch = --paged-batch, M // page_size pages, the default
+   widths). The same requests (most short, a few long), all queued at t = 0 (offline, so TTFT includes
+   queueing): the most requests running at once (after a step; counts the one being prefilled) and
+   the most rows decoded in one step, output tokens/s over the wall time, TTFT mean / p50 / p90,
+   preemptions, peak KV usage, mean acceptance length tau.
+2. ``prefix``: a shared system prompt of --system-tokens tokens and distinct user suffixes, requests
+   arriving one after another (each served to its end before the next): TTFT with prefix caching on
+   against off (the first request, cold, separately), hits / queries (prompt tokens).
+3. ``steps``: --step-rows running rows with prompts of each of --lengths tokens: the median time of an
+   engine step while only decoding (steps with prefill work excluded), --repeats runs, for ``paged``
+   (default widths), ``dense-like`` (the same max_batch and pages, one width: max_length) and ``dense``
+   (part 1's engine). A step computes every one of max_batch rows at its width, running or not.
+
+Every engine is warmed up (`warm_up`, timed too) before it is measured; the CPU is shared with whatever
+else runs, so compare ratios within one run. `--smoke` runs tiny sizes (under ~3 minutes on 2 cores).
+
+    python benchmarks/bench_paged_serving.py [--smoke] [--parts mix prefix steps] [--out benchmarks/results]
+
+Writes paged_serving_<device>_<date>[_smoke].json and .md under --out and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import platform
+import time
+from datetime import date
+
+import jax
+import numpy as np
+from report import write_report  # this directory is on sys.path when run as a script
+
+import mtp_jax
+from mtp_jax.serving import ServingEngine
+from mtp_jax.training import data
+
+FULL = dict(
+    max_length=4096, budget_rows=4, paged_batch=16, page_size=16, prefill_chunk=64, k=2,
+    num_short=28, num_long=4, short_prompt=(32, 128), long_prompt=(2400, 3200), max_tokens=64,
+    system_tokens=1024, suffix_tokens=32, prefix_requests=6, prefix_max_tokens=8,
+    lengths=[32, 128, 512, 2048], step_rows=2, step_tokens=24, repeats=3,
+)  # fmt: skip
+SMOKE = dict(
+    FULL, max_length=256, paged_batch=8, num_short=8, num_long=2, short_prompt=(16, 48),
+    long_prompt=(150, 200), max_tokens=16, system_tokens=128, suffix_tokens=16, prefix_requests=3,
+    prefix_max_tokens=4, lengths=[32, 128], step_tokens=8, repeats=2,
+)  # fmt: skip
+
+
+class TokenStream:
+    """Consecutive, distinct slices of the held-out stdlib files' token ids (cycled if they run out)."""
+
+    def __init__(self, tokenizer, need: int):
+        _, heldout = data.split_documents(data.stdlib_documents())
+        self.ids: list[int] = []
+        for name in sorted(heldout):
+            self.ids += tokenizer.encode(heldout[name]).ids
+            if len(self.ids) >= need:
+                break
+        self.cursor = 0
+
+    def take(self, n: int) -> list[int]:
+        out = [self.ids[(self.cursor + i) % len(self.ids)] for i in range(n)]
+        self.cursor += n
+        return out
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def build(model, spec, tokenizer, args, *, batch: int, buckets, caching: bool = False):
+    """A warmed-up engine over the budget's pages; (engine, warm-up seconds)."""
+    max_pages = -(-args.max_length // args.page_size)
+    engine = ServingEngine(
+        model,
+        spec,
+        tokenizer=tokenizer,
+        max_batch=batch,
+        max_length=args.max_length,
+        num_pages=args.budget_rows * max_pages,
+        page_size=args.page_size,
+        prefix_caching=caching,
+        page_buckets=None if buckets is None else tuple(max_pages if w == "max" else w for w in buckets),
+        prefill_chunk=args.prefill_chunk,
+        max_queue=4096,
+    )
+    start = time.perf_counter()
+    engine.warm_up()
+    return engine, time.perf_counter() - start
+
+
+def ttft_stats(ttfts: list[float]) -> dict:
+    a = np.asarray(ttfts) * 1e3
+    return dict(
+        ttft_mean_ms=float(a.mean()), ttft_p50_ms=float(np.percentile(a, 50)), ttft_p90_ms=float(np.percentile(a, 90))
+    )
+
+
+def serve_mix(engine, requests: list[list[int]], max_tokens: int) -> dict:
+    """All `requests` queued at once and served to the end; throughput, concurrency and TTFT."""
+    engine.pages.hits = engine.pages.queries = 0
+    preempted_before = engine.num_preemptions
+    start = time.perf_counter()
+    for prompt in requests:
+        engine.add_request(prompt, max_tokens=max_tokens, ignore_eos=True)
+    finished, steps_seen = [], {}
+    max_running = max_decoding = decode_steps = decoded_rows = steps = 0
+    peak_usage = 0.0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        steps += 1
+        decoding = 0
+        for out in outputs:  # a decode output advanced its request's step count; a first token did not
+            decoding += out.metrics.num_steps != steps_seen.get(out.request_id, 0)
+            steps_seen[out.request_id] = out.metrics.num_steps
+        max_running = max(max_running, engine.num_running)
+        max_decoding = max(max_decoding, decoding)
+        decode_steps, decoded_rows = decode_steps + (decoding > 0), decoded_rows + decoding
+        peak_usage = max(peak_usage, engine.kv_cache_usage)
+        finished += [out for out in outputs if out.finished]
+    wall = time.perf_counter() - start
+    tokens = sum(out.completion_tokens for out in finished)
+    verify = sum(out.metrics.num_steps for out in finished)
+    accepted = sum(out.metrics.num_accepted for out in finished)
+    return dict(
+        requests=len(finished),
+        output_tokens=tokens,
+        wall_s=wall,
+        tok_s=tokens / wall,
+        max_running=max_running,
+        max_decoding=max_decoding,
+        mean_decoding=decoded_rows / max(decode_steps, 1),
+        steps=steps,
+        preemptions=engine.num_preemptions - preempted_before,
+        peak_kv_usage=peak_usage,
+        tau=1 + accepted / max(verify, 1),
+        **ttft_stats([out.metrics.ttft for out in finished]),
+    )
+
+
+def serve_sequential(engine, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    """Each prompt served to its end before the next arrives; their TTFTs (seconds)."""
+    ttfts = []
+    for prompt in prompts:
+        rid = engine.add_request(prompt, max_tokens=max_tokens, ignore_eos=True)
+        while engine.has_unfinished():
+            ttfts += [out.metrics.ttft for out in engine.step() if out.finished and out.request_id == rid]
+    return ttfts
+
+
+def decode_step_times(engine, prompts: list[list[int]], max_tokens: int, repeats: int) -> list[float]:
+    """Seconds of each engine step once every row has its first token (no prefill work left)."""
+    times = []
+    for _ in range(repeats):
+        ids = {engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts}
+        started: set[str] = set()
+        while engine.has_unfinished():
+            prefilling = started != ids
+            begin = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - begin
+            if not prefilling:
+                times.append(elapsed)
+            started |= {out.request_id for out in outputs}
+    return times
+
+
+def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict]) -> str:
+    a = meta["args"]
+    lines = [
+        f"# Paged KV serving, {meta['model']}, {meta['cpu']} ({meta['cores']} cores), jax {meta['jax']}, "
+        f"{meta['date']}",
+        "",
+        f"fp32, greedy, eagle K={a['k']}, max_length {a['max_length']}, page_size {a['page_size']}, "
+        f"prefill_chunk {a['prefill_chunk']}; KV budget M = {a['budget_rows']} x {a['max_length']} = "
+        f"{meta['kv_tokens']} tokens. Shared CPU: compare within a table.",
+        "",
+    ]
+    if mix:
+        r0 = mix[0]
+        lines += [
+            f"## 1. Dense slots vs pages, same KV budget ({r0['requests']} requests queued at t=0: {a['num_short']} "
+            f"short, prompts {a['short_prompt'][0]}-{a['short_prompt'][1]} tokens, {a['num_long']} long, "
+            f"{a['long_prompt'][0]}-{a['long_prompt'][1]}; {a['max_tokens']} output tokens each)",
+            "",
+            "| engine | max_batch | pages | widths (pages) | max running | max decoding | mean decoding | "
+            "output tok/s | wall s | TTFT mean ms | p50 | p90 | preemptions | peak KV use | tau | warm-up s |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['engine']} | {r['max_batch']} | {r['num_pages']} | {r['buckets']} | {r['max_running']} | "
+            f"{r['max_decoding']} | {r['mean_decoding']:.1f} | {r['tok_s']:.1f} | {r['wall_s']:.1f} | "
+            f"{r['ttft_mean_ms']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | {r['preemptions']} | "
+            f"{r['peak_kv_usage']:.0%} | {r['tau']:.2f} | {r['warm_up_s']:.0f} |"
+            for r in mix
+        ]
+        lines.append("")
+    if prefix:
+        lines += [
+            f"## 2. Shared system prompt ({a['system_tokens']} tokens + {a['suffix_tokens']}-token distinct "
+            f"suffixes, {a['prefix_requests']} requests one after another, {a['prefix_max_tokens']} output "
+            f"tokens each; paged engine, max_batch {a['paged_batch']})",
+            "",
+            "| prefix caching | TTFT first (cold) ms | TTFT later mean ms | later p50 | later max | hits / queries "
+            "(tokens) | hit rate |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {'on' if r['prefix_caching'] else 'off'} | {r['ttft_first_ms']:.0f} | {r['ttft_later_mean_ms']:.0f} | "
+            f"{r['ttft_later_p50_ms']:.0f} | {r['ttft_later_max_ms']:.0f} | {r['hits']} / {r['queries']} | "
+            f"{r['hit_rate']:.0%} |"
+            for r in prefix
+        ]
+        lines.append("")
+    if steps:
+        lines += [
+            f"## 3. Decode step time vs tokens held ({a['step_rows']} running rows, prompt of L tokens, "
+            f"{a['step_tokens']} output tokens, decode-only steps, {a['repeats']} runs; median ms, "
+            "in brackets the width read per row, positions)",
+            "",
+            "| L | " + " | ".join(dict.fromkeys(r["engine"] for r in steps)) + " |",
+            "|---:|" + "---:|" * len(dict.fromkeys(r["engine"] for r in steps)),
+        ]
+        for length in a["lengths"]:
+            cells = [f"{r['median_ms']:.1f} ({r['width_positions']})" for r in steps if r["length"] == length]
+            lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script in minutes")
+    parser.add_argument("--parts", nargs="+", default=["mix", "prefix", "steps"], choices=["mix", "prefix", "steps"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results")
+    for name, value in FULL.items():  # sizes: defaults from FULL (or SMOKE with --smoke)
+        kind = dict(type=int, nargs="+" if isinstance(value, list) else 2) if isinstance(value, list | tuple) else {}
+        parser.add_argument(f"--{name.replace('_', '-')}", default=None, **(kind or dict(type=int)))
+    args = parser.parse_args()
+    for name, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    begin = time.perf_counter()
+
+    model, tokenizer = mtp_jax.load_pretrained()
+    trained_positions = model.config.max_position_embeddings
+    if args.max_length > trained_positions:
+        if model.config.rope_scaling.rope_type != "default":
+            raise SystemExit(f"--max-length {args.max_length} > {trained_positions} needs default rope")
+        model.config = dataclasses.replace(model.config, max_position_embeddings=args.max_length)
+    spec = mtp_jax.SpeculativeConfig(method="eagle", num_speculative_tokens=args.k)
+    rng = np.random.default_rng(args.seed)
+    need = args.num_short * args.short_prompt[1] + args.num_long * args.long_prompt[1]
+    need += args.system_tokens + args.prefix_requests * args.suffix_tokens + args.step_rows * sum(args.lengths)
+    stream = TokenStream(tokenizer, need)
+    max_pages = -(-args.max_length // args.page_size)
+    mix, prefix, steps = [], [], []
+
+    def describe(name, engine, warm):
+        return dict(
+            engine=name,
+            max_batch=engine.max_batch,
+            num_pages=engine.num_pages,
+            buckets=engine.paging.buckets,
+            warm_up_s=warm,
+        )
+
+    def step_rows(name, engine, warm):
+        for length in args.lengths:
+            prompts = [stream.take(length) for _ in range(args.step_rows)]
+            times = decode_step_times(engine, prompts, args.step_tokens, args.repeats)
+            width = engine.paging.width(engine.paging.reach(length)) * args.page_size
+            row = describe(name, engine, warm) | dict(length=length, median_ms=float(np.median(times)) * 1e3)
+            steps.append(
+                row | dict(width_positions=width, steps=len(times), p90_ms=float(np.percentile(times, 90)) * 1e3)
+            )
+            print(f"steps {name} L={length}: {row['median_ms']:.1f} ms (width {width}, {len(times)} steps)", flush=True)
+
+    engines = [("dense", args.budget_rows, ("max",)), ("paged", args.paged_batch, None)]
+    if "mix" in args.parts:
+        long_at = set(np.linspace(0, args.num_short + args.num_long - 1, args.num_long, endpoint=False).astype(int))
+        requests = [
+            stream.take(int(rng.integers(*(args.long_prompt if i in long_at else args.short_prompt))))
+            for i in range(args.num_short + args.num_long)
+        ]
+    for name, batch, buckets in engines if {"mix", "steps"} & set(args.parts) else []:
+        engine, warm = build(model, spec, tokenizer, args, batch=batch, buckets=buckets)
+        print(f"{name}: warm-up {warm:.1f} s, widths {engine.paging.buckets}", flush=True)
+        if "mix" in args.parts:
+            mix.append(describe(name, engine, warm) | serve_mix(engine, requests, args.max_tokens))
+            print(f"mix {name}: {mix[-1]}", flush=True)
+        if "steps" in args.parts:
+            step_rows(f"{name} B={batch}", engine, warm)
+        del engine
+        gc.collect()
+    if "steps" in args.parts:
+        engine, warm = build(model, spec, tokenizer, args, batch=args.paged_batch, buckets=("max",))
+        step_rows(f"dense-like B={args.paged_batch}", engine, warm)
+        del engine
+        gc.collect()
+        order = [f"dense-like B={args.paged_batch}", f"paged B={args.paged_batch}", f"dense B={args.budget_rows}"]
+        steps.sort(key=lambda r: (order.index(r["engine"]), r["length"]))
+
+    if "prefix" in args.parts:
+        system = stream.take(args.system_tokens)
+        prompts = [system + stream.take(args.suffix_tokens) for _ in range(args.prefix_requests)]
+        for caching in (False, True):
+            engine, warm = build(model, spec, tokenizer, args, batch=args.paged_batch, buckets=None, caching=caching)
+            engine.pages.hits = engine.pages.queries = 0
+            ttfts = np.asarray(serve_sequential(engine, prompts, args.prefix_max_tokens)) * 1e3
+            prefix.append(
+                dict(
+                    prefix_caching=caching,
+                    warm_up_s=warm,
+                    ttft_ms=ttfts.tolist(),
+                    ttft_first_ms=float(ttfts[0]),
+                    ttft_later_mean_ms=float(ttfts[1:].mean()),
+                    ttft_later_p50_ms=float(np.median(ttfts[1:])),
+                    ttft_later_max_ms=float(ttfts[1:].max()),
+                    hits=engine.pages.hits,
+                    queries=engine.pages.queries,
+                    hit_rate=engine.pages.hits / max(engine.pages.queries, 1),
+                )
+            )
+            print(f"prefix caching {caching}: {prefix[-1]}", flush=True)
+            del engine
+            gc.collect()
+
+    device = jax.devices()[0].device_kind
+    meta = dict(
+        benchmark="paged_serving",
+        date=str(date.today()),
+        device=device,
+        cpu=cpu_name(),
+        processor=platform.processor() or platform.machine(),
+        cores=os.cpu_count(),
+        platform=platform.platform(),
+        jax=jax.__version__,
+        model=f"demo ({trained_positions} trained positions, widened to {args.max_length})"
+        if args.max_length > trained_positions
+        else "demo",
+        kv_tokens=args.budget_rows * max_pages * args.page_size,
+        args={k: v for k, v in vars(args).items() if k != "out"},
+        total_s=time.perf_counter() - begin,
+    )
+    rows = [dict(part="mix", **r) for r in mix] + [dict(part="prefix", **r) for r in prefix]
+    rows += [dict(part="steps", **r) for r in steps]
+    name = f"paged_serving_{device.replace(' ', '_')}_{meta['date']}" + ("_smoke" if args.smoke else "")
+    table = markdown(meta, mix, prefix, steps)
+    write_report(args.out, name, meta, rows, table + f"\nTotal run time {meta['total_s']:.0f} s.\n")
+
+
+if __name__ == "__main__":
+    main()
