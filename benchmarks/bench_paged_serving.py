@@ -6,7 +6,7 @@ one stream), every request with `ignore_eos` and a fixed max_tokens. With --max-
 1024 positions its config is widened (default rope, computed per position): the weights are the trained
 ones, but past 1024 positions the drafts are accepted less often than the model was trained for.
 
-Three parts (each optional, --parts):
+Four parts (each optional, --parts):
 
 1. ``mix``: the same KV memory budget of M = --budget-rows x max_length tokens, served by
    ``dense`` (the old dense slots: max_batch = M // max_length rows, each with max_length positions,
@@ -22,11 +22,17 @@ Three parts (each optional, --parts):
    engine step while only decoding (steps with prefill work excluded), --repeats runs, for ``paged``
    (default widths), ``dense-like`` (the same max_batch and pages, one width: max_length) and ``dense``
    (part 1's engine). A step computes every one of max_batch rows at its width, running or not.
+4. ``adaptive``: ``off`` (no speculation), eagle with ``fixed`` K = --spec-k and ``adaptive`` k (0 .. K per step,
+   learnt afresh every run), max_length --spec-length, max_batch --spec-batch. The same requests, c in flight
+   (closed loop) until max(2c, --spec-requests) are served, c in --concurrency and 2 x max_batch; --spec-tokens
+   outputs, greedy or sampled (--temperatures; drafts sampled too). Settings alternate, --spec-repeats runs: tok/s
+   (median, spread), the best, tau (1 + accepted / decode steps), accepted per draft, adaptive's k per output.
 
 Every engine is warmed up (`warm_up`, timed too) before it is measured; the CPU is shared with whatever
-else runs, so compare ratios within one run. `--smoke` runs tiny sizes (under ~3 minutes on 2 cores).
+else runs, so compare ratios within one run. `--smoke` runs tiny sizes (~8 minutes on 2 cores, half of it
+part 4's five warm-ups).
 
-    python benchmarks/bench_paged_serving.py [--smoke] [--parts mix prefix steps] [--out benchmarks/results]
+    python benchmarks/bench_paged_serving.py [--smoke] [--parts mix prefix steps adaptive] [--out benchmarks/results]
 
 Writes paged_serving_<device>_<date>[_smoke].json and .md under --out and prints the tables.
 """
@@ -34,6 +40,7 @@ Writes paged_serving_<device>_<date>[_smoke].json and .md under --out and prints
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import os
@@ -54,11 +61,14 @@ FULL = dict(
     num_short=28, num_long=4, short_prompt=(32, 128), long_prompt=(2400, 3200), max_tokens=64,
     system_tokens=1024, suffix_tokens=32, prefix_requests=6, prefix_max_tokens=8,
     lengths=[32, 128, 512, 2048], step_rows=2, step_tokens=24, repeats=3,
+    spec_length=1024, spec_batch=8, spec_k=3, concurrency=[1, 4, 16], spec_requests=8, spec_prompt=(16, 64),
+    spec_tokens=64, temperatures=[0, 1], spec_repeats=3,
 )  # fmt: skip
 SMOKE = dict(
     FULL, max_length=256, paged_batch=8, num_short=8, num_long=2, short_prompt=(16, 48),
     long_prompt=(150, 200), max_tokens=16, system_tokens=128, suffix_tokens=16, prefix_requests=3,
-    prefix_max_tokens=4, lengths=[32, 128], step_tokens=8, repeats=2,
+    prefix_max_tokens=4, lengths=[32, 128], step_tokens=8, repeats=2, spec_length=128, spec_batch=4,
+    concurrency=[1, 2], spec_requests=4, spec_prompt=(8, 24), spec_tokens=16, spec_repeats=1,
 )  # fmt: skip
 
 
@@ -88,16 +98,17 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(model, spec, tokenizer, args, *, batch: int, buckets, caching: bool = False):
-    """A warmed-up engine over the budget's pages; (engine, warm-up seconds)."""
-    max_pages = -(-args.max_length // args.page_size)
+def build(model, spec, tokenizer, args, *, batch: int, buckets, caching=False, length=None, policy="fixed"):
+    """A warmed-up engine over the budget's pages (`length`: max_length, pages for all rows); (it, warm-up s)."""
+    max_pages = -(-(length or args.max_length) // args.page_size)
     engine = ServingEngine(
         model,
         spec,
         tokenizer=tokenizer,
         max_batch=batch,
-        max_length=args.max_length,
-        num_pages=args.budget_rows * max_pages,
+        max_length=length or args.max_length,
+        num_pages=(batch if length else args.budget_rows) * max_pages,
+        speculative_policy=policy,
         page_size=args.page_size,
         prefix_caching=caching,
         page_buckets=None if buckets is None else tuple(max_pages if w == "max" else w for w in buckets),
@@ -168,6 +179,36 @@ def serve_sequential(engine, prompts: list[list[int]], max_tokens: int) -> list[
     return ttfts
 
 
+def serve_closed_loop(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: int):
+    """`concurrency` requests in flight (the next one added as one finishes) until all `prompts` are served;
+    (output tok/s, the finished outputs, decode outputs per number of drafts their step verified)."""
+    engine.speculation.reset()  # (adaptive) learns afresh: a run does not depend on the runs before it
+    finished, steps_seen, drafts, added, start = [], {}, collections.Counter(), 0, time.perf_counter()
+    while added < len(prompts) or engine.has_unfinished():
+        for i in range(added, min(len(prompts), len(finished) + concurrency)):
+            sampling = mtp_jax.SamplingParams(temperature=float(temperature), seed=i) if temperature else None
+            engine.add_request(prompts[i], max_tokens=max_tokens, sampling=sampling, ignore_eos=True)
+            added += 1
+        for out in engine.step():
+            if out.metrics.num_steps != steps_seen.get(out.request_id, 0):  # a decode output, not a first token
+                drafts[out.num_drafts] += 1
+                steps_seen[out.request_id] = out.metrics.num_steps
+            finished += [out] if out.finished else []
+    return sum(out.completion_tokens for out in finished) / (time.perf_counter() - start), finished, drafts
+
+
+def summarize(runs: list[tuple]) -> dict:
+    """One setting's runs of one cell: median tok/s and the runs' spread, tau, acceptance, chosen-k shares."""
+    tok_s, metrics = [r[0] for r in runs], [out.metrics for r in runs for out in r[1]]
+    steps, drafts, accepted = np.sum([(m.num_steps, m.num_drafts, m.num_accepted) for m in metrics], axis=0).tolist()
+    outputs, median = sum((r[2] for r in runs), collections.Counter()), float(np.median(tok_s))
+    return dict(
+        requests=len(runs[0][1]), tok_s=median, tok_s_runs=tok_s, spread=(max(tok_s) - min(tok_s)) / median,
+        tau=1 + accepted / max(steps, 1), accept_rate=accepted / max(drafts, 1),
+        k_share={k: n / sum(outputs.values()) for k, n in sorted(outputs.items())},
+    )  # fmt: skip
+
+
 def decode_step_times(engine, prompts: list[list[int]], max_tokens: int, repeats: int) -> list[float]:
     """Seconds of each engine step once every row has its first token (no prefill work left)."""
     times = []
@@ -185,7 +226,7 @@ def decode_step_times(engine, prompts: list[list[int]], max_tokens: int, repeats
     return times
 
 
-def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict]) -> str:
+def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict], adaptive: list[dict]) -> str:
     a = meta["args"]
     lines = [
         f"# Paged KV serving, {meta['model']}, {meta['cpu']} ({meta['cores']} cores), jax {meta['jax']}, "
@@ -245,13 +286,37 @@ def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict])
             cells = [f"{r['median_ms']:.1f} ({r['width_positions']})" for r in steps if r["length"] == length]
             lines.append(f"| {length} | " + " | ".join(cells) + " |")
         lines.append("")
+    k, shown = a["spec_k"], ("off", "fixed", "adaptive")
+    for t in dict.fromkeys(r["temperature"] for r in adaptive):
+        by = {(r["concurrency"], r["setting"]): r for r in adaptive if r["temperature"] == t}
+        warm = ", ".join(f"{r['setting']} {r['warm_up_s']:.0f}" for r in list(by.values())[:3])
+        lines += [
+            f"## 4. Speculation off / fixed K={k} / adaptive, {f'temperature {t}, drafts sampled' if t else 'greedy'} "
+            f"(max_length {a['spec_length']}, max_batch {a['spec_batch']}, {a['spec_tokens']} output tokens; tok/s: "
+            f"median of {a['spec_repeats']} runs; warm-up s: {warm})",
+            "",
+            "| c | requests | off tok/s | fixed tok/s | adaptive tok/s | best | adaptive / best other | spread | tau "
+            f"fixed | adaptive | accepted / draft fixed | adaptive | adaptive k = {'/'.join(map(str, range(k + 1)))} |",
+            "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for c in dict.fromkeys(c for c, _ in by):
+            off, fixed, adapt = cell = [by[c, name] for name in shown]
+            values = [
+                c, off["requests"], *(f"{r['tok_s']:.1f}" for r in cell), max(shown, key=lambda n: by[c, n]["tok_s"]),
+                f"{adapt['tok_s'] / max(off['tok_s'], fixed['tok_s']):.2f}", f"{max(r['spread'] for r in cell):.0%}",
+                *(f"{r[key]:.2f}" for key in ("tau", "accept_rate") for r in (fixed, adapt)),
+                "/".join(f"{adapt['k_share'].get(j, 0):.0%}" for j in range(k + 1)),
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(map(str, values)) + " |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script in minutes")
-    parser.add_argument("--parts", nargs="+", default=["mix", "prefix", "steps"], choices=["mix", "prefix", "steps"])
+    parts = ["mix", "prefix", "steps", "adaptive"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     for name, value in FULL.items():  # sizes: defaults from FULL (or SMOKE with --smoke)
@@ -273,9 +338,11 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     need = args.num_short * args.short_prompt[1] + args.num_long * args.long_prompt[1]
     need += args.system_tokens + args.prefix_requests * args.suffix_tokens + args.step_rows * sum(args.lengths)
+    concurrency = sorted({*args.concurrency, 2 * args.spec_batch})
+    need += sum(max(2 * c, args.spec_requests) for c in concurrency) * args.spec_prompt[1]
     stream = TokenStream(tokenizer, need)
     max_pages = -(-args.max_length // args.page_size)
-    mix, prefix, steps = [], [], []
+    mix, prefix, steps, adaptive = [], [], [], []
 
     def describe(name, engine, warm):
         return dict(
@@ -347,6 +414,28 @@ def main() -> None:
             del engine
             gc.collect()
 
+    if "adaptive" in args.parts:
+        lengths = {c: rng.integers(*args.spec_prompt, size=max(2 * c, args.spec_requests)) for c in concurrency}
+        cells = {c: [stream.take(int(n)) for n in ns] for c, ns in lengths.items()}
+        eagle = mtp_jax.SpeculativeConfig(method="eagle", num_speculative_tokens=args.spec_k)
+        size = dict(batch=args.spec_batch, buckets=None, length=args.spec_length)
+        off = build(model, None, tokenizer, args, **size)
+        for t in args.temperatures:
+            spec = dataclasses.replace(eagle, draft_sampling="sample") if t else eagle
+            engines = dict(off=off)
+            for policy in ("fixed", "adaptive"):
+                engines[policy] = build(model, spec, tokenizer, args, **size, policy=policy)
+            for c in concurrency:
+                runs = {name: [] for name in engines}
+                for _ in range(args.spec_repeats):  # the settings alternate, so drifting load hits each alike
+                    for name, (engine, _) in engines.items():
+                        runs[name].append(serve_closed_loop(engine, cells[c], args.spec_tokens, c, t))
+                adaptive += [
+                    dict(temperature=t, concurrency=c, setting=name, warm_up_s=warm) | summarize(runs[name])
+                    for name, (_, warm) in engines.items()
+                ]
+                print(f"adaptive t={t} c={c}: {adaptive[-3:]}", flush=True)
+
     device = jax.devices()[0].device_kind
     meta = dict(
         benchmark="paged_serving",
@@ -365,9 +454,9 @@ def main() -> None:
         total_s=time.perf_counter() - begin,
     )
     rows = [dict(part="mix", **r) for r in mix] + [dict(part="prefix", **r) for r in prefix]
-    rows += [dict(part="steps", **r) for r in steps]
+    rows += [dict(part="steps", **r) for r in steps] + [dict(part="adaptive", **r) for r in adaptive]
     name = f"paged_serving_{device.replace(' ', '_')}_{meta['date']}" + ("_smoke" if args.smoke else "")
-    table = markdown(meta, mix, prefix, steps)
+    table = markdown(meta, mix, prefix, steps, adaptive)
     write_report(args.out, name, meta, rows, table + f"\nTotal run time {meta['total_s']:.0f} s.\n")
 
 

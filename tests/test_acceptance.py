@@ -8,6 +8,7 @@ Models and shared setup: `speculative_helpers` and the `models` fixture (`confte
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 from speculative_helpers import CFG, END_THINK, THINK, S, V, W, add, scripted, spec
 
 from mtp_jax.decode.acceptance import Target, accept
+from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
 from mtp_jax.decode.sampling import SamplingParams, SamplingState, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
@@ -182,13 +184,14 @@ def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
         assert np.all(p[np.arange(N_ROWS), num_accepted, token] > 0)
 
 
-def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6):
+def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6, decode=generate):
     """n rows of one prompt with distinct seeds, temperature 1 and top-k, two greedy rows first: the first
     three generated tokens (one from prefill, then accepted drafts, residual samples and bonuses of
-    speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy."""
+    speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy.
+    `decode`: `generate`, or another loop with its signature."""
     prompt = [3, 1, 4]
     sampling = [SamplingParams()] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s) for s in range(n - 2)]
-    result = generate(
+    result = decode(
         model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[], sampling=sampling
     )
     tokens = np.asarray(result.tokens)  # [n, 3]
@@ -222,6 +225,26 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
 def test_sampled_generation_follows_the_target_distribution(models):
     """Drafts sampled from the MTP distribution (q carried from the draft step to the next verify)."""
     check_sampled_generation(models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"))
+
+
+def _cycling_drafts(model, prompts, *, speculative, sampling, **request):
+    """`generate`, with steps verifying 0, 2, 1, 0, 2, ... of the K = 2 drafts (adaptive speculation's
+    variants, `DecodeEngine.step_with_output(num_drafts=k)`)."""
+    engine = DecodeEngine(model, speculative)
+    state, padded = engine.init_state(prompts, sampling=sampling, **request)
+    state = engine.prefill(state, padded)
+    for k in itertools.cycle([0, 2, 1]):
+        if bool(np.all(np.asarray(state.done))):
+            return engine.result(state, 0.0)
+        state, _ = engine.step_with_output(state, num_drafts=k)
+
+
+def test_sampled_generation_with_varying_numbers_of_drafts_follows_the_target(models):
+    """Steps that verify only some of the sampled drafts (a plain step, then 2, then 1) still emit the target
+    distribution: the drafts not verified are drafted again for the next step."""
+    check_sampled_generation(
+        models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"), decode=_cycling_drafts
+    )
 
 
 # ---------------------------------------------------------------------------------------------

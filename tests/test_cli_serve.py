@@ -180,7 +180,8 @@ def test_serve_model_flag_errors_name_it(tmp_path, served, capsys):
 
 def test_page_pool_flags(model_dir, served, capsys):
     """--kv-cache-memory sizes the pool in pages of --page-size tokens (main model and MTP module, every
-    layer); --no-prefix-caching turns the prefix cache off; --num-pages and --kv-cache-memory exclude each
+    layer); --no-prefix-caching turns the prefix cache off; --speculative-policy adaptive compiles a step per
+    k; sampled drafts are the server's default; --num-pages and --kv-cache-memory exclude each
     other, and a memory too small for one page is refused naming the flag."""
     from mtp_jax.decode.speculative import SpeculativeConfig
     from mtp_jax.serving.paging import page_bytes
@@ -192,9 +193,11 @@ def test_page_pool_flags(model_dir, served, capsys):
         per_page == 2 * (config.num_hidden_layers + 1) * 8 * config.num_key_value_heads * config.resolved_head_dim * 4
     )
     flags = ("--no-compilation-cache", "--speculative", "eagle", "--num-speculative-tokens", "1", "--page-size", "8")
-    assert main(_argv(model_dir, *flags, "--kv-cache-memory", str(10 * per_page + 5), "--no-prefix-caching")) == 0
+    more = ("--kv-cache-memory", str(10 * per_page + 5), "--no-prefix-caching", "--speculative-policy", "adaptive")
+    assert main(_argv(model_dir, *flags, *more)) == 0
     engine = served[-1]["served"][0].engine
     assert (engine.num_pages, engine.page_size, engine.prefix_caching) == (10, 8, False)
+    assert engine.speculation.variants == (0, 1) and engine.speculative.draft_sampling == "sample"
     assert main(_argv(model_dir, *flags, "--kv-cache-memory", "1")) == 2
     assert "--kv-cache-memory" in capsys.readouterr().err
     with pytest.raises(SystemExit):

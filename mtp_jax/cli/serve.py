@@ -77,6 +77,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="sample: a sampled request's drafts are drawn from the drafter's distribution and accepted by the "
         "lossless rule, a greedy request's are greedy (default); greedy: every draft is the drafter's argmax",
     )
+    p.add_argument(
+        "--speculative-policy",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="fixed: every step verifies K drafts (default); adaptive: each step verifies 0 .. K, chosen by "
+        "measured acceptance and step times (one more compiled step per k)",
+    )
     add_weight_arguments(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoding at once: rows of a step (default 8)")
     p.add_argument(
@@ -186,6 +193,7 @@ def _build_engine(args: argparse.Namespace, mesh):
             num_pages=num_pages,
             page_size=args.page_size,
             prefix_caching=args.prefix_caching,
+            speculative_policy=args.speculative_policy,
             prefill_chunk=args.prefill_chunk,
             max_queue=args.max_queue,
             mesh=mesh,

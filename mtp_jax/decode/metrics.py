@@ -36,14 +36,16 @@ class SpeculativeCounters:
         # distinct buffers (the decode state is donated), placed without compiling anything
         return cls(**jax.device_put({name: np.zeros(shape, np.int32) for name, shape in shapes.items()}))
 
-    def count_step(self, active: jax.Array, accepted: jax.Array) -> SpeculativeCounters:
-        """The counters after one step in which the `active` rows (bool [B]) each proposed K drafts and
-        committed the first `accepted` (int32 [B]) of them (drafts cut by a stop condition do not count)."""
+    def count_step(self, active: jax.Array, accepted: jax.Array, num_drafts: int | None = None) -> SpeculativeCounters:
+        """The counters after one step in which the `active` rows (bool [B]) each proposed `num_drafts` drafts
+        (static; default K) and committed the first `accepted` (int32 [B]) of them (drafts cut by a stop
+        condition do not count)."""
         k_max = self.accepted_per_position.shape[1]
+        proposed = k_max if num_drafts is None else num_drafts
         counted = jnp.where(active, accepted, 0)
         return SpeculativeCounters(
             num_steps=self.num_steps + active,
-            num_drafts=self.num_drafts + k_max * active,
+            num_drafts=self.num_drafts + proposed * active,
             num_accepted=self.num_accepted + counted,
             accepted_per_position=self.accepted_per_position + (jnp.arange(k_max)[None, :] < counted[:, None]),
             accepted_length_histogram=self.accepted_length_histogram

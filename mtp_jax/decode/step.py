@@ -39,15 +39,18 @@ from mtp_jax.sharding import constrain_tree
 
 
 @jax.named_scope("verify_forward")  # named scopes: `benchmarks/profile_step.py` groups time by them
-def verify(model: Transformer, state: DecodeState) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
-    """The main model over `[t_{L-1}, d_1 .. d_K]` at positions L-1 .. L-1+K (int32 [B, K+1]).
+def verify(
+    model: Transformer, state: DecodeState, num_drafts: int | None = None
+) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
+    """The main model over `[t_{L-1}, d_1 .. d_k]` at positions L-1 .. L-1+k (int32 [B, k+1]), k = `num_drafts`
+    (static, default all K drafts).
 
     Returns the K+1 targets, h^0 [B, K+1, E] for the drafter (`mtp.initial_hidden`; the final norm
     runs once for it and the logits) and the main cache with the K+1 entries written (a finished
     row's writes land past its length, stale), its recurrent layers' states as candidates for `commit`.
     """
     last = take_rows(state.tokens, jnp.maximum(state.lengths - 1, 0))  # t_{L-1}, [B, 1]
-    window = jnp.concatenate([last, state.draft.tokens], axis=1)  # [B, K+1]
+    window = jnp.concatenate([last, state.draft.tokens[:, :num_drafts]], axis=1)  # [B, k+1]
     positions = sequence_positions(*window.shape, state.lengths - 1)
     _, hidden, cache = model(window, positions, state.cache, with_logits=False, keep_candidates=True)
     normed = model.norm(hidden)
@@ -152,15 +155,22 @@ def prefill(
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
 
-def decode_step(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
-    """One verify-accept-commit-draft step for every row (finished rows change nothing)."""
-    target, h0, cache = verify(model, state)  # h0: [B, K+1, E] at positions L-1 .. L-1+K
+def decode_step(
+    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, num_drafts: int | None = None
+) -> DecodeState:
+    """One verify-accept-commit-draft step for every row (finished rows change nothing).
+
+    `num_drafts` (static, 0 .. K, default K): verify only the first k of the K drafts (adaptive speculation,
+    `mtp_jax.serving.speculation`; k = 0 is a plain step). The drafter still drafts K for the next step, so
+    its caches hold every committed position whatever k a step uses."""
+    k = state.draft.tokens.shape[1] if num_drafts is None else num_drafts
+    target, h0, cache = verify(model, state, k)  # h0: [B, k+1, E] at positions L-1 .. L-1+k
     before = state
     state, num, num_accepted = accept_and_commit(
-        speculative, state.replace(cache=cache), target, state.draft.tokens, state.draft.probs
+        speculative, state.replace(cache=cache), target, state.draft.tokens[:, :k], state.draft.probs[:, :k]
     )
     state = state.replace(cache=settle(state.cache, num))  # recurrent states: after the last committed token
-    state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num)))
+    state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num), k))
     state = state.replace(
         draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num)
     )
@@ -188,13 +198,18 @@ class StepOutput:
 
 
 def step_with_output(
-    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, block_table: jax.Array | None = None
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    state: DecodeState,
+    block_table: jax.Array | None = None,
+    num_drafts: int | None = None,
 ) -> tuple[DecodeState, StepOutput]:
-    """`decode_step`, and what it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
+    """`decode_step` (verifying `num_drafts` drafts), and what it committed (`StepOutput`), gathered on device
+    so the host reads [B, K+1].
 
     A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
     must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
-    new = with_pages(decode_step(model, speculative, with_pages(state, block_table)), None)
+    new = with_pages(decode_step(model, speculative, with_pages(state, block_table), num_drafts), None)
     positions = jnp.minimum(
         state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
     )  # [B, K+1]

@@ -89,7 +89,8 @@ class RequestOutput:
     the new text ("" without a tokenizer; held back while it may be the start of a stop string).
     finish_reason: None while running, else "stop" (a stop token or string), "length"
     (max_tokens) or "abort". stop_reason: the stop string or stop token id that matched (None for
-    EOS, as vLLM). metrics: the request's `RequestMetrics` (complete once finished).
+    EOS, as vLLM). metrics: the request's `RequestMetrics` (complete once finished). num_drafts: the
+    drafts its decode step verified (K, or what adaptive speculation chose; 0 for a prefill's token).
     """
 
     request_id: str
@@ -103,6 +104,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     metrics: RequestMetrics
+    num_drafts: int = 0
 
     @property
     def finished(self) -> bool:

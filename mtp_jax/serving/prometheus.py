@@ -24,8 +24,9 @@ Names and sources (vLLM: `vllm/v1/metrics/loggers.py`, `vllm/v1/metrics/stats.py
 - speculative decoding counters, only when K > 0 (as vLLM, which creates them only with a
   speculative config). A *decode output* is one a decode step produced: it brought tokens
   (`num_committed` > 0) to a request that had some already (its first token comes from the prefill,
-  with no drafts). Per decode output: `vllm:spec_decode_num_drafts_total` += 1,
-  `vllm:spec_decode_num_draft_tokens_total` += K, `vllm:spec_decode_num_accepted_tokens_total` +=
+  with no drafts). Per decode output that verified k > 0 drafts (`RequestOutput.num_drafts`: K, or what
+  adaptive speculation chose): `vllm:spec_decode_num_drafts_total` += 1,
+  `vllm:spec_decode_num_draft_tokens_total` += k, `vllm:spec_decode_num_accepted_tokens_total` +=
   `num_accepted`, `vllm:spec_decode_num_accepted_tokens_per_pos_total{position=j}` += 1 for each
   j < `num_accepted`. These equal the sums over requests of `RequestMetrics.num_steps`,
   `num_drafts`, `num_accepted` and `accepted_per_position` (the engine advances both from the same
@@ -33,7 +34,8 @@ Names and sources (vLLM: `vllm/v1/metrics/loggers.py`, `vllm/v1/metrics/stats.py
   (a stop condition inside the accepted block cuts the rest), vLLM counts them before its stop
   checks. So per step committed = accepted + 1 except when a cut dropped the bonus token, and
   generation_tokens = requests with a first token + drafts + accepted - (steps cut before the
-  bonus). mean acceptance length = 1 + accepted / drafts.
+  bonus). mean acceptance length = 1 + accepted / drafts. A gauge of ours, `mtp_jax:num_speculative_tokens`:
+  the k the last decode step verified.
 - histograms, with vLLM's buckets: `vllm:time_to_first_token_seconds` (at the first token:
   `RequestMetrics.ttft`), `vllm:inter_token_latency_seconds` (per decode output: the time since the
   request's previous tokens, one sample per step, however many tokens it brought, as vLLM);
@@ -253,6 +255,9 @@ class PrometheusMetrics:
             self.spec_decode_num_accepted_tokens_per_pos = [
                 per_pos.labels(*values, str(j)) for j in range(num_speculative_tokens)
             ]
+            self.speculative_tokens = metric(
+                Gauge, "mtp_jax:num_speculative_tokens", "Draft tokens the last decode step verified (K, or adaptive)."
+            )
 
     # ------------------------------------------------------------------------------------------
     # The engine's listener
@@ -270,15 +275,17 @@ class PrometheusMetrics:
                 self.time_to_first_token.observe(m.ttft)
             elif out.num_committed:  # a decode step
                 self.inter_token_latency.observe(m.token_times[-1] - m.token_times[-2])
-                if self.num_speculative_tokens:
+                if out.num_drafts:  # (none in a plain step of adaptive speculation)
                     self.spec_decode_num_drafts.inc()
-                    self.spec_decode_num_draft_tokens.inc(self.num_speculative_tokens)
+                    self.spec_decode_num_draft_tokens.inc(out.num_drafts)
                     self.spec_decode_num_accepted_tokens.inc(out.num_accepted)
                     for counter in self.spec_decode_num_accepted_tokens_per_pos[: out.num_accepted]:
                         counter.inc()
         self.num_requests_running.set(engine.num_running)
         self.num_requests_waiting.set(engine.num_waiting)
         self.kv_cache_usage.set(engine.kv_cache_usage)
+        if self.num_speculative_tokens:
+            self.speculative_tokens.set(engine.last_num_drafts)
         totals = (engine.pages.queries, engine.pages.hits, engine.num_preemptions)
         counters = (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions)
         for counter, now, before in zip(counters, totals, self._engine_totals, strict=True):

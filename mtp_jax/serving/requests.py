@@ -162,9 +162,11 @@ class ServedRequest:
         self.text_sent = max(end, self.text_sent)
         return piece
 
-    def output(self, tokens, logprobs, text: str, num_committed: int, num_accepted: int) -> RequestOutput:
-        """What it receives now: `tokens`, their logprobs and `text`, from a step that committed `num_committed`
-        tokens of which `num_accepted` were accepted drafts."""
+    def output(
+        self, tokens, logprobs, text: str, num_committed: int, num_accepted: int, num_drafts: int = 0
+    ) -> RequestOutput:
+        """What it receives now: `tokens`, their logprobs and `text`, from a step that verified `num_drafts`
+        drafts and committed `num_committed` tokens, `num_accepted` of them accepted drafts."""
         return RequestOutput(
             request_id=self.id,
             token_ids=tokens,
@@ -177,4 +179,5 @@ class ServedRequest:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             metrics=self.metrics,
+            num_drafts=num_drafts,
         )

@@ -49,6 +49,7 @@ class DeviceRows:
         max_length: int,
         prefill_chunk: int,
         paging: RowPages,
+        variants: tuple[int, ...],
     ):
         self.staging_rows = batch_rows(mesh)
         if max_batch % self.staging_rows:
@@ -58,6 +59,8 @@ class DeviceRows:
         self.mesh, self.paging, self.max_batch, self.max_length = mesh, paging, max_batch, max_length
         self.prefill_chunk, self.num_pages = prefill_chunk, paging.allocator.num_pages
         self.decode = DecodeEngine(model, speculative, mesh=mesh)
+        self.k_max = 0 if speculative is None else speculative.num_speculative_tokens
+        self.variants = variants  # the numbers of drafts a step may verify (`SpeculationPolicy.variants`)
         self.oracle = speculative is not None and speculative.method == "oracle"
         state, _ = self.decode.init_state(
             [[0]] * max_batch,
@@ -116,11 +119,15 @@ class DeviceRows:
         token, logprob = to_host((rows.tokens[0, position], rows.logprobs[0, position]))
         return int(token), float(logprob)
 
-    def step(self, slots: Sequence[ServedRequest | None], width: int) -> StepOutput:
+    def step(self, slots: Sequence[ServedRequest | None], width: int, num_drafts: int) -> StepOutput:
         """One decode step of every slot (`slots[b]`: row b's request, None for a free row) reading `width`
-        pages per row; returns what each row committed, on the host."""
-        self.state, out = self.decode.step_with_output(self.state, self.table(slots, width))
+        pages per row and verifying `num_drafts` drafts; returns what each row committed, on the host."""
+        self.state, out = self._step(self.table(slots, width), num_drafts)
         return StepOutput(*to_host((out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)))
+
+    def _step(self, table: jnp.ndarray, num_drafts: int):
+        k = None if num_drafts == self.k_max else num_drafts  # all K: the one program of a fixed K
+        return self.decode.step_with_output(self.state, table, num_drafts=k)
 
     def insert(self, rows: DecodeState, slot: int) -> None:
         """A prefilled staging row into slot `slot`."""
@@ -134,14 +141,16 @@ class DeviceRows:
             self.state = self.decode.release(self.state, released)
 
     def warm_widths(self) -> None:
-        """A step and a prefill chunk of each kind at every width of `paging.buckets`, every table entry the
-        sentinel and every slot free: all writes are dropped, nothing changes but the compiled programs."""
+        """A step (of each number of drafts in `variants`) and a prefill chunk of each kind at every width of
+        `paging.buckets`, every table entry the sentinel and every slot free: all writes are dropped, nothing
+        changes but the compiled programs."""
         rows = self.staging([0], 1)
         chunk = self._on_mesh(np.zeros((self.staging_rows, self.prefill_chunk), np.int32))
         starts = self._on_mesh(np.zeros(self.staging_rows, np.int32))
         free = [None] * self.staging_rows
         for width in self.paging.buckets:
-            self.state, _ = self.decode.step_with_output(self.state, self.table([None] * self.max_batch, width))
+            for k in self.variants:
+                self.state, _ = self._step(self.table([None] * self.max_batch, width), k)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads
             for final in (False, True):

@@ -57,6 +57,7 @@ from mtp_jax.serving.pages import PageAllocator
 from mtp_jax.serving.paging import RowPages, prefix_caching_default
 from mtp_jax.serving.requests import ServedRequest
 from mtp_jax.serving.rows import DeviceRows
+from mtp_jax.serving.speculation import SpeculationPolicy
 from mtp_jax.validation import is_integer
 
 __all__ = ["FINISH_REASONS", "QueueFull", "RequestMetrics", "RequestOutput", "ServingEngine"]
@@ -99,6 +100,8 @@ class ServingEngine:
         prompt pages (default: on where the model allows it; True raises ValueError where it does not:
         recurrent layers, method "vanilla"). page_buckets: the block-table widths in pages the
         step compiles for (`mtp_jax.serving.paging.RowPages`; default 1, 4, 16, ... and the widest).
+        speculative_policy: "fixed" (every step verifies K drafts) or "adaptive" (K chosen per step from
+        0 .. K by measured acceptance and step times, `mtp_jax.serving.speculation`).
         prefill_chunk: C, prompt tokens per prefill call
         (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
         which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
@@ -121,6 +124,7 @@ class ServingEngine:
         page_size: int = 16,
         prefix_caching: bool | None = None,
         page_buckets: Sequence[int] | None = None,
+        speculative_policy: str = "fixed",
         prefill_chunk: int = 64,
         max_queue: int = 256,
         mesh: Mesh | None = None,
@@ -166,6 +170,7 @@ class ServingEngine:
             prefill_chunk=self.prefill_chunk,
             buckets=page_buckets,
         )
+        self.speculation = SpeculationPolicy(speculative_policy, k)
         self.rows = DeviceRows(
             model,
             speculative,
@@ -174,8 +179,10 @@ class ServingEngine:
             max_length=self.max_length,
             prefill_chunk=self.prefill_chunk,
             paging=self.paging,
+            variants=self.speculation.variants,
         )
         self.num_preemptions = 0
+        self.last_num_drafts = k  # the drafts the last decode step verified
         self._slots: list[ServedRequest | None] = [None] * self.max_batch
         self._waiting: collections.deque[ServedRequest] = collections.deque()
         self._staging: _Staging | None = None
@@ -339,6 +346,7 @@ class ServingEngine:
                     return
         finally:
             self.stats, self.max_queue, self.pages.prefix_caching = stats, max_queue, caching
+            self.speculation.reset()  # its step times included compiling
 
     def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -388,16 +396,21 @@ class ServingEngine:
         if not running:
             return
         width = self.paging.width(max(self.paging.reach(r.length) for r in running))
-        out = self.rows.step(self._slots, width)
+        k, start = self.speculation.choose(width), self.clock()
+        out = self.rows.step(self._slots, width, k)
         num, tokens, logprobs, accepted, done = out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done
         now = self.clock()
+        self.speculation.observe(k, width, now - start, [int(accepted[r.slot]) for r in running])
+        self.last_num_drafts = k
         released = []
         for slot, r in enumerate(self._slots):
             if r is None:
                 continue
             n = int(num[slot])
-            out = self._absorb(r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now)
-            r.metrics.count_step(self.num_speculative_tokens, out.num_accepted)
+            out = self._absorb(
+                r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now, k
+            )
+            r.metrics.count_step(k, out.num_accepted)
             outputs.append(out)
             if out.finished and not done[slot]:  # a stop string: the device row still runs
                 released.append(slot)
@@ -473,14 +486,17 @@ class ServingEngine:
     # Host-side bookkeeping
 
     def _absorb(self, r: ServedRequest, tokens: list[int], logprobs: list[float], num_committed: int,
-                num_accepted: int, now: float) -> RequestOutput:  # fmt: skip
+                num_accepted: int, now: float, num_drafts: int = 0) -> RequestOutput:  # fmt: skip
         """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
         taken = r.take(tokens, now)
+        accepted = min(num_accepted, taken)
         return self._output(
-            r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed, min(num_accepted, taken), now
+            r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed, accepted, now, num_drafts
         )
 
-    def _output(self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now) -> RequestOutput:
+    def _output(
+        self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now, num_drafts=0
+    ) -> RequestOutput:
         """`r`'s output; a finished request leaves its slot, its pages and the unfinished ids."""
         if r.finish_reason is not None:
             r.metrics.finished_time = now
@@ -490,7 +506,7 @@ class ServingEngine:
                 self.pages.release(r.id)
             with self._lock:
                 self._ids.discard(r.id)
-        return r.output(tokens, logprobs, text, num_committed, num_accepted)
+        return r.output(tokens, logprobs, text, num_committed, num_accepted, num_drafts)
 
     def _finish(self, r: ServedRequest, reason: str, tokens, logprobs) -> RequestOutput:
         r.finish_reason = reason
