@@ -182,3 +182,20 @@ def test_sampled_requests_draft_from_the_drafter_and_greedy_ones_stay_greedy(dem
         alone = generate(model, [prompt], max_new_tokens=24, max_length=S, speculative=spec, sampling=sampling)
         assert result["tokens"] == alone.tokens[0]
     assert results[1]["metrics"].num_accepted > 0
+
+
+def test_warm_up_fits_a_small_pool():
+    """A pool of 4 pages of 4 tokens, smaller than the warm-up's usual prompt of 2 chunks + 1: the warm-up
+    sizes its prompts to the pool, and a request that fits is served (the scripted model's chain)."""
+    engine = ServingEngine(
+        scripted(CFG, 0), SpeculativeConfig(method="eagle", num_speculative_tokens=2), max_batch=2, max_length=64,
+        num_pages=4, page_size=4, prefill_chunk=16,
+    )  # fmt: skip
+    engine.warm_up()
+    (result,) = serve(engine, [{"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}])
+    assert result["tokens"] == [4, 5, 1, 2, 3, 4, 5, 1]
+    with pytest.raises(ValueError, match="num_pages=4"):
+        engine.add_request([1] * 12, max_tokens=4)
+    for bad, match in ((dict(prefix_caching="false"), "prefix_caching"), (dict(page_buckets=5), "page_buckets")):
+        with pytest.raises(ValueError, match=match):
+            ServingEngine(scripted(CFG, 0), max_length=64, num_pages=4, page_size=4, **bad)

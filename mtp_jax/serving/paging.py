@@ -51,6 +51,8 @@ def prefix_caching_default(model: Transformer, speculative: SpeculativeConfig | 
 
     Not with recurrent layers (their state at a page boundary is not kept) nor method "vanilla" (its window
     of earlier hidden states is not kept with the pages). Raises ValueError if asked for there."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"prefix_caching must be None, True or False, got {asked!r}")
     why = None
     if model.config.is_hybrid:
         why = "the model has recurrent layers, whose states at page boundaries are not kept"
@@ -84,6 +86,8 @@ class RowPages:
         self.num_speculative_tokens, self.prefill_chunk = num_speculative_tokens, prefill_chunk
         self.page_size = allocator.page_size
         self.max_pages = -(-max_length // self.page_size)  # the widest block table a row needs
+        if buckets is not None and not isinstance(buckets, Sequence):
+            raise ValueError(f"page_buckets must be a sequence of widths in pages, got {buckets!r}")
         buckets = default_buckets(self.max_pages) if buckets is None else tuple(buckets)
         if (
             not buckets

@@ -11,6 +11,7 @@ no KV (`insert`). On a mesh every array is placed as the jitted calls return it,
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -143,7 +144,9 @@ class DeviceRows:
     def warm_widths(self) -> None:
         """A step (of each number of drafts in `variants`) and a prefill chunk of each kind at every width of
         `paging.buckets`, every table entry the sentinel and every slot free: all writes are dropped, nothing
-        changes but the compiled programs."""
+        changes but the compiled programs. Each call takes both a fresh state and one a call returned (on a
+        mesh their placements may differ), so neither a prefill that starts wide (a prefix hit) nor a
+        release after a step (a preemption, an abort) compiles later."""
         rows = self.staging([0], 1)
         chunk = self._on_mesh(np.zeros((self.staging_rows, self.prefill_chunk), np.int32))
         starts = self._on_mesh(np.zeros(self.staging_rows, np.int32))
@@ -151,9 +154,11 @@ class DeviceRows:
         for width in self.paging.buckets:
             for k in self.variants:
                 self.state, _ = self._step(self.table([None] * self.max_batch, width), k)
+                self.release([0])  # (slot 0 is free: nothing changes)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads
-            for final in (False, True):
+            for final, fresh in itertools.product((False, True), (True, False)):
+                rows = self.staging([0], 1) if fresh else rows
                 self.state, rows = self.decode.prefill_rows(
                     self.state, rows, chunk, starts, self.table(free, width), final=final
                 )

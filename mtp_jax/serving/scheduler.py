@@ -322,7 +322,8 @@ class ServingEngine:
         unfinished)."""
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request: this engine has unfinished requests")
-        long = max(1, min(2 * self.prefill_chunk + 1, self.max_length - 1))  # the longest prompt, if shorter
+        pool = self.num_pages * self.page_size - self.num_speculative_tokens - 3  # a prompt the pool holds
+        long = max(1, min(2 * self.prefill_chunk + 1, self.max_length - 1, pool))  # the longest, if shorter
         prompts = [[0] * long, [0]]
         stats, max_queue, caching = self.stats, self.max_queue, self.pages.prefix_caching
         self.stats, self.max_queue, self.pages.prefix_caching = None, max(max_queue, len(prompts)), False

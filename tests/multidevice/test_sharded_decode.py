@@ -368,3 +368,43 @@ def test_serving_engine_on_a_mesh_equals_one_device(request, model_name, mesh_sp
             got.setdefault(out.request_id, []).extend(out.token_ids)
     assert [got[i] for i in ids] == one.tokens
     assert engine.compiled_counts() == compiled
+
+
+def test_paged_serving_on_a_tensor_mesh_compiles_nothing_after_warm_up():
+    """On `tensor=2` (pools split over the two KV heads) a prefix-cache hit (a prefill that starts wide, from
+    a fresh staging state), a preemption and an abort (releases of a stepped state) compile nothing after
+    `warm_up`, and the outputs are still the one-device `generate` tokens."""
+    from mtp_jax.serving import ServingEngine
+
+    model = init_model(GQA.replace(num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16), seed=1)
+    mesh = make_mesh("tensor=2", jax.devices()[:2])
+    shared = list(range(1, 21))
+    runs = [  # (pages, requests: prompt, max_tokens, abort after this many tokens)
+        (20, [(shared, 4, None)]),
+        (20, [(shared + [5, 6], 4, None)]),  # the same engine: a prefix hit
+        (11, [([1, 2], 36, None), ([3, 4], 36, None)]),  # a preemption
+        (20, [([1, 2], 30, 8)]),  # an abort
+    ]
+    engines = {}
+    for pages, requests in runs:
+        if pages not in engines or pages == 11:
+            engine = ServingEngine(
+                model, EAGLE, max_batch=2, max_length=40, num_pages=pages, page_size=4, prefill_chunk=8, mesh=mesh
+            )
+            engine.warm_up()
+            engines[pages] = engine
+        engine = engines[pages]
+        compiled = engine.compiled_counts()  # (programs are cached per shapes: another engine's compile more)
+        ids = [engine.add_request(p, max_tokens=n, ignore_eos=True) for p, n, _ in requests]
+        got = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+                stop = dict(zip(ids, [a for *_, a in requests], strict=True))[out.request_id]
+                if stop is not None and len(got[out.request_id]) >= stop and not out.finished:
+                    engine.abort(out.request_id)
+        assert engine.compiled_counts() == compiled, (pages, requests)
+        for rid, (prompt, n, stop) in zip(ids, requests, strict=True):
+            expected = generate(model, [prompt], max_new_tokens=n, max_length=40).tokens[0]
+            assert got[rid] == (expected if stop is None else expected[: len(got[rid])])
+    assert engines[20].pages.hits > 0 and engines[11].num_preemptions > 0
