@@ -38,7 +38,7 @@ from pallas_kernels.verify_attention import (
     _combine,
     _is_power_of_two,
 )
-from pallas_kernels.verify_attention_triton import online_softmax_step
+from pallas_kernels.verify_attention_triton import accumulate_blocks, online_softmax_step
 
 __all__ = ["PagedAttentionConfig", "paged_attention_reference", "paged_verify_attention", "supports_paged"]
 
@@ -250,15 +250,7 @@ def _kernel(
         s = jnp.where(pos[None, :] < limit[:, None], s * scale, -jnp.inf)
         return online_softmax_step(s, v, acc, row_max, row_sum, precision)
 
-    init = (
-        jnp.zeros(acc_ref.shape, jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, row_max, row_sum = lax.fori_loop(first, last, body, init)
-    acc_ref[...] = acc
-    max_ref[...] = row_max
-    sum_ref[...] = row_sum
+    accumulate_blocks(first, last, body, acc_ref, max_ref, sum_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))

@@ -70,6 +70,13 @@ def _kernel(
         s = jnp.where(pos[None, :] < limit[:, None], s, -jnp.inf)
         return online_softmax_step(s, v, acc, row_max, row_sum, precision)
 
+    accumulate_blocks(first, last, body, acc_ref, max_ref, sum_ref)
+
+
+def accumulate_blocks(first, last, body, acc_ref, max_ref, sum_ref) -> None:
+    """`body(block, (acc, row_max, row_sum))` (returning them updated, `online_softmax_step`) over the blocks
+    first .. last - 1 from an empty softmax; the partials go to `acc_ref` [M, Dv], `max_ref` and `sum_ref` [M]."""
+    rows = acc_ref.shape[0]
     init = (
         jnp.zeros(acc_ref.shape, jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
