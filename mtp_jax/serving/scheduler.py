@@ -155,12 +155,10 @@ class ServingEngine:
         self.max_batch, self.max_length, self.prefill_chunk = int(max_batch), int(max_length), int(prefill_chunk)
         self.max_queue, self.clock, self.stats = int(max_queue), clock, stats
         self.num_speculative_tokens = k
-        self.prefix_caching = prefix_caching_default(model, speculative, prefix_caching)
-        self.page_size, self.num_pages = int(page_size), int(num_pages)
         self.pages = PageAllocator(
-            self.num_pages,
-            self.page_size,
-            prefix_caching=self.prefix_caching,
+            int(num_pages),
+            int(page_size),
+            prefix_caching=prefix_caching_default(model, speculative, prefix_caching),
             salt=repr(config),  # what changes a page's KV besides its tokens: the model and its dtypes
         )
         self.paging = RowPages(
@@ -281,6 +279,21 @@ class ServingEngine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._ids)
+
+    @property
+    def num_pages(self) -> int:
+        """N, KV pages in the pool (per layer)."""
+        return self.pages.num_pages
+
+    @property
+    def page_size(self) -> int:
+        """P, positions per KV page."""
+        return self.pages.page_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether cached prompt pages are reused."""
+        return self.pages.prefix_caching
 
     @property
     def kv_cache_usage(self) -> float:
