@@ -90,6 +90,9 @@ class TokenStream:
         return out
 
 
+PARTS = ("mix", "prefix", "steps", "adaptive")
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -315,8 +318,7 @@ def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script in minutes")
-    parts = ["mix", "prefix", "steps", "adaptive"]
-    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     for name, value in FULL.items():  # sizes: defaults from FULL (or SMOKE with --smoke)
@@ -455,7 +457,8 @@ def main() -> None:
     )
     rows = [dict(part="mix", **r) for r in mix] + [dict(part="prefix", **r) for r in prefix]
     rows += [dict(part="steps", **r) for r in steps] + [dict(part="adaptive", **r) for r in adaptive]
-    name = f"paged_serving_{device.replace(' ', '_')}_{meta['date']}" + ("_smoke" if args.smoke else "")
+    some = "" if set(args.parts) == set(PARTS) else "_" + "_".join(args.parts)  # (one part's run keeps the others')
+    name = f"paged_serving{some}_{device.replace(' ', '_')}_{meta['date']}" + ("_smoke" if args.smoke else "")
     table = markdown(meta, mix, prefix, steps, adaptive)
     write_report(args.out, name, meta, rows, table + f"\nTotal run time {meta['total_s']:.0f} s.\n")
 

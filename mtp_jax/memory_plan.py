@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from mtp_jax.cache import RecurrentCache, RecurrentCandidates
+from mtp_jax.cache import PagedCache, PageLayout, RecurrentCache, RecurrentCandidates
 from mtp_jax.cache import logical_axes as cache_axes
 from mtp_jax.checkpoints.format import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError
 from mtp_jax.checkpoints.hf_config import config_from_hf
@@ -83,11 +83,17 @@ MeshLike = str | Mapping[str, int] | Mesh | AbstractMesh  # what `mesh_sizes` ta
 
 
 def abstract_decode_state(
-    model: Transformer, *, max_batch: int, max_length: int, speculative: SpeculativeConfig | None = None
+    model: Transformer,
+    *,
+    max_batch: int,
+    max_length: int,
+    speculative: SpeculativeConfig | None = None,
+    pages: PageLayout | None = None,
 ) -> tuple[DecodeState, jax.ShapeDtypeStruct]:
     """The `DecodeState` (and padded prompts int32 [B, min(16, S)]) that `init_state` builds for `max_batch`
-    rows of capacity `max_length` tokens, as `jax.ShapeDtypeStruct`s (`jax.eval_shape`; the host arrays it
-    fills, tokens and logprobs [B, S], are made but never reach a device). `model` may be abstract.
+    rows of capacity `max_length` tokens (its attention caches paged with `pages`), as `jax.ShapeDtypeStruct`s
+    (`jax.eval_shape`; the host arrays it fills, tokens and logprobs [B, S], are made but never reach a
+    device). `model` may be abstract.
 
     Raises ValueError for a max_batch that is not an int >= 1, and `init_state`'s errors: TypeError /
     ValueError for max_length outside [2, max_position_embeddings], ValueError for a `speculative` the model
@@ -97,7 +103,7 @@ def abstract_decode_state(
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     prompts = [[0]] * max_batch
     build = functools.partial(
-        init_state, model, prompts, max_new_tokens=1, max_length=max_length, speculative=speculative
+        init_state, model, prompts, max_new_tokens=1, max_length=max_length, speculative=speculative, pages=pages
     )
     return jax.eval_shape(build)
 
@@ -159,7 +165,7 @@ def _verify_candidates(cache, new_tokens: int):
             conv=jax.ShapeDtypeStruct((*conv.shape[:-2], conv.shape[-2] + new_tokens, conv.shape[-1]), conv.dtype),
         )
 
-    return jax.tree.map(one, cache, is_leaf=lambda node: hasattr(node, "LOGICAL_AXES"))
+    return jax.tree.map(one, cache, is_leaf=lambda node: hasattr(node, "LOGICAL_AXES") or isinstance(node, PagedCache))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +183,18 @@ class _Arrays:
 
     @classmethod
     def build(
-        cls, config: ModelConfig, max_batch: int, max_length: int, speculative: SpeculativeConfig | None
+        cls,
+        config: ModelConfig,
+        max_batch: int,
+        max_length: int,
+        speculative: SpeculativeConfig | None,
+        pages: PageLayout | None = None,
     ) -> _Arrays:
         model = abstract_model(config)
         _, params = nnx.split(model)  # all of the model's state, as the engine's `static_split` passes it
-        state, _ = abstract_decode_state(model, max_batch=max_batch, max_length=max_length, speculative=speculative)
+        state, _ = abstract_decode_state(
+            model, max_batch=max_batch, max_length=max_length, speculative=speculative, pages=pages
+        )
         axes = state.logical_axes()
         no_caches = state.replace(cache=(), draft=state.draft.replace(caches=()))
         rest_axes = axes.replace(cache=(), draft=axes.draft.replace(caches=()))
@@ -309,6 +322,7 @@ class MemoryPlan:
     smallest_mesh: MeshFit | None
     search_limit: int
     checkpoint: CheckpointWeights | None = None
+    pages: PageLayout | None = None
 
     @property
     def num_devices(self) -> int:
@@ -333,6 +347,12 @@ class MemoryPlan:
         fit = self.smallest_mesh
         return f"{mesh_text(fit.mesh)}, {fit.total_bytes / GB:.2f} GB per device (searched {searched})"
 
+    def pages_text(self) -> str:
+        """ ", KV in N pages of P tokens" for a paged plan, else ""."""
+        if self.pages is None:
+            return ""
+        return f", KV in {self.pages.num_pages:,} pages of {self.pages.page_size} tokens"
+
     def table(self, title: str = "model") -> str:
         """The plan as a text table (GB = 10**9 bytes)."""
         spec = self.speculative
@@ -340,7 +360,7 @@ class MemoryPlan:
         unsharded = ", ".join(f"{d} {b / GB:,.2f} GB" for d, b in sorted(self.weights_total_bytes.items()))
         lines = [
             f"memory plan: {title} on {mesh_text(self.mesh)}",
-            f"  decoding: batch {self.max_batch} x {self.max_length:,} tokens, {decoding}",
+            f"  decoding: batch {self.max_batch} x {self.max_length:,} tokens, {decoding}{self.pages_text()}",
             f"  parameters: {self.num_parameters:,} ({unsharded} unsharded)",
         ]
         if self.checkpoint is not None:
@@ -391,6 +411,7 @@ def memory_plan(
     speculative: SpeculativeConfig | None = None,
     device_memory_bytes: int | None = None,
     search_limit: int = MAX_SEARCH_DEVICES,
+    pages: PageLayout | None = None,
 ) -> MemoryPlan:
     """The memory plan of decoding `config`'s model (`DecodeEngine(model, speculative, mesh=mesh)`) with
     `max_batch` rows of capacity `max_length` tokens, from the config alone (module docstring).
@@ -398,6 +419,9 @@ def memory_plan(
     Args:
       mesh: a spec ("expert=8,tensor=2"), a mapping, a `Mesh` or an `AbstractMesh`; None: one device.
       speculative: the engine's `SpeculativeConfig` (None: plain decoding, no MTP caches).
+      pages: the serving engine's KV pages (`mtp_jax.cache.PageLayout`): the attention caches are pools of
+        `num_pages` pages (replicated over the batch axes, as the engine places them) instead of
+        max_batch x max_length positions.
       device_memory_bytes: bytes one device has; None: `device_memory()` (the default backend's, when it
         reports it, else unknown: no fit check and no search).
       search_limit: the most devices the smallest-mesh search tries.
@@ -411,7 +435,9 @@ def memory_plan(
         device_memory_bytes = device_memory()
     elif not isinstance(device_memory_bytes, int) or device_memory_bytes < 1:
         raise ValueError(f"device_memory_bytes must be an int >= 1, got {device_memory_bytes!r}")
-    arrays = _Arrays.build(config, max_batch, max_length, speculative)
+    if pages is not None and not isinstance(pages, PageLayout):
+        raise ValueError(f"pages must be a PageLayout or None, got {pages!r}")
+    arrays = _Arrays.build(config, max_batch, max_length, speculative, pages)
     arrays.check_mesh(sizes)
     weights, kv_cache, mtp_cache, state, candidates = arrays.device_bytes(sizes)
     total = Counter()
@@ -434,6 +460,7 @@ def memory_plan(
         if device_memory_bytes is None
         else _smallest_mesh(arrays, device_memory_bytes, search_limit),
         search_limit=search_limit,
+        pages=pages,
     )
 
 
@@ -450,7 +477,7 @@ def check_fits(plan: MemoryPlan) -> None:
         f"but {plan.device_memory_bytes / GB:,.2f} GB are available (weights "
         f"{weights / GB:,.2f} GB, KV cache {(plan.kv_cache_bytes + plan.mtp_cache_bytes) / GB:,.2f} GB, decode "
         f"state {plan.decode_state_bytes / GB:,.2f} GB{verify_text}, for batch {plan.max_batch} x "
-        f"{plan.max_length} tokens); "
+        f"{plan.max_length} tokens{plan.pages_text()}); "
         f"the smallest mesh that fits: {plan.smallest_mesh_text()}"
     )
 
@@ -530,9 +557,10 @@ def plan_checkpoint(
     device_memory_bytes: int | None = None,
     dtype: str | None = None,
     search_limit: int = MAX_SEARCH_DEVICES,
+    pages: PageLayout | None = None,
 ) -> MemoryPlan:
-    """`memory_plan` for the model of checkpoint directory `path` (config.json; `dtype` overrides its
-    stored dtype as `load_hf_checkpoint(dtype=)` does), with `checkpoint` holding the safetensors headers'
+    """`memory_plan` (paged with `pages`) for the model of checkpoint directory `path` (config.json; `dtype`
+    overrides its stored dtype as `load_hf_checkpoint(dtype=)` does), with `checkpoint` holding the safetensors headers'
     byte totals (`checkpoint_weights`) to compare with the plan's unsharded weights. `max_length`
     defaults to the model's max positions. Nothing but config.json and the headers is read.
 
@@ -552,5 +580,6 @@ def plan_checkpoint(
         speculative=speculative,
         device_memory_bytes=device_memory_bytes,
         search_limit=search_limit,
+        pages=pages,
     )
     return dataclasses.replace(plan, checkpoint=checkpoint_weights(path, config))

@@ -14,6 +14,7 @@ not hoped for.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -233,12 +234,14 @@ def _snapshot(state) -> dict[str, np.ndarray]:
     }
 
 
-def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = False, stop_tokens=()):
+def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = False, stop_tokens=(), schedule=None):
     """Prefill, then `DecodeEngine.step` until every row is done; returns the final state and a snapshot per step
     boundary (after prefill and after each step). With `poison`, stale cache slots are NaN before each step;
     for vanilla also its modules' last K - 1 live slots (computed from drafts, the window recomputes them)
-    and its window's entries before position 0."""
+    and its window's entries before position 0. `schedule`: (num_drafts, draft_next) of each step, cycled
+    (`DecodeEngine.step_with_output`), instead of full steps."""
     engine = DecodeEngine(model, sp)
+    steps = None if schedule is None else itertools.cycle(schedule)
     state, padded = engine.init_state(prompts, max_new_tokens=max_new, max_length=S, stop_tokens=list(stop_tokens))
     state = engine.prefill(state, padded)
     trace = [_snapshot(state)]
@@ -247,7 +250,11 @@ def drive(model, sp: SpeculativeConfig, prompts, max_new, *, poison: bool = Fals
             state = _poison(state, margin=sp.num_speculative_tokens - 1 if sp.method == "vanilla" else 0)
             assert np.isnan(np.asarray(jax.tree.leaves(state.cache)[0])).any()
             assert all(np.isnan(np.asarray(jax.tree.leaves(c)[0])).any() for c in state.draft.caches)
-        state = engine.step(state)
+        if steps is None:
+            state = engine.step(state)
+        else:
+            k, draft_next = next(steps)
+            state, _ = engine.step_with_output(state, num_drafts=k, draft_next=draft_next)
         trace.append(_snapshot(state))
     return state, trace
 

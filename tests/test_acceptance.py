@@ -228,20 +228,20 @@ def test_sampled_generation_follows_the_target_distribution(models):
 
 
 def _cycling_drafts(model, prompts, *, speculative, sampling, **request):
-    """`generate`, with steps verifying 0, 2, 1, 0, 2, ... of the K = 2 drafts (adaptive speculation's
-    variants, `DecodeEngine.step_with_output(num_drafts=k)`)."""
+    """`generate`, with steps verifying 2, 0 (drafting nothing), 0, 1, 2, ... of the K = 2 drafts (adaptive
+    speculation's variants, `DecodeEngine.step_with_output(num_drafts=k, draft_next=...)`)."""
     engine = DecodeEngine(model, speculative)
     state, padded = engine.init_state(prompts, sampling=sampling, **request)
     state = engine.prefill(state, padded)
-    for k in itertools.cycle([0, 2, 1]):
+    for k, draft_next in itertools.cycle([(2, True), (0, False), (0, True), (1, True)]):
         if bool(np.all(np.asarray(state.done))):
             return engine.result(state, 0.0)
-        state, _ = engine.step_with_output(state, num_drafts=k)
+        state, _ = engine.step_with_output(state, num_drafts=k, draft_next=draft_next)
 
 
 def test_sampled_generation_with_varying_numbers_of_drafts_follows_the_target(models):
-    """Steps that verify only some of the sampled drafts (a plain step, then 2, then 1) still emit the target
-    distribution: the drafts not verified are drafted again for the next step."""
+    """Steps that verify only some of the sampled drafts (2, a plain step drafting none, one drafting, then 1)
+    still emit the target distribution: the drafts not verified are drafted again for the next step."""
     check_sampled_generation(
         models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"), decode=_cycling_drafts
     )

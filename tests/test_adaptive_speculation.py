@@ -88,9 +88,12 @@ def test_the_policy_settles_on_what_acceptance_pays_for(demo, monkeypatch, right
     engine.warm_up()
     step = engine.rows.step
 
-    def timed_step(slots, width, num_drafts):
+    drafted = []
+
+    def timed_step(slots, width, num_drafts, *, draft_next):
         now[0] += 1 + num_drafts / 2
-        return step(slots, width, num_drafts)
+        drafted.append(draft_next)
+        return step(slots, width, num_drafts, draft_next=draft_next)
 
     monkeypatch.setattr(engine.rows, "step", timed_step)
     prompt = tokenizer.encode("def main(argv):\n").ids
@@ -101,7 +104,8 @@ def test_the_policy_settles_on_what_acceptance_pays_for(demo, monkeypatch, right
     while engine.has_unfinished():
         chosen += [out.num_drafts for out in engine.step() if out.num_committed and out.completion_tokens > 1]
     assert chosen[:4] == [3, 2, 1, 0]  # each variant timed once
-    if right:
-        assert chosen[4:] and set(chosen[4:]) == {K}
+    if right:  # after the plain step (which drafted nothing) one plain step drafts, then K for good
+        assert chosen[4] == 0 and chosen[5:] and set(chosen[5:]) == {K}
     else:  # plain steps, and every probe_every steps one to measure another variant again
         assert chosen[4:].count(0) > 10 * (len(chosen) - 4 - chosen[4:].count(0))
+        assert drafted.count(False) > 0.8 * len(drafted)  # its plain steps draft nothing

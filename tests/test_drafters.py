@@ -134,6 +134,26 @@ def test_greedy_is_lossless_and_drafts_equal_the_no_cache_oracle(models, plain, 
 # Capacity
 
 
+@pytest.mark.parametrize("method", ["eagle", "vanilla", "parallel"])
+def test_plain_steps_that_skip_drafting_keep_the_mtp_caches(models, plain, method):
+    """Adaptive speculation's cheapest plain step (`draft_next=False`: the MTP modules only write their caches)
+    between steps that draft and verify, stale slots NaN before each: greedy output unchanged, and the drafts
+    made after any run of such steps equal the no-cache oracle (the caches they left are the full steps')."""
+    sp, model = spec(method, 3), models[style(method)]["scripted"]
+    schedule = [(0, False), (0, False), (0, True), (3, True), (0, False), (0, True), (1, True), (2, True)]
+    state, trace = drive(model, sp, PROMPTS, MAX_NEW, poison=True, schedule=schedule)
+    assert generated(state, PROMPTS) == plain(style(method), "scripted").tokens
+    drafted = [0] + [i + 1 for i in range(len(trace) - 1) if schedule[i % len(schedule)][1]]  # after prefill too
+    assert len(drafted) > 6
+    for step in drafted:
+        snap = trace[step]
+        want = oracle_drafts(model, method, snap["tokens"], snap["lengths"], snap["drafts"])
+        np.testing.assert_array_equal(snap["drafts"][~snap["done"]], want[~snap["done"]], err_msg=f"step {step}")
+    engine = DecodeEngine(model, sp)
+    with pytest.raises(ValueError, match="draft_next=False needs num_drafts=0"):
+        engine.step_with_output(state, num_drafts=1, draft_next=False)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("method, k", [("eagle", 1), ("eagle", 4), ("eagle", 8), ("vanilla", 3)])
 def test_capacity_ends_rows_exactly_and_live_cache_entries_stay_intact(models, method, k, impl):

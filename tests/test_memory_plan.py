@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from mtp_jax.cache import PageLayout
 from mtp_jax.checkpoints import config_from_hf, save_hf_checkpoint
 from mtp_jax.checkpoints.names import shared_copies
 from mtp_jax.cli import main
@@ -39,6 +40,7 @@ from mtp_jax.memory_plan import (
 )
 from mtp_jax.model import Transformer, init_model
 from mtp_jax.quantization import Fp8Config
+from mtp_jax.serving.paging import page_bytes
 
 HERE = pathlib.Path(__file__).parent
 EAGLE_1 = SpeculativeConfig(method="eagle", num_speculative_tokens=1)
@@ -409,6 +411,43 @@ def test_plan_equals_what_the_engine_allocates_on_one_device(config, speculative
     assert p.kv_cache_bytes == _nbytes(state.cache)
     assert p.mtp_cache_bytes == _nbytes(state.draft.caches)
     assert p.decode_state_bytes == _nbytes(state) - _nbytes(state.cache) - _nbytes(state.draft.caches)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY_MOE, ModelConfig.from_name("tiny", num_nextn_predict_layers=1, scan_layers=True)],
+    ids=["mla", "gqa-scan"],
+)
+def test_paged_plan_equals_the_serving_engines_pools(config):
+    """`mtp-jax serve`'s layout: KV pools of N pages, whatever max_batch x max_length would be; the pools and the
+    rest of the state are what the engine allocates."""
+    model = init_model(config)
+    engine = DecodeEngine(model, EAGLE_1)
+    pages = PageLayout(num_pages=5, page_size=16)
+    state, _ = engine.init_state([[1, 2, 3], [4, 5]], max_new_tokens=4, max_length=48, pages=pages)
+    p = memory_plan(config, max_batch=2, max_length=48, speculative=EAGLE_1, pages=pages, device_memory_bytes=10**9)
+    assert p.kv_cache_bytes == _nbytes(state.cache)
+    assert p.mtp_cache_bytes == _nbytes(state.draft.caches)
+    assert p.decode_state_bytes == _nbytes(state) - _nbytes(state.cache) - _nbytes(state.draft.caches)
+    assert p.kv_cache_bytes + p.mtp_cache_bytes == 5 * page_bytes(model, EAGLE_1, 16)
+    assert "KV in 5 pages of 16 tokens" in p.table()
+
+
+def test_cli_plans_serves_page_pool(capsys):
+    """--num-pages / --kv-cache-memory plan the KV as serve keeps it: the pool, not max_batch x max_length (64 rows
+    of 16k tokens need 74.9 GB of dense KV per device and do not fit 16 H200s; an 8 GB pool does)."""
+    argv = ["plan", "deepseek-v3", "--mesh", "expert=16", "--max-batch", "64", "--max-length", "16384"]
+    assert main(argv + ["--device-memory", "141GB"]) == 1
+    dense = capsys.readouterr().out
+    assert main(argv + ["--device-memory", "141GB", "--kv-cache-memory", "8GB"]) == 0
+    paged = capsys.readouterr().out
+    assert "KV in 7,000 pages of 16 tokens" in paged and "pages" not in dense
+    assert main(argv + ["--num-pages", "1000", "--page-size", "64"]) == 0
+    assert "KV in 1,000 pages of 64 tokens" in capsys.readouterr().out
+    assert main(argv + ["--kv-cache-memory", "1KB"]) == 2
+    assert "--kv-cache-memory 1000 bytes holds no KV page" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv + ["--num-pages", "4", "--kv-cache-memory", "1GB"])
 
 
 # ---------------------------------------------------------------------------------------------

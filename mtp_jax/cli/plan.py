@@ -31,6 +31,7 @@ _PLAN_FLAGS = {
     r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
     r"\bmtp_style\b|\bno MTP modules\b|\bmethod\b": "--speculative",
     r"\bdevice_memory_bytes\b": "--device-memory",
+    r"\bpage_size\b": "--page-size",
 }
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -111,6 +112,27 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="weights and compute dtype (default: the checkpoint's or the preset's)",
     )
+    p.add_argument(
+        "--page-size",
+        type=bounded(int, 1),
+        default=None,
+        help="plan the KV caches as `mtp-jax serve` keeps them: a pool of pages of this many tokens (default: "
+        "dense rows, as `generate` keeps them; 16 when --num-pages or --kv-cache-memory is given)",
+    )
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--num-pages",
+        type=bounded(int, 1),
+        default=None,
+        help="KV pages in the pool (default with --page-size: --max-batch x ceil(--max-length / --page-size))",
+    )
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        metavar="SIZE",
+        default=None,
+        help="the pool's memory instead of --num-pages (as for serve)",
+    )
     p.set_defaults(func=run_plan)
     return p
 
@@ -138,14 +160,23 @@ def run_plan(args: argparse.Namespace) -> int:
         speculative = SpeculativeConfig.from_flags(
             method, args.num_speculative_tokens, types.SimpleNamespace(config=config)
         )
+        length = config.max_position_embeddings if args.max_length is None else args.max_length
         request = dict(
             mesh=args.mesh,
             max_batch=args.max_batch,
             speculative=speculative,
             device_memory_bytes=args.device_memory,
+            pages=page_layout(
+                config,
+                speculative,
+                max_batch=args.max_batch,
+                max_length=length,
+                num_pages=args.num_pages,
+                kv_cache_memory=args.kv_cache_memory,
+                page_size=args.page_size or (16 if args.num_pages or args.kv_cache_memory else None),
+            ),  # fmt: skip
         )
         if args.model in PRESETS:
-            length = config.max_position_embeddings if args.max_length is None else args.max_length
             plan = memory_plan.memory_plan(config, max_length=length, **request)
         else:
             plan = memory_plan.plan_checkpoint(path, max_length=args.max_length, dtype=args.dtype, **request)
@@ -160,6 +191,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def page_layout(config, speculative, *, max_batch: int, max_length: int, page_size: int | None, **pool):
+    """The serving engine's `PageLayout` for `config`'s model: pages of `page_size` tokens, as many as
+    `mtp_jax.serving.paging.pool_pages` gives for `pool` (num_pages or kv_cache_memory, or neither); None
+    when page_size is None (dense rows)."""
+    if page_size is None:
+        return None
+    from mtp_jax.cache import PageLayout
+    from mtp_jax.model import abstract_model
+    from mtp_jax.serving.paging import pool_pages
+
+    count = pool_pages(
+        abstract_model(config), speculative, max_batch=max_batch, max_length=max_length, page_size=page_size, **pool
+    )
+    return PageLayout(count, page_size)
+
+
 def refuse_what_does_not_fit(
     model_dir: pathlib.Path,
     mesh,
@@ -170,12 +217,17 @@ def refuse_what_does_not_fit(
     num_speculative_tokens: int | None,
     dtype: str | None,
     dequantize: bool,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+    kv_cache_memory: int | None = None,
 ) -> None:
     """Before `generate` / `serve` read any weights: where the devices report their memory (GPUs), the
     memory plan of the checkpoint in `model_dir` on `mesh` (None: one device) for `max_batch` rows of
-    `max_length` tokens; ValueError (`memory_plan.check_fits`' message: the numbers and the smallest mesh
-    that fits) when it does not fit. Does nothing where the backend reports no memory (the CPU) or when
-    config.json cannot be read (the load that follows names the problem)."""
+    `max_length` tokens, their KV in a pool of pages of `page_size` tokens when given (serve: `num_pages`, or
+    what `kv_cache_memory` bytes hold, or the default, `mtp_jax.serving.paging.pool_pages`); ValueError
+    (`memory_plan.check_fits`' message: the numbers and the smallest mesh that fits) when it does not fit.
+    Does nothing where the backend reports no memory (the CPU) or when config.json cannot be read (the load
+    that follows names the problem)."""
     from mtp_jax import memory_plan
     from mtp_jax.decode.speculative import SpeculativeConfig
 
@@ -191,12 +243,18 @@ def refuse_what_does_not_fit(
     if dequantize:
         config = config.replace(quantization=None)
     spec = SpeculativeConfig.from_flags(speculative, num_speculative_tokens, types.SimpleNamespace(config=config))
+    max_length = config.max_position_embeddings if max_length is None else max_length
+    pages = page_layout(
+        config, spec, max_batch=max_batch, max_length=max_length, page_size=page_size, num_pages=num_pages,
+        kv_cache_memory=kv_cache_memory,
+    )  # fmt: skip
     plan = memory_plan.memory_plan(
         config.replace(scan_layers=True),  # the same bytes per device, built faster
         mesh,
         max_batch=max_batch,
-        max_length=config.max_position_embeddings if max_length is None else max_length,
+        max_length=max_length,
         speculative=spec,
         device_memory_bytes=available,
+        pages=pages,
     )
     memory_plan.check_fits(plan)

@@ -119,6 +119,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call, >= K + 1 (default 64)"
     )
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429 (default 256)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the largest request body; larger ones get 413 before they are read (e.g. 16MiB; default 4MiB, "
+        "a 160k-token prompt as token ids or text)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument(
@@ -145,7 +153,7 @@ def _build_engine(args: argparse.Namespace, mesh):
     from mtp_jax.decode.speculative import SpeculativeConfig
     from mtp_jax.serving import ServingEngine
     from mtp_jax.serving.chat_template import ChatTemplate
-    from mtp_jax.serving.paging import page_bytes
+    from mtp_jax.serving.paging import pool_pages
     from mtp_jax.serving.prometheus import PrometheusMetrics
 
     given, spelling = pick_model(args.model_dir, args.model, "MODEL_DIR")
@@ -163,6 +171,9 @@ def _build_engine(args: argparse.Namespace, mesh):
             num_speculative_tokens=args.num_speculative_tokens,
             dtype=dtype,
             dequantize=args.dequantize,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            kv_cache_memory=args.kv_cache_memory,
         )
         model, tokenizer = load_pretrained(model_dir, dtype=dtype, mesh=mesh, dequantize=args.dequantize)
         chat_template = ChatTemplate.from_model_dir(model_dir)
@@ -180,10 +191,14 @@ def _build_engine(args: argparse.Namespace, mesh):
         )
         num_pages = args.num_pages
         if args.kv_cache_memory is not None:
-            per_page = page_bytes(model, speculative, args.page_size)
-            num_pages = args.kv_cache_memory // per_page
-            if num_pages < 1:
-                raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} bytes holds no KV page ({per_page} bytes)")
+            num_pages = pool_pages(
+                model,
+                speculative,
+                max_batch=args.max_batch,
+                max_length=args.max_length or 1,
+                page_size=args.page_size,
+                kv_cache_memory=args.kv_cache_memory,
+            )  # fmt: skip (max_length: unused with a memory)
         engine = ServingEngine(
             model,
             speculative,
@@ -217,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "host); the engine steps of several processes are not driven in lockstep yet"
         )
     from mtp_jax.serving.async_engine import AsyncEngine
-    from mtp_jax.serving.server import bind, serve
+    from mtp_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, bind, serve
 
     try:
         sock = bind(args.host, args.port)  # before the slow part: a port in use fails at once
@@ -243,6 +258,7 @@ def run_serve(args: argparse.Namespace) -> int:
         name,
         metrics=metrics,
         chat_template=chat_template,
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
         sock=sock,
         log_level=args.log_level,
         on_listening=lambda url: print(f"mtp-jax serve: {name} at {url}/v1", file=sys.stderr, flush=True),

@@ -262,6 +262,35 @@ def draft(
     return DRAFTERS[speculative.method](model, speculative, sampling, tokens, state, hidden, start, lengths)
 
 
+def fill_caches(
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    sampling: SamplingState,
+    tokens: jax.Array,
+    state: DraftState,
+    hidden: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+) -> DraftState:
+    """`draft` without the drafts: the modules' passes over the window only (no draft head, no eagle chain),
+    so every cache entry `draft` makes final (positions up to L - 2) is written, the same, and the state's
+    drafts stay those of an earlier step (stale: a step that drafts must come before one that verifies them).
+    Adaptive speculation's plain step (`decode_step(draft_next=False)`). Same arguments as `draft`."""
+    if speculative is None or speculative.method == "oracle":
+        return state
+    window, last = _window(hidden, start, lengths)
+    caches = []
+    for j in range(speculative.num_caches):  # eagle: module 1 once; vanilla: modules 1..K chained; parallel
+        inputs = window if speculative.method == "parallel" else _tokens_at(tokens, window + j + 1)
+        _, chained, cache = model.mtp[j](
+            hidden, inputs, window, state.caches[j], logits_at=last, embed=model.embed, head=model.head
+        )  # (the logits are unused: XLA drops the head)
+        if speculative.method == "vanilla":
+            hidden = chained
+        caches.append(cache)
+    return state.replace(caches=tuple(caches))
+
+
 def _last_hidden(h0: jax.Array, first: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
     """Vanilla's window slid to the committed lengths: h^0 at positions L - 1 - W .. L - 2 ([B, W, E])
     out of `h0` [B, T, E], whose column 0 sits at position `first` (int32 [B]); L = `lengths` (int32
@@ -310,18 +339,22 @@ def draft_after_verify(
     h0: jax.Array,
     lengths: jax.Array,
     num_committed: jax.Array,
+    *,
+    drafts: bool = True,
 ) -> DraftState:
-    """The next drafts after a verify pass whose h^0 [B, K+1, E] sits at positions L-1 .. L-1+K, L the
+    """The next drafts after a verify pass whose h^0 [B, k+1, E] sits at positions L-1 .. L-1+k, L the
     lengths before the step (int32 [B]) and `num_committed` (int32 [B]) the tokens the step committed.
 
     Eagle and parallel run over the verify window; vanilla slides its window of h^0 by the tokens
-    committed, to end at position L' - 2, and runs over that.
+    committed, to end at position L' - 2, and runs over that. `drafts=False` (static): only the caches
+    are written (`fill_caches`), the drafts stay stale.
     """
+    run = draft if drafts else fill_caches
     width = state.hidden_window.shape[1]
     new_lengths = lengths + num_committed
     if not width:
-        return draft(model, speculative, sampling, tokens, state, h0, lengths - 1, new_lengths)
-    joined = jnp.concatenate([state.hidden_window, h0.astype(state.hidden_window.dtype)], axis=1)  # [B, W+K+1, E]
+        return run(model, speculative, sampling, tokens, state, h0, lengths - 1, new_lengths)
+    joined = jnp.concatenate([state.hidden_window, h0.astype(state.hidden_window.dtype)], axis=1)  # [B, W+k+1, E]
     window = _last_hidden(joined, lengths - 1 - width, new_lengths, width)
-    state = draft(model, speculative, sampling, tokens, state, window, new_lengths - 1 - width, new_lengths)
+    state = run(model, speculative, sampling, tokens, state, window, new_lengths - 1 - width, new_lengths)
     return state.replace(hidden_window=window)

@@ -156,13 +156,21 @@ def prefill(
 
 
 def decode_step(
-    model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState, num_drafts: int | None = None
+    model: Transformer,
+    speculative: SpeculativeConfig | None,
+    state: DecodeState,
+    num_drafts: int | None = None,
+    draft_next: bool = True,
 ) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing).
 
     `num_drafts` (static, 0 .. K, default K): verify only the first k of the K drafts (adaptive speculation,
     `mtp_jax.serving.speculation`; k = 0 is a plain step). The drafter still drafts K for the next step, so
-    its caches hold every committed position whatever k a step uses."""
+    its caches hold every committed position whatever k a step uses. `draft_next=False` (static, with k = 0
+    only): the MTP modules only write their caches (`drafters.fill_caches`), no draft head, no chain; the
+    drafts left in the state are stale, so a step that drafts must come before the next one that verifies."""
+    if not draft_next and num_drafts != 0:
+        raise ValueError(f"draft_next=False needs num_drafts=0 (stale drafts cannot be verified), got {num_drafts!r}")
     k = state.draft.tokens.shape[1] if num_drafts is None else num_drafts
     target, h0, cache = verify(model, state, k)  # h0: [B, k+1, E] at positions L-1 .. L-1+k
     before = state
@@ -172,7 +180,9 @@ def decode_step(
     state = state.replace(cache=settle(state.cache, num))  # recurrent states: after the last committed token
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num), k))
     state = state.replace(
-        draft=draft_after_verify(model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num)
+        draft=draft_after_verify(
+            model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num, drafts=draft_next
+        )
     )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
 
@@ -203,13 +213,14 @@ def step_with_output(
     state: DecodeState,
     block_table: jax.Array | None = None,
     num_drafts: int | None = None,
+    draft_next: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
-    """`decode_step` (verifying `num_drafts` drafts), and what it committed (`StepOutput`), gathered on device
-    so the host reads [B, K+1].
+    """`decode_step` (verifying `num_drafts` drafts; drafting the next unless `draft_next` is False), and what
+    it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
 
     A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
     must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
-    new = with_pages(decode_step(model, speculative, with_pages(state, block_table), num_drafts), None)
+    new = with_pages(decode_step(model, speculative, with_pages(state, block_table), num_drafts, draft_next), None)
     positions = jnp.minimum(
         state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
     )  # [B, K+1]

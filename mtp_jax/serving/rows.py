@@ -62,6 +62,7 @@ class DeviceRows:
         self.decode = DecodeEngine(model, speculative, mesh=mesh)
         self.k_max = 0 if speculative is None else speculative.num_speculative_tokens
         self.variants = variants  # the numbers of drafts a step may verify (`SpeculationPolicy.variants`)
+        self.drafts_stale = False  # after a plain step that drafted nothing (`step(..., draft_next=False)`)
         self.oracle = speculative is not None and speculative.method == "oracle"
         state, _ = self.decode.init_state(
             [[0]] * max_batch,
@@ -120,15 +121,28 @@ class DeviceRows:
         token, logprob = to_host((rows.tokens[0, position], rows.logprobs[0, position]))
         return int(token), float(logprob)
 
-    def step(self, slots: Sequence[ServedRequest | None], width: int, num_drafts: int) -> StepOutput:
+    @property
+    def plain_steps_skip_drafts(self) -> bool:
+        """Whether a step verifying no drafts drafts none either (adaptive speculation: its plain step costs
+        what a step without speculation does, plus the MTP modules' cache writes)."""
+        return self.k_max > 0 and 0 in self.variants
+
+    def step(
+        self, slots: Sequence[ServedRequest | None], width: int, num_drafts: int, *, draft_next: bool = True
+    ) -> StepOutput:
         """One decode step of every slot (`slots[b]`: row b's request, None for a free row) reading `width`
-        pages per row and verifying `num_drafts` drafts; returns what each row committed, on the host."""
-        self.state, out = self._step(self.table(slots, width), num_drafts)
+        pages per row and verifying `num_drafts` drafts, drafting the next ones unless `draft_next` is False
+        (then `drafts_stale` until a step drafts again: `DecodeEngine.step_with_output`); returns what each
+        row committed, on the host. Raises ValueError for drafts to verify while they are stale."""
+        if num_drafts and self.drafts_stale:
+            raise ValueError("the drafts are stale after a step that drafted none: a step must draft first")
+        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next)
+        self.drafts_stale = not draft_next
         return StepOutput(*to_host((out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)))
 
-    def _step(self, table: jnp.ndarray, num_drafts: int):
-        k = None if num_drafts == self.k_max else num_drafts  # all K: the one program of a fixed K
-        return self.decode.step_with_output(self.state, table, num_drafts=k)
+    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool = True):
+        k = None if num_drafts == self.k_max and draft_next else num_drafts  # all K: the one program of a fixed K
+        return self.decode.step_with_output(self.state, table, num_drafts=k, draft_next=draft_next)
 
     def insert(self, rows: DecodeState, slot: int) -> None:
         """A prefilled staging row into slot `slot`."""
@@ -152,8 +166,9 @@ class DeviceRows:
         starts = self._on_mesh(np.zeros(self.staging_rows, np.int32))
         free = [None] * self.staging_rows
         for width in self.paging.buckets:
-            for k in self.variants:
-                self.state, _ = self._step(self.table([None] * self.max_batch, width), k)
+            plain = [(0, False)] if self.plain_steps_skip_drafts else []
+            for k, draft_next in [(k, True) for k in self.variants] + plain:
+                self.state, _ = self._step(self.table([None] * self.max_batch, width), k, draft_next)
                 self.release([0])  # (slot 0 is free: nothing changes)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads

@@ -410,11 +410,16 @@ class ServingEngine:
         if not running:
             return
         width = self.paging.width(max(self.paging.reach(r.length) for r in running))
-        k, start = self.speculation.choose(width), self.clock()
-        out = self.rows.step(self._slots, width, k)
+        chosen, start = self.speculation.choose(width), self.clock()
+        # Adaptive plain steps draft nothing; the first step after them that would verify drafts is a plain
+        # step that drafts (not timed: the policy's choice stays pending until it runs).
+        redraft = chosen > 0 and self.rows.drafts_stale
+        k = 0 if redraft else chosen
+        out = self.rows.step(self._slots, width, k, draft_next=chosen > 0 or not self.rows.plain_steps_skip_drafts)
         num, tokens, logprobs, accepted, done = out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done
         now = self.clock()
-        self.speculation.observe(k, width, now - start, [int(accepted[r.slot]) for r in running])
+        if not redraft:
+            self.speculation.observe(k, width, now - start, [int(accepted[r.slot]) for r in running])
         self.last_num_drafts = k
         released = []
         for slot, r in enumerate(self._slots):

@@ -6,7 +6,10 @@ accepted, and costs t(k, W), the measured wall time of the step's program at blo
 adaptive policy (the idea of TensorRT-LLM's acceptance-rate auto-disable and vLLM's per-batch-size K, decided
 here from measurements rather than thresholds) picks the k in 0 .. K with the most committed tokens per
 second, E_k / t(k, W): K when drafts are accepted often and verifying is cheap, fewer as acceptance falls,
-0 (a plain step) when drafts are rarely accepted. The step's cost does not depend on how many rows are
+0 (a plain step) when drafts are rarely accepted. A plain step of this policy drafts nothing (the MTP modules
+only write their caches, `DecodeEngine.step_with_output(draft_next=False)`), so it costs about what a step
+without speculation does; the first step after it that would verify drafts is a plain step that drafts
+(`ServingEngine` runs it, untimed, before the chosen k). The step's cost does not depend on how many rows are
 running (every step computes all `max_batch` rows), so neither does the choice.
 
 Estimates are exponential moving averages: a_j over the rows' steps that verified at least j drafts, t over
