@@ -7,8 +7,13 @@ owns the pages listed in `block_table[b]` (int32 [B, W]): logical position s of 
 entries hold a sentinel page id >= N. `lengths` follows `verify_attention_reference`'s convention
 (the T new tokens included; query t of row b sees positions `< lengths[b] - T + t + 1`). Nothing at
 or past `lengths[b]` is trusted: pages a row does not own, and its own pages past its length, may
-hold anything, NaN included. Values may have another head dim than keys: DeepSeek MLA's absorbed
-attention is G = 1, keys [latent, rope key] of D = C + R, values the latent of Dv = C.
+hold anything, NaN included. Values may have another head dim than keys, and keys may come in two
+pools read side by side (`k_rope_pages` [N, P, G, R], q then [B, T, H, D + R]: the score is
+`q[..., :D] . k + q[..., D:] . k_rope`), and the values may be the key pages themselves (`v_pages`
+None): DeepSeek MLA's absorbed attention (arXiv 2405.04434 §2.1.2) is G = 1, queries [q_nope W_UK,
+q_rope] of C + R, the latent pool [N, P, 1, C] as keys and values, the rope-key pool [N, P, 1, R] as
+the second key pool, read in place (no concatenated copy of the pools) and each latent page loaded
+once for both its scores and its values.
 
 `paged_attention_reference` gathers each row's pages into a dense [B, W * P, G, D] cache and applies
 `verify_attention_reference`. `paged_verify_attention` is the GPU kernel (Pallas, Triton lowering):
@@ -48,15 +53,21 @@ MIN_PAGE_SIZE = 16  # a page is one block of `tl.dot`, whose operands need >= 16
 MAX_TILE_ELEMENTS = MAX_QUERY_ROWS * MAX_HEAD_DIM
 
 
-def _check_operands(q, k_pages, v_pages, block_table, lengths) -> None:
+def _check_operands(q, k_pages, v_pages, block_table, lengths, k_rope_pages=None) -> None:
     """Raise ValueError, naming the argument, unless the operands have the documented shapes and dtypes."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
     if k_pages.ndim != 4 or min(k_pages.shape[:3]) < 1:
         raise ValueError(f"k_pages must be [N, P, G, D] with N, P, G >= 1, got shape {k_pages.shape}")
-    if k_pages.shape[3] != q.shape[3]:
-        raise ValueError(f"k_pages' head dim must be q's D = {q.shape[3]}, got shape {k_pages.shape}")
-    if v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
+    if k_rope_pages is None:
+        if k_pages.shape[3] != q.shape[3]:
+            raise ValueError(f"k_pages' head dim must be q's D = {q.shape[3]}, got shape {k_pages.shape}")
+    elif k_rope_pages.ndim != 4 or k_rope_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"k_rope_pages must be [N, P, G, R] with k_pages' N, P, G, got shape {k_rope_pages.shape}")
+    elif k_pages.shape[3] + k_rope_pages.shape[3] != q.shape[3]:
+        dims = f"{k_pages.shape[3]} + {k_rope_pages.shape[3]}"
+        raise ValueError(f"q's head dim must be k_pages' D + k_rope_pages' R = {dims}, got shape {q.shape}")
+    if v_pages is not None and (v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]):
         raise ValueError(f"v_pages must be [N, P, G, Dv] with k_pages' N, P, G, got shape {v_pages.shape}")
     batch, _, heads, _ = q.shape
     if heads % k_pages.shape[2]:
@@ -72,27 +83,30 @@ def _check_operands(q, k_pages, v_pages, block_table, lengths) -> None:
 
 
 def paged_attention_reference(
-    q: Float[Array, "B T H D"],
+    q: Float[Array, "B T H Dq"],
     k_pages: Float[Array, "N P G D"],
-    v_pages: Float[Array, "N P G Dv"],
+    v_pages: Float[Array, "N P G Dv"] | None,
     block_table: Int[Array, "B W"],
     lengths: Int[Array, " B"],
     *,
+    k_rope_pages: Float[Array, "N P G R"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "B T H Dv"]:
     """Causal grouped-query attention of T new queries per row against a paged cache, in plain jnp.
 
-    Equals `verify_attention_reference` on the dense cache [B, W * P, G, D] that row b's pages form
+    Equals `verify_attention_reference` on the dense cache [B, W * P, G, Dq] that row b's pages form
     in table order (sentinel ids read as zeros; positions at or past `lengths[b]` are masked, so
-    whatever they hold, NaN included, cannot leak).
+    whatever they hold, NaN included, cannot leak), its keys `[k_pages, k_rope_pages]` joined along
+    the head dim and its values `v_pages` (or `k_pages` when `v_pages` is None).
 
     Args:
-      q: queries of shape [B, T, H, D].
+      q: queries of shape [B, T, H, Dq], Dq = D (+ R with `k_rope_pages`).
       k_pages: key pages of shape [N, P, G, D], H a multiple of G.
-      v_pages: value pages of shape [N, P, G, Dv].
+      v_pages: value pages of shape [N, P, G, Dv]; None: the values are `k_pages` (Dv = D; MLA's latent).
       block_table: int32 [B, W], row b's page ids in order; unused entries a sentinel id >= N.
       lengths: int [B], valid entries per row including the T new tokens.
-      scale: softmax scale, default 1/sqrt(D).
+      k_rope_pages: optional second key pool [N, P, G, R] (MLA's rope keys), scored against q[..., D:].
+      scale: softmax scale, default 1/sqrt(Dq).
 
     Returns:
       [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum in float32.
@@ -100,9 +114,11 @@ def paged_attention_reference(
     Raises:
       ValueError: an operand of the wrong rank, shape or dtype (the message names it).
     """
-    _check_operands(q, k_pages, v_pages, block_table, lengths)
+    _check_operands(q, k_pages, v_pages, block_table, lengths, k_rope_pages)
     k = gather_pages(k_pages, block_table)  # [B, W * P, G, D]
-    v = gather_pages(v_pages, block_table)  # [B, W * P, G, Dv]
+    v = k if v_pages is None else gather_pages(v_pages, block_table)  # [B, W * P, G, Dv]
+    if k_rope_pages is not None:
+        k = jnp.concatenate([k, gather_pages(k_rope_pages, block_table)], axis=-1)  # [B, W * P, G, D + R]
     return verify_attention_reference(q, k, v, lengths, scale=scale)
 
 
@@ -140,8 +156,9 @@ class PagedAttentionConfig:
         return max(1, min(self.max_splits, wanted, useful))
 
     def pipeline_stages(self, page_size: int, key_dim: int, value_dim: int, itemsize: int) -> int:
-        """num_stages, lowered until every stage's K and V pages fit in `SHARED_MEMORY_BUDGET` bytes."""
-        per_stage = page_size * (key_dim + value_dim) * itemsize  # one K and one V page
+        """num_stages, lowered until every stage's K and V pages fit in `SHARED_MEMORY_BUDGET` bytes
+        (key_dim: D + R of both key pools; value_dim: 0 when the values are the key pages)."""
+        per_stage = page_size * (key_dim + value_dim) * itemsize  # one K (+ rope K) and one V page
         return max(1, min(self.num_stages, SHARED_MEMORY_BUDGET // per_stage))
 
 
@@ -157,43 +174,54 @@ def _key_chunks(key_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip(starts, sizes, strict=True))
 
 
-def _unsupported_reason(q, k_pages, v_pages) -> str | None:
+def _unsupported_reason(q, k_pages, v_pages, k_rope_pages) -> str | None:
     """Why the kernel cannot take operands that passed `_check_operands`, or None if it can."""
-    num_queries, heads, key_dim = q.shape[1:]
-    page_size, kv_heads, value_dim = v_pages.shape[1:]
-    if not q.dtype == k_pages.dtype == v_pages.dtype or q.dtype not in DTYPES:
-        dtypes = f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
-        return f"q, k_pages, v_pages must share one dtype among bfloat16, float16, float32, got {dtypes}"
+    num_queries, heads, query_dim = q.shape[1:]
+    page_size, kv_heads, key_dim = k_pages.shape[1:]
+    value_dim = key_dim if v_pages is None else v_pages.shape[3]
+    pools = [pages for pages in (k_pages, v_pages, k_rope_pages) if pages is not None]
+    if any(pages.dtype != q.dtype for pages in pools) or q.dtype not in DTYPES:
+        dtypes = ", ".join(str(x.dtype) for x in (q, *pools))
+        return f"q and the pages must share one dtype among bfloat16, float16, float32, got {dtypes}"
     if not _is_power_of_two(page_size) or page_size < MIN_PAGE_SIZE:
         return f"page size P = {page_size} is not a power of two >= {MIN_PAGE_SIZE} (one page is one tl.dot block)"
     if key_dim % 16:
         return f"D = {key_dim} is not a multiple of 16 (keys are read in power-of-two slices >= 16)"
+    if (query_dim - key_dim) % 16:
+        return f"R = {query_dim - key_dim} is not a multiple of 16 (keys are read in power-of-two slices >= 16)"
     if not _is_power_of_two(value_dim) or value_dim < 16:
         return f"Dv = {value_dim} is not a power of two >= 16"
     rows = num_queries * (heads // kv_heads)
     if rows > MAX_QUERY_ROWS:
         return f"T x H/G = {rows} query rows exceed the {MAX_QUERY_ROWS} one program holds (use the reference)"
-    if _tile_rows(num_queries, heads // kv_heads) * max(key_dim, value_dim) > MAX_TILE_ELEMENTS:
+    if _tile_rows(num_queries, heads // kv_heads) * max(query_dim, value_dim) > MAX_TILE_ELEMENTS:
         return (
-            f"the [M, D] query tile or [M, Dv] accumulator ({rows} rows padded, D = {key_dim}, Dv = {value_dim}) "
+            f"the [M, D] query tile or [M, Dv] accumulator ({rows} rows padded, D = {query_dim}, Dv = {value_dim}) "
             f"exceeds {MAX_TILE_ELEMENTS} elements"
         )
-    if page_size * (key_dim + value_dim) * q.dtype.itemsize > SHARED_MEMORY_BUDGET:
-        dims = f"P = {page_size}, D + Dv = {key_dim + value_dim}"
-        return f"one K and one V page ({dims}) exceed the {SHARED_MEMORY_BUDGET} bytes of shared memory"
+    stage_dim = query_dim + (0 if v_pages is None else value_dim)  # a stage's key pages (+ value page)
+    if page_size * stage_dim * q.dtype.itemsize > SHARED_MEMORY_BUDGET:
+        dims = f"P = {page_size}, {stage_dim} entries per position"
+        return f"one stage's pages ({dims}) exceed the {SHARED_MEMORY_BUDGET} bytes of shared memory"
     return None
 
 
 def supports_paged(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array, lengths: jax.Array
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array | None,
+    block_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    k_rope_pages: jax.Array | None = None,
 ) -> bool:
     """True when `paged_verify_attention` accepts these operands (shapes and dtypes only; arrays or
     `jax.ShapeDtypeStruct`s), so callers can fall back to the reference otherwise."""
     try:
-        _check_operands(q, k_pages, v_pages, block_table, lengths)
+        _check_operands(q, k_pages, v_pages, block_table, lengths, k_rope_pages)
     except ValueError:
         return False
-    return _unsupported_reason(q, k_pages, v_pages) is None
+    return _unsupported_reason(q, k_pages, v_pages, k_rope_pages) is None
 
 
 def _kernel(
@@ -201,28 +229,31 @@ def _kernel(
     table_ref,
     q_ref,
     k_ref,
-    v_ref,
-    acc_ref,
-    max_ref,
-    sum_ref,
-    *,
+    *refs,
     scale: float,
     key_chunks: tuple[tuple[int, int], ...],
+    rope_chunks: tuple[tuple[int, int], ...],
+    values_are_keys: bool,
     num_queries: int,
     group: int,
     num_splits: int,
     precision,
 ):
-    """Refs: lengths [] int32, table [W] int32, q [M, D], k [N, P, D], v [N, P, Dv] (KV head g);
-    outputs acc [M, Dv], max [M], sum [M] float32.
+    """Refs: lengths [] int32, table [W] int32, q [M, D + R], k [N, P, D], then k_rope [N, P, R] when
+    `rope_chunks`, then v [N, P, Dv] unless `values_are_keys` (KV head g); outputs acc [M, Dv], max [M],
+    sum [M] float32.
 
     Query row r of the tile is new token t = r // group; it sees positions `< min(length - T + t + 1,
     W * P)`; rows past T * group are padding and see nothing. Page j of the row (block j) is read
     only if j < cdiv(length, P), and only its positions below the length; a page id outside [0, N)
-    is never read and counts as zeros, as in the reference.
+    is never read and counts as zeros, as in the reference. With `values_are_keys` (D = Dv a power of
+    two: one key slice) the [P, D] key page just loaded is the value page too.
     """
+    *inputs, acc_ref, max_ref, sum_ref = refs
+    rope_ref = inputs[0] if rope_chunks else None
+    v_ref = None if values_are_keys else inputs[-1]
     rows = q_ref.shape[0]
-    num_pages, page_size = k_ref.shape[0], k_ref.shape[1]
+    num_pages, page_size, key_dim = k_ref.shape
     length = lengths_ref[...]  # valid entries of this row including the T new ones; may be < 0 or > W * P
     stored = jnp.clip(length, 0, table_ref.shape[0] * page_size)  # positions the row's pages can hold
     used = pl.cdiv(stored, page_size)  # pages holding them
@@ -233,7 +264,10 @@ def _kernel(
     row = jnp.arange(rows, dtype=jnp.int32)  # [M]
     causal = length - num_queries + lax.div(row, group) + 1  # [M]
     limit = jnp.where(row < num_queries * group, jnp.minimum(causal, stored), 0)  # [M]
-    q_chunks = [q_ref[:, pl.ds(start, size)] for start, size in key_chunks]  # [M, size] each
+    # (key pool, slice start in q, slice start in the pool, size): q's D entries score k, its R k_rope.
+    slices = [(k_ref, start, start, size) for start, size in key_chunks]
+    slices += [(rope_ref, key_dim + start, start, size) for start, size in rope_chunks]
+    q_chunks = [q_ref[:, pl.ds(q_start, size)] for _, q_start, _, size in slices]  # [M, size] each
 
     def body(block, carry):
         acc, row_max, row_sum = carry  # [M, Dv], [M], [M]
@@ -243,10 +277,12 @@ def _kernel(
         pos = block * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [P]
         live = ((pos < stored) & owned)[:, None]  # [P, 1]: never read stale positions or foreign pages
         s = jnp.zeros((rows, page_size), jnp.float32)
-        for q_chunk, (start, size) in zip(q_chunks, key_chunks, strict=True):
-            k = pltriton.load(k_ref.at[page, :, pl.ds(start, size)], mask=live, other=0)  # [P, size]
+        keys = []
+        for q_chunk, (pool, _, start, size) in zip(q_chunks, slices, strict=True):
+            k = pltriton.load(pool.at[page, :, pl.ds(start, size)], mask=live, other=0)  # [P, size]
             s += pltriton.dot(q_chunk, k, trans_b=True, precision=precision)  # [M, P]
-        v = pltriton.load(v_ref.at[page], mask=live, other=0)  # [P, Dv]
+            keys.append(k)
+        v = keys[0] if values_are_keys else pltriton.load(v_ref.at[page], mask=live, other=0)  # [P, Dv]
         s = jnp.where(pos[None, :] < limit[:, None], s * scale, -jnp.inf)
         return online_softmax_step(s, v, acc, row_max, row_sum, precision)
 
@@ -255,12 +291,13 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def paged_verify_attention(
-    q: Float[Array, "B T H D"],
+    q: Float[Array, "B T H Dq"],
     k_pages: Float[Array, "N P G D"],
-    v_pages: Float[Array, "N P G Dv"],
+    v_pages: Float[Array, "N P G Dv"] | None,
     block_table: Int[Array, "B W"],
     lengths: Int[Array, " B"],
     *,
+    k_rope_pages: Float[Array, "N P G R"] | None = None,
     scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool = False,
@@ -268,17 +305,24 @@ def paged_verify_attention(
     """Causal grouped-query attention of T new queries per row against a paged cache, as a GPU kernel.
 
     Same contract as `paged_attention_reference`. Each program (row b, KV head g, split) reads its
-    share of row b's first `cdiv(lengths[b], P)` pages, one [P, D] key and [P, Dv] value page at a
-    time, each once per KV head; work follows the row's length, not W.
+    share of row b's first `cdiv(lengths[b], P)` pages, one [P, D] key (and [P, R] rope key) and
+    [P, Dv] value page at a time, each once per KV head; work follows the row's length, not W. With
+    `v_pages` None the key page is the value page (loaded once): MLA's absorbed attention passes the
+    latent pool as `k_pages` and the rope-key pool as `k_rope_pages`, both read in place.
 
     Args:
-      q: queries of shape [B, T, H, D]; bfloat16, float16 or float32. T x H/G <= MAX_QUERY_ROWS.
+      q: queries of shape [B, T, H, Dq] (Dq = D, or D + R with `k_rope_pages`); bfloat16, float16 or
+        float32. T x H/G <= MAX_QUERY_ROWS, and the [M, Dq] tile (M: T x H/G padded to a power of two
+        >= 16) at most MAX_TILE_ELEMENTS.
       k_pages: key pages [N, P, G, D] in q's dtype; P a power of two >= 16, D a multiple of 16.
-      v_pages: value pages [N, P, G, Dv] in q's dtype; Dv a power of two >= 16.
+      v_pages: value pages [N, P, G, Dv] in q's dtype, Dv a power of two >= 16; or None: the values
+        are `k_pages` (Dv = D, then a power of two).
       block_table: int32 [B, W], row b's page ids in order; unused entries a sentinel id >= N.
       lengths: int [B], valid entries per row including the T new tokens (past W * P: the causal
         alignment is kept, as in the reference).
-      scale: softmax scale, default 1/sqrt(D).
+      k_rope_pages: optional rope-key pages [N, P, G, R] in q's dtype, R a multiple of 16, scored
+        against q[..., D:] (added to q[..., :D] . k).
+      scale: softmax scale, default 1/sqrt(Dq).
       config: a `PagedAttentionConfig`, default `PagedAttentionConfig()`.
       interpret: run the kernel in Pallas' interpreter (any backend, e.g. CPU tests).
 
@@ -289,29 +333,38 @@ def paged_verify_attention(
       ValueError: an operand of the wrong rank, shape or dtype (naming it), or operands the kernel
         does not support (see `supports_paged`: page size, head dims, dtypes, query rows).
     """
-    _check_operands(q, k_pages, v_pages, block_table, lengths)
-    if (reason := _unsupported_reason(q, k_pages, v_pages)) is not None:
+    _check_operands(q, k_pages, v_pages, block_table, lengths, k_rope_pages)
+    if (reason := _unsupported_reason(q, k_pages, v_pages, k_rope_pages)) is not None:
         raise ValueError(f"paged_verify_attention: {reason}")
     config = PagedAttentionConfig() if config is None else config
-    batch, num_queries, heads, key_dim = q.shape
-    _, page_size, kv_heads, value_dim = v_pages.shape
+    batch, num_queries, heads, query_dim = q.shape
+    num_pages, page_size, kv_heads, key_dim = k_pages.shape
+    value_dim = key_dim if v_pages is None else v_pages.shape[3]
+    rope_dim = query_dim - key_dim
     group = heads // kv_heads
     rows = _tile_rows(num_queries, group)
     num_splits = config.num_splits(batch, kv_heads, block_table.shape[1], page_size)
 
-    q_tiles = q.reshape(batch, num_queries, kv_heads, group, key_dim).transpose(0, 2, 1, 3, 4)  # [B, G, T, H/G, D]
-    q_tiles = q_tiles.reshape(batch, kv_heads, num_queries * group, key_dim)  # [B, G, T*H/G, D]
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - num_queries * group), (0, 0)))  # [B, G, M, D]
+    q_tiles = q.reshape(batch, num_queries, kv_heads, group, query_dim).transpose(0, 2, 1, 3, 4)  # [B, G, T, H/G, Dq]
+    q_tiles = q_tiles.reshape(batch, kv_heads, num_queries * group, query_dim)  # [B, G, T*H/G, Dq]
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - num_queries * group), (0, 0)))  # [B, G, M, Dq]
     kernel = functools.partial(
         _kernel,
-        scale=float(key_dim**-0.5 if scale is None else scale),
+        scale=float(query_dim**-0.5 if scale is None else scale),
         key_chunks=_key_chunks(key_dim),
+        rope_chunks=_key_chunks(rope_dim),
+        values_are_keys=v_pages is None,
         num_queries=num_queries,
         group=group,
         num_splits=num_splits,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
-    num_pages, table_width = k_pages.shape[0], block_table.shape[1]
+    table_width = block_table.shape[1]
+
+    def pool_spec(dim: int) -> pl.BlockSpec:  # a pool [N, P, G, dim] -> KV head g's [N, P, dim]
+        return pl.BlockSpec((num_pages, page_size, None, dim), lambda b, g, s: (0, 0, g, 0))
+
+    pools = [pages for pages in (k_pages, k_rope_pages, v_pages) if pages is not None]
     f32 = jnp.float32
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
@@ -319,9 +372,8 @@ def paged_verify_attention(
         in_specs=[
             pl.BlockSpec((None,), lambda b, g, s: (b,)),  # lengths -> []
             pl.BlockSpec((None, table_width), lambda b, g, s: (b, 0)),  # block_table -> [W]
-            pl.BlockSpec((None, None, rows, key_dim), lambda b, g, s: (b, g, 0, 0)),  # q -> [M, D]
-            pl.BlockSpec((num_pages, page_size, None, key_dim), lambda b, g, s: (0, 0, g, 0)),  # k -> [N, P, D]
-            pl.BlockSpec((num_pages, page_size, None, value_dim), lambda b, g, s: (0, 0, g, 0)),  # v -> [N, P, Dv]
+            pl.BlockSpec((None, None, rows, query_dim), lambda b, g, s: (b, g, 0, 0)),  # q -> [M, Dq]
+            *[pool_spec(pages.shape[3]) for pages in pools],  # k [N, P, D], k_rope [N, P, R], v [N, P, Dv]
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, value_dim), lambda b, g, s: (b, g, s, 0, 0)),  # acc -> [M, Dv]
@@ -335,11 +387,13 @@ def paged_verify_attention(
         ],
         compiler_params=pltriton.CompilerParams(
             num_warps=config.num_warps,
-            num_stages=config.pipeline_stages(page_size, key_dim, value_dim, q.dtype.itemsize),
+            num_stages=config.pipeline_stages(
+                page_size, query_dim, 0 if v_pages is None else value_dim, q.dtype.itemsize
+            ),
         ),
         interpret=interpret,
         name="paged_verify_attention",
-    )(lengths.astype(jnp.int32), block_table, q_tiles, k_pages, v_pages)
+    )(lengths.astype(jnp.int32), block_table, q_tiles, *pools)
     out = _combine(acc, row_max, row_sum)[:, :, : num_queries * group]  # [B, G, T*H/G, Dv]
     out = out.reshape(batch, kv_heads, num_queries, group, value_dim).transpose(0, 2, 1, 3, 4)  # [B, T, G, H/G, Dv]
     return out.reshape(batch, num_queries, heads, value_dim).astype(q.dtype)  # [B, T, H, Dv]

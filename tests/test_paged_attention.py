@@ -3,7 +3,8 @@
 A dense cache [B, S, G, D] is cut into pages of P positions, dealt to shuffled page ids of a pool
 whose every other slot (unowned pages, owned pages past a row's length) holds NaN, with sentinel ids
 in each table's unused tail; reference and kernel must equal `verify_attention_reference` on the
-dense cache. The kernel runs in Pallas' interpreter on CPU; `test_lowers_for_cuda` lowers it for CUDA.
+dense cache (for MLA's two pools, latent and rope key: on keys [latent, rope], values the latent). The
+kernel runs in Pallas' interpreter on CPU; `test_lowers_for_cuda` lowers it for CUDA.
 """
 
 from __future__ import annotations
@@ -110,6 +111,31 @@ def test_mla_absorbed_value_dim():
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "num_queries,heads,latent_dim,dtype,tol",
+    [(1, 8, 64, jnp.float32, 2e-5), (4, 4, 32, jnp.bfloat16, 2.5e-2)],
+)
+def test_mla_latent_and_rope_pools(num_queries, heads, latent_dim, dtype, tol):
+    """DeepSeek MLA's absorbed attention with its two pools read in place: G = 1, keys the latent pool
+    [N, P, 1, C] (also the values: `v_pages` None) and the rope-key pool [N, P, 1, R = 16] as
+    `k_rope_pages`, queries [q_latent, q_rope] of C + R; equals dense attention with keys [latent, rope]."""
+    rope_dim, lengths = 16, [num_queries, *LENGTHS]
+    (q, k, _), (k_pages, _), table, lengths = make_case(
+        11 + num_queries, num_queries, heads, 1, latent_dim + rope_dim, 16, lengths, dtype
+    )
+    latent_pages, rope_pages = k_pages[..., :latent_dim], k_pages[..., latent_dim:]  # two pools, as MLACache's
+    assert bool(jnp.isnan(latent_pages).any()) and bool(jnp.isnan(rope_pages).any())
+    expected = verify_attention_reference(q, k, k[..., :latent_dim], lengths, scale=0.15)
+    expected = np.asarray(expected).astype(np.float32)
+    assert expected.shape == (5, num_queries, heads, latent_dim)
+    ref = paged_reference(q, latent_pages, None, table, lengths, k_rope_pages=rope_pages, scale=0.15)
+    np.testing.assert_allclose(np.asarray(ref).astype(np.float32), expected, atol=1e-6, rtol=1e-6)
+    assert supports_paged(q, latent_pages, None, table, lengths, k_rope_pages=rope_pages)
+    out = kernel(q, latent_pages, None, table, lengths, k_rope_pages=rope_pages, scale=0.15)
+    assert out.shape == expected.shape and out.dtype == dtype and bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(np.asarray(out).astype(np.float32), expected, atol=tol, rtol=tol)
+
+
 def test_edge_lengths_and_foreign_pages():
     """Lengths past W * P keep the causal alignment, as the dense reference does; lengths <= 0 see
     nothing; a sentinel id inside a row's length reads as zeros and never clamps onto page N - 1."""
@@ -136,23 +162,29 @@ def _abstract_gpu_mesh() -> AbstractMesh:
 
 
 @pytest.mark.parametrize(
-    "q_shape,page_shape,value_dim,dtype",
+    "q_shape,page_shape,value_dim,rope_dim,dtype",
     [
-        ((2, 4, 32, 128), (64, 16, 8, 128), 128, jnp.bfloat16),  # GQA, group 4, fp32 below
-        ((2, 4, 32, 128), (64, 16, 8, 128), 128, jnp.float32),
-        ((2, 2, 16, 576), (64, 32, 1, 576), 512, jnp.bfloat16),  # MLA absorbed: D = 512 + 64, Dv = 512
+        ((2, 4, 32, 128), (64, 16, 8, 128), 128, 0, jnp.bfloat16),  # GQA, group 4, fp32 below
+        ((2, 4, 32, 128), (64, 16, 8, 128), 128, 0, jnp.float32),
+        ((2, 2, 16, 576), (64, 32, 1, 576), 512, 0, jnp.bfloat16),  # MLA absorbed, one pool: D = 512 + 64, Dv = 512
+        ((2, 2, 16, 576), (64, 32, 1, 512), None, 64, jnp.bfloat16),  # MLA's latent pool (keys, values) + rope pool
     ],
 )
-def test_lowers_for_cuda(q_shape, page_shape, value_dim, dtype):
+def test_lowers_for_cuda(q_shape, page_shape, value_dim, rope_dim, dtype):
     """The Triton kernel lowers to a CUDA custom call without a GPU."""
-    shapes = [(q_shape, dtype), (page_shape, dtype), ((*page_shape[:3], value_dim), dtype)]
-    shapes += [((2, 8), jnp.int32), ((2,), jnp.int32)]
-    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-    assert supports_paged(*args)
+    pages = lambda dim: jax.ShapeDtypeStruct((*page_shape[:3], dim), dtype)  # noqa: E731
+    q, k_pages = jax.ShapeDtypeStruct(q_shape, dtype), pages(page_shape[3])
+    v_pages = None if value_dim is None else pages(value_dim)
+    k_rope_pages = pages(rope_dim) if rope_dim else None
+    table, lengths = jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+    assert supports_paged(q, k_pages, v_pages, table, lengths, k_rope_pages=k_rope_pages)
     # The Triton call is not in jax.export's list of stable custom calls: allow it explicitly.
     allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with use_abstract_mesh(_abstract_gpu_mesh()):
-        exported = export.export(jax.jit(paged_verify_attention), platforms=["cuda"], disabled_checks=allow)(*args)
+        exported = export.export(jax.jit(paged_verify_attention), platforms=["cuda"], disabled_checks=allow)(
+            q, k_pages, v_pages, table, lengths, k_rope_pages=k_rope_pages
+        )
+    value_dim = page_shape[3] if value_dim is None else value_dim
     assert exported.out_avals[0].shape == (*q_shape[:3], value_dim) and exported.out_avals[0].dtype == dtype
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
@@ -184,6 +216,20 @@ def test_bad_arguments_raise():
         with pytest.raises(ValueError, match=reason):
             kernel(*args)
         assert jax.eval_shape(paged_attention_reference, *args).shape == (*q.shape[:3], 16)  # the reference takes them
+    # A rope-key pool: its N, P, G must be k_pages', and q's head dim D + R.
+    rope = k_pages[..., :16]
+    for name, args in {
+        "k_rope_pages": (q, k_pages, v_pages, table, lengths, rope[:, :8]),
+        "k_pages' D \\+ k_rope_pages' R": (q, k_pages, v_pages, table, lengths, rope),
+    }.items():
+        assert not supports_paged(*args[:5], k_rope_pages=args[5])
+        for fn in (paged_attention_reference, kernel):
+            with pytest.raises(ValueError, match=name):
+                fn(*args[:5], k_rope_pages=args[5])
+    q_rope = jnp.concatenate([q, q[..., :8]], axis=-1)  # [B, T, H, 16 + 8]
+    assert not supports_paged(q_rope, k_pages, None, table, lengths, k_rope_pages=rope[..., :8])
+    with pytest.raises(ValueError, match="R = 8"):
+        kernel(q_rope, k_pages, None, table, lengths, k_rope_pages=rope[..., :8])
     with pytest.raises(ValueError, match="num_warps"):
         PagedAttentionConfig(num_warps=3)
     with pytest.raises(ValueError, match="max_splits"):

@@ -53,9 +53,9 @@ def _poisoned(cache):
     return jax.tree.map(poison, cache, is_leaf=lambda x: isinstance(x, PagedCache | StackedCache))
 
 
-def _run(model, cache, table, tokens):
+def _run(model, cache, table, tokens, calls=CALLS):
     outs = []
-    for start, size in CALLS:
+    for start, size in calls:
         positions = sequence_positions(BATCH, size, jnp.full((BATCH,), start, jnp.int32))
         bound = cache if table is None else bind_pages(cache, table)
         logits, _, cache = model(tokens[:, start : start + size], positions, bound)
@@ -100,16 +100,29 @@ def test_writes_go_through_the_table_and_drop_outside_it():
     assert view.shape == (BATCH, WIDTH * PAGE, 1, 2) and not view[:, 8:].any()
 
 
-def test_paged_kernel_in_the_model_equals_the_reference():
-    """With `attention_impl="pallas_interpret"` the GQA layer reads pages through the Pallas paged kernel
-    (page size 16, `pallas_kernels.paged_verify_attention`); logits equal the gathered reference's."""
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_paged_kernel_in_the_model_equals_the_reference(name, monkeypatch):
+    """With `attention_impl="pallas_interpret"` the attention layer reads pages through the Pallas paged kernel
+    (page size 16, `pallas_kernels.paged_verify_attention`; MLA's absorbed path with its latent and rope-key
+    pools, R = 16, H = 4); logits equal the gathered reference's, over calls that cross a page boundary."""
+    import pallas_kernels.paged_attention as paged_attention
+
+    config = CFG if name == "gqa" else MLA.replace(num_attention_heads=4, qk_rope_head_dim=16)
     page, width = 16, 2
+    calls = [(0, 14), (14, 1), (15, 4)]  # the verify call writes and reads positions 15 .. 18: two pages
     rng = np.random.default_rng(3)
-    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (BATCH, 15)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (BATCH, 19)), jnp.int32)
+    kernel_calls = []
+    kernel = paged_attention.paged_verify_attention
+    monkeypatch.setattr(
+        paged_attention, "paged_verify_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
+    )
     outs = {}
     for impl in ("reference", "pallas_interpret"):
-        model = make_model(CFG.replace(attention_impl=impl), 0, 0.3)
+        model = make_model(config.replace(attention_impl=impl), 0, 0.3)
         cache = _poisoned(init_cache(model.init_cache, BATCH, width * page, PageLayout(8, page)))
-        outs[impl] = _run(model, cache, jnp.asarray(_table(np.random.default_rng(4), 1, 8, width)), tokens)
-    for ref, kernel in zip(outs["reference"], outs["pallas_interpret"], strict=True):
-        np.testing.assert_allclose(kernel, ref, atol=2e-5, rtol=2e-5)
+        outs[impl] = _run(model, cache, jnp.asarray(_table(np.random.default_rng(4), 2, 8, width)), tokens, calls)
+        assert len(kernel_calls) == (0 if impl == "reference" else len(calls))  # one attention layer per call
+    for ref, out in zip(outs["reference"], outs["pallas_interpret"], strict=True):
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)

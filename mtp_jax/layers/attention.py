@@ -75,26 +75,50 @@ def attend_paged(
 ) -> Float[Array, "B T H D"]:
     """`attend` over a bound paged `KVCache` (`mtp_jax.cache.PagedCache`, pools [N, P, G, D]).
 
-    With "pallas" / "pallas_interpret" (or "auto" on a GPU) and operands the paged kernel supports
-    (`pallas_kernels.paged_verify_attention`: page size a power of two >= 16, ...), the kernel reads the
-    rows' pages through the block table; otherwise, and under a mesh that shards rows or heads, the rows'
-    pages are gathered (`PagedCache.view`) and `attend` takes them with `impl`.
+    Where `use_paged_kernel` says so (impl "pallas" / "pallas_interpret", or "auto" on a GPU; no mesh
+    sharding rows or heads; operands the kernel supports), `pallas_kernels.paged_verify_attention` reads
+    the rows' pages through the block table; otherwise the rows' pages are gathered (`PagedCache.view`)
+    and `attend` takes them with `impl`.
     """
     pool, table = cache.pool, cache.block_table
-    sharded = context_spec(P("batch", None, "heads", None), q.shape)
-    if (
-        impl != "reference"
-        and (impl != "auto" or jax.default_backend() == "gpu")
-        and not (sharded is not None and any(axis is not None for axis in sharded))
-    ):
-        from pallas_kernels.paged_attention import paged_verify_attention, supports_paged
+    if use_paged_kernel(impl, q, pool.k, pool.v, table, lengths):
+        from pallas_kernels.paged_attention import paged_verify_attention
 
-        if supports_paged(q, pool.k, pool.v, table, lengths):
-            return paged_verify_attention(
-                q, pool.k, pool.v, table, lengths, scale=scale, interpret=impl == "pallas_interpret"
-            )
+        return paged_verify_attention(
+            q, pool.k, pool.v, table, lengths, scale=scale, interpret=impl == "pallas_interpret"
+        )
     view = cache.view()
     return attend(q, view.k, view.v, lengths, scale=scale, impl=impl)
+
+
+def use_paged_kernel(
+    impl: str,
+    q: Float[Array, "B T H Dq"],
+    k_pages: Float[Array, "N P G D"],
+    v_pages: Float[Array, "N P G Dv"] | None,
+    block_table: Int[Array, "B W"],
+    lengths: Int[Array, " B"],
+    *,
+    k_rope_pages: Float[Array, "N P G R"] | None = None,
+) -> bool:
+    """Whether attention over a paged cache runs `pallas_kernels.paged_verify_attention` on these operands
+    (the GQA layer's `attend_paged` and MLA's absorbed path alike) rather than gathering the rows' pages.
+
+    True when `impl` asks for the kernel ("pallas", "pallas_interpret", or "auto" with
+    `jax.default_backend()` "gpu"), no context mesh shards q's rows or heads (the kernel is not wrapped
+    in `shard_map`), and `pallas_kernels.supports_paged` accepts the operands (shapes and dtypes: a page
+    size a power of two >= 16, head dims, query rows). Raises ValueError for an unknown `impl`.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "reference" or (impl == "auto" and jax.default_backend() != "gpu"):
+        return False
+    sharded = context_spec(P("batch", None, "heads", None), q.shape)
+    if sharded is not None and any(axis is not None for axis in sharded):
+        return False
+    from pallas_kernels.paged_attention import supports_paged  # lazily: Pallas is only needed here
+
+    return supports_paged(q, k_pages, v_pages, block_table, lengths, k_rope_pages=k_rope_pages)
 
 
 def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:

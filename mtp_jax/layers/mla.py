@@ -14,7 +14,9 @@ Two equal ways to attend (`MLAttention.__call__`'s `absorbed`):
     the output one): `q_nope . (c W_UK_h)` = `(q_nope W_UK_h^T) . c`, so the scores read the latent
     cache directly; the weighted sum is taken over the latents and W_UV applied once per query
     afterwards. Nothing per head and cache position is materialised beyond the H x T x S scores:
-    the form for decode and verify (T small).
+    the form for decode and verify (T small). Over a paged cache it is the Pallas paged kernel's
+    attention with one KV head (`absorbed_attention`: the latent pool as keys and values, the
+    rope-key pool as a second key pool), as FlashMLA computes it.
 
 Weight names are DeepSeek-V3's (`model.layers.N.self_attn.<name>.weight` in its checkpoints and in
 `transformers`' `DeepseekV3Attention`), nnx kernels being those weights transposed ([in, out]).
@@ -33,8 +35,9 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from mtp_jax.cache import check_shape, dense_view, write_at
+from mtp_jax.cache import PagedCache, check_shape, dense_view, write_at
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers.attention import use_paged_kernel
 from mtp_jax.layers.fused import FusedLayout
 from mtp_jax.layers.linear import compute_kernel, linear
 from mtp_jax.layers.norm import RMSNorm
@@ -175,10 +178,10 @@ class MLAttention(nnx.Module):
         self,
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],
-        cache: MLACache,
+        cache: MLACache | PagedCache,
         *,
         absorbed: bool = True,
-    ) -> tuple[Float[Array, "B T E"], MLACache]:
+    ) -> tuple[Float[Array, "B T E"], MLACache | PagedCache]:
         """Attend T new tokens per row to themselves and the cache; return the output and the new cache.
 
         Args:
@@ -186,15 +189,18 @@ class MLAttention(nnx.Module):
           positions: int32 [B, T], absolute and contiguous within a row (positions[b, t] =
             positions[b, 0] + t). Row b's new latent / rope key entries are written at these
             positions; one outside [0, S) is dropped, never clamped onto a live entry.
-          cache: the layer's `MLACache`; entries of row b past positions[b, -1] are stale (never
-            read: zeroed before any matmul, so NaN there cannot leak).
-          absorbed: True folds W_UK into the query and W_UV after the weighted sum (decode, verify);
-            False decompresses the cache into per-head keys and values (the paper's form).
+          cache: the layer's `MLACache`, or one in pages (a bound `mtp_jax.cache.PagedCache`, pools
+            [N, P, C] and [N, P, R]); entries of row b past positions[b, -1] are stale (never read:
+            masked or zeroed before any matmul, so NaN there cannot leak).
+          absorbed: True folds W_UK into the query and W_UV after the weighted sum (decode, verify;
+            `absorbed_attention`: over pages, the Pallas paged kernel where `config.attention_impl`
+            selects it); False decompresses the cache into per-head keys and values (the paper's form).
 
         Returns:
           ([B, T, E] in x's dtype, the cache with the new entries written). Query t of row b sees
           cache positions s <= positions[b, t]; one that sees nothing gets zeros before o_proj.
-          Scores, softmax and the weighted sum in float32 (or wider, if x is).
+          Scores, softmax and the weighted sum in float32 (or wider, if x is); the paged kernel takes
+          the absorbed queries in the pools' dtype.
         """
         c = self.config
         batch, num_new, _ = x.shape
@@ -211,29 +217,22 @@ class MLAttention(nnx.Module):
         k_rope = self._rope(kv[..., None, c.kv_lora_rank :], positions)[:, :, 0]  # [B, T, 1, R] -> [B, T, R]
 
         cache = cache.write(positions, latent, k_rope)
-        view = dense_view(cache)  # a paged cache: its rows' pages in order
-
         acc = jnp.promote_types(x.dtype, jnp.float32)
-        s = jnp.arange(view.max_length)
-        live = (s[None, :] <= positions[:, -1:])[:, :, None]  # [B, S, 1]
-        live_latent = jnp.where(live, view.latent, 0)  # [B, S, C]
-        cached_rope = jnp.where(live, view.k_rope, 0).astype(acc)  # [B, S, R]
-        visible = s[None, None, :] <= positions[:, :, None]  # [B, T, S]
         q_nope, q_rope = q_nope.astype(acc), q_rope.astype(acc)
-        rope_scores = jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope)  # [B, H, T, S]
         if absorbed:
             w_uk, w_uv = self._absorbed_weights(acc)  # [C, H, N], [C, H, V]
-            cached_latent = live_latent.astype(acc)  # [B, S, C]
             q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)  # [B, T, H, C]
-            scores = jnp.einsum("bthc,bsc->bhts", q_latent, cached_latent) + rope_scores  # [B, H, T, S]
-            weights = _masked_softmax(scores * softmax_scale(c), visible)  # [B, H, T, S]
-            out_latent = jnp.einsum("bhts,bsc->bthc", weights, cached_latent)  # [B, T, H, C]
-            out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv)  # [B, T, H, V]
+            scale, impl = softmax_scale(c), c.attention_impl
+            out_latent = absorbed_attention(q_latent, q_rope, positions, cache, scale=scale, impl=impl)  # [B, T, H, C]
+            out = jnp.einsum("bthc,chv->bthv", out_latent.astype(acc), w_uv)  # [B, T, H, V]
         else:
+            view = dense_view(cache)  # a paged cache: its rows' pages in order
+            live_latent, cached_rope, visible = _live_entries(view, positions)  # [B, S, C], [B, S, R], [B, T, S]
             kv_heads = self.kv_b_proj(live_latent).astype(acc)  # [B, S, H (N + V)]
             kv_heads = kv_heads.reshape(batch, view.max_length, heads, nope + v_dim)  # [B, S, H, N + V]
             k_nope, v = kv_heads[..., :nope], kv_heads[..., nope:]  # [B, S, H, N], [B, S, H, V]
-            scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + rope_scores  # [B, H, T, S]
+            scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)  # [B, H, T, S]
+            scores += jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope.astype(acc))  # [B, H, T, S]
             weights = _masked_softmax(scores * softmax_scale(c), visible)  # [B, H, T, S]
             out = jnp.einsum("bhts,bshv->bthv", weights, v)  # [B, T, H, V]
         out = out.reshape(batch, num_new, heads * v_dim).astype(x.dtype)  # [B, T, H V]
@@ -255,6 +254,60 @@ class MLAttention(nnx.Module):
         kernel = compute_kernel(self.kv_b_proj, dtype)  # [C, H (N + V)]
         kernel = kernel.reshape(c.kv_lora_rank, c.num_attention_heads, nope + c.v_head_dim)  # [C, H, N + V]
         return kernel[..., :nope], kernel[..., nope:]
+
+
+def absorbed_attention(
+    q_latent: Float[Array, "B T H C"],
+    q_rope: Float[Array, "B T H R"],
+    positions: Int[Array, "B T"],
+    cache: MLACache | PagedCache,
+    *,
+    scale: float,
+    impl: str,
+) -> Float[Array, "B T H C"]:
+    """Absorbed MLA attention's weighted sum of latents (arXiv 2405.04434 §2.1.2): query t of row b weighs
+    cache position s <= positions[b, t] by softmax_s(scale (q_latent . latent_s + q_rope . k_rope_s)) and
+    sums the latents; a query that sees nothing gets zeros.
+
+    `cache` is written already (its new entries at `positions`, int32 [B, T], contiguous per row). A bound
+    `PagedCache` whose operands `mtp_jax.layers.attention.use_paged_kernel` takes (`impl` "pallas" /
+    "pallas_interpret", or "auto" on a GPU; no sharded mesh; page size a power of two >= 16, C a power of
+    two >= 16, R a multiple of 16, the T x H query rows within one kernel tile: `supports_paged`) runs
+    `pallas_kernels.paged_verify_attention` with one KV head: queries `[q_latent, q_rope]` cast to the
+    pools' dtype, the latent pool [N, P, 1, C] as keys and values, the rope-key pool [N, P, 1, R] as the
+    second key pool, both read in place through the block table; the result is in the pools' dtype,
+    accumulated in float32. Otherwise plain jnp over the cache (a paged one gathered, `dense_view`), in
+    the queries' dtype (float32 or wider). Raises ValueError for an unknown `impl`.
+    """
+    if isinstance(cache, PagedCache):
+        pool, table = cache.pool, cache.block_table
+        q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(pool.latent.dtype)  # [B, T, H, C + R]
+        latent_pages, rope_pages = pool.latent[:, :, None], pool.k_rope[:, :, None]  # [N, P, 1, C], [N, P, 1, R]
+        lengths = positions[:, -1] + 1  # entries per row, the T new ones included
+        if use_paged_kernel(impl, q, latent_pages, None, table, lengths, k_rope_pages=rope_pages):
+            from pallas_kernels.paged_attention import paged_verify_attention
+
+            interpret = impl == "pallas_interpret"
+            return paged_verify_attention(
+                q, latent_pages, None, table, lengths, k_rope_pages=rope_pages, scale=scale, interpret=interpret
+            )  # [B, T, H, C]
+    live_latent, cached_rope, visible = _live_entries(dense_view(cache), positions)  # [B, S, C], [B, S, R], [B, T, S]
+    live_latent, cached_rope = live_latent.astype(q_latent.dtype), cached_rope.astype(q_rope.dtype)
+    scores = jnp.einsum("bthc,bsc->bhts", q_latent, live_latent)  # [B, H, T, S]
+    scores += jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope)  # [B, H, T, S]
+    weights = _masked_softmax(scores * scale, visible)  # [B, H, T, S]
+    return jnp.einsum("bhts,bsc->bthc", weights, live_latent)  # [B, T, H, C]
+
+
+def _live_entries(
+    view: MLACache, positions: Int[Array, "B T"]
+) -> tuple[Float[Array, "B S C"], Float[Array, "B S R"], Bool[Array, "B T S"]]:
+    """The dense cache's latents and rope keys with row b's entries past positions[b, -1] zeroed (stale, NaN
+    there included: zeroed before any matmul), and the causal mask: query t sees s <= positions[b, t]."""
+    s = jnp.arange(view.max_length)
+    live = (s[None, :] <= positions[:, -1:])[:, :, None]  # [B, S, 1]
+    visible = s[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return jnp.where(live, view.latent, 0), jnp.where(live, view.k_rope, 0), visible
 
 
 def _masked_softmax(scores: Float[Array, "B H T S"], visible: Bool[Array, "B T S"]) -> Float[Array, "B H T S"]:
