@@ -90,10 +90,10 @@ def test_the_policy_settles_on_what_acceptance_pays_for(demo, monkeypatch, right
 
     drafted = []
 
-    def timed_step(slots, width, num_drafts, *, draft_next):
+    def timed_step(slots, width, num_drafts, *, draft_next, **kwargs):
         now[0] += 1 + num_drafts / 2
         drafted.append(draft_next)
-        return step(slots, width, num_drafts, draft_next=draft_next)
+        return step(slots, width, num_drafts, draft_next=draft_next, **kwargs)
 
     monkeypatch.setattr(engine.rows, "step", timed_step)
     prompt = tokenizer.encode("def main(argv):\n").ids

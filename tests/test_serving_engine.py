@@ -357,3 +357,47 @@ def test_serving_example_runs(capsys):
     spec.loader.exec_module(example)
     example.main(["--max-tokens", "8"])
     assert "every request got exactly what generate gives it alone" in capsys.readouterr().out
+
+
+def test_top_logprobs_are_the_models_log_softmax_at_each_position(demo):
+    """`add_request(logprobs=n)`: for every token, from the prefill's and from accepted drafts, bonus and
+    residual tokens alike, the n most likely tokens equal the top n of a log-softmax of a full forward
+    over the sequence, the first of them the greedy token with its logprob; a request asking for none
+    gets none, and more than `max_logprobs` is refused."""
+    model, tokenizer, prompts = demo
+    engine = ServingEngine(
+        model, EAGLE, tokenizer=tokenizer, max_batch=2, max_length=S, max_logprobs=5, page_size=16,
+        page_buckets=(S // 16,),
+    )  # fmt: skip
+    asks = {
+        engine.add_request(prompts[0], max_tokens=24, logprobs=3): 3,
+        engine.add_request(prompts[2], max_tokens=24): 0,
+    }
+    got = {i: ([], [], []) for i in asks}
+    accepted = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, logprobs, tops = got[out.request_id]
+            tokens += out.token_ids
+            logprobs += out.logprobs
+            tops += out.top_logprobs
+            accepted += out.num_accepted
+    assert accepted > 5  # tokens from accepted drafts are among those checked
+    for (rid, n), prompt in zip(asks.items(), (prompts[0], prompts[2]), strict=True):
+        tokens, logprobs, tops = got[rid]
+        if not n:
+            assert tops == []
+            continue
+        sequence = prompt + tokens
+        logits = model(jnp.asarray([sequence]), jnp.arange(len(sequence))[None, :], model.init_cache(1, len(sequence)))[
+            0
+        ][0]
+        want = jax.nn.log_softmax(logits[len(prompt) - 1 : len(sequence) - 1].astype(jnp.float32), axis=-1)
+        values, ids = jax.lax.top_k(want, n)
+        assert len(tops) == len(tokens) == 24
+        np.testing.assert_array_equal([[t for t, _ in top] for top in tops], np.asarray(ids))
+        np.testing.assert_allclose([[v for _, v in top] for top in tops], np.asarray(values), atol=1e-4)
+        assert [top[0][0] for top in tops] == tokens  # greedy: the most likely token
+        np.testing.assert_allclose([top[0][1] for top in tops], logprobs, atol=1e-6)
+    with pytest.raises(ValueError, match=r"logprobs must be an int in 0 \.\. 5"):
+        engine.add_request(prompts[0], max_tokens=4, logprobs=6)

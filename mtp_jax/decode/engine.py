@@ -50,7 +50,7 @@ def _jit_with_model(fn: Callable, *static: str, donate: tuple[str, ...] = ("stat
 _prefill_jit = _jit_with_model(prefill, "final")
 _step_jit = _jit_with_model(decode_step)
 _run_jit = _jit_with_model(run)
-_step_with_output_jit = _jit_with_model(step_with_output, "num_drafts", "draft_next")
+_step_with_output_jit = _jit_with_model(step_with_output, "num_drafts", "draft_next", "top_logprobs")
 _prefill_rows_jit = _jit_with_model(prefill_rows, "final", donate=("state", "rows"))
 _insert_jit = jax.jit(insert_row, donate_argnames=("state",))
 _release_jit = jax.jit(release_rows, donate_argnames=("state",))
@@ -140,11 +140,13 @@ class DecodeEngine:
         num_drafts: int | None = None,
         *,
         draft_next: bool = True,
+        top_logprobs: bool = True,
     ) -> tuple[DecodeState, StepOutput]:
         """One decode step and what each row committed (`step_with_output`; a paged state with its rows'
         `block_table`, int32 [B, W]); `num_drafts`: verify only the first k of the K drafts (0 .. K, one
         program each); `draft_next=False` (with k = 0): a plain step that only writes the MTP caches, its
-        drafts stale until a step that drafts. Raises ValueError for k outside 0 .. K or for
+        drafts stale until a step that drafts; `top_logprobs=False`: the state's top logprobs are not updated
+        (a state built with max_logprobs = 0 has none either way). Raises ValueError for k outside 0 .. K or for
         draft_next=False with k != 0."""
         k_max = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         if num_drafts is not None and (not is_integer(num_drafts) or not 0 <= num_drafts <= k_max):
@@ -155,7 +157,14 @@ class DecodeEngine:
             raise ValueError(
                 f"draft_next=False needs num_drafts=0 (stale drafts cannot be verified), got {num_drafts!r}"
             )
-        return self._call(_step_with_output_jit, state, block_table, num_drafts=num_drafts, draft_next=draft_next)
+        return self._call(
+            _step_with_output_jit,
+            state,
+            block_table,
+            num_drafts=num_drafts,
+            draft_next=draft_next,
+            top_logprobs=bool(top_logprobs) and state.top_logprobs.shape[-1] > 0,
+        )
 
     def prefill_rows(
         self,

@@ -29,6 +29,7 @@ from mtp_jax.decode.sampling import SamplingParams, SamplingState
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import Transformer
 from mtp_jax.sharding import to_host
+from mtp_jax.validation import is_integer
 
 PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer prefill compiles)
 
@@ -47,6 +48,10 @@ class DecodeState:
     stop_tokens: jax.Array  # int32 [B, MAX_STOP_TOKENS]: each row's stop tokens, -1 = unused slot
     logprobs: jax.Array  # float32 [B, S]: log-softmax of the raw logits at each generated token
     thinking: jax.Array  # bool [B]: in a thinking phase after the last committed token (relaxed acceptance)
+    # The N = max_logprobs most likely tokens (raw log-softmax, descending) at each position the last call
+    # (a final prefill chunk: 1, a step: up to K+1) committed; N = 0: not computed.
+    top_logprobs: jax.Array  # float32 [B, K+1, N]
+    top_tokens: jax.Array  # int32 [B, K+1, N]
     draft: DraftState  # the drafter's state (empty arrays when not speculating)
     metrics: SpeculativeCounters  # per-row step and acceptance counters
 
@@ -103,9 +108,12 @@ def init_state(
     speculative: SpeculativeConfig | None = None,
     oracle_tokens: np.ndarray | None = None,
     pages: PageLayout | None = None,
+    max_logprobs: int = 0,
 ) -> tuple[DecodeState, jax.Array]:
     """Checks the request and builds the initial state and the padded prompt array int32 [B, P]; with `pages`
-    its attention caches (main and MTP) are paged (`mtp_jax.cache.PagedCache`; the serving engine's).
+    its attention caches (main and MTP) are paged (`mtp_jax.cache.PagedCache`; the serving engine's); with
+    `max_logprobs` N > 0 every call also keeps the N most likely tokens at the positions it committed
+    (`DecodeState.top_logprobs`, vLLM's `max_logprobs`; ValueError unless 0 <= N <= vocab size).
 
     The request's arguments are `generate`'s (checked by `mtp_jax.decode.request.check_request`, which
     lists the TypeError / ValueError raised); `speculative` is checked against the model
@@ -115,6 +123,10 @@ def init_state(
     config = model.config
     if speculative is not None:
         speculative.check_model(model, config.vocab_size)
+    if not is_integer(max_logprobs) or not 0 <= max_logprobs <= config.vocab_size:
+        raise ValueError(
+            f"max_logprobs must be an int in 0 .. {config.vocab_size} (the vocabulary), got {max_logprobs!r}"
+        )
     request = check_request(
         config,
         prompts,
@@ -144,6 +156,8 @@ def init_state(
         stop_tokens=np.asarray([stop] * batch, np.int32),
         logprobs=np.zeros((batch, capacity), np.float32),
         thinking=np.asarray([initial_phase(p, speculative) for p in prompts], bool),
+        top_logprobs=np.zeros((batch, k_max + 1, max_logprobs), np.float32),
+        top_tokens=np.zeros((batch, k_max + 1, max_logprobs), np.int32),
     )
     state = DecodeState(
         **jax.device_put(host),

@@ -91,11 +91,17 @@ def commit(
 
 
 def accept_and_commit(
-    speculative: SpeculativeConfig | None, state: DecodeState, target: Target, drafts: jax.Array, draft_probs: jax.Array
+    speculative: SpeculativeConfig | None,
+    state: DecodeState,
+    target: Target,
+    drafts: jax.Array,
+    draft_probs: jax.Array,
+    top_logprobs: bool = True,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Accepts `drafts` (int32 [B, K], their q in `draft_probs`) against `target` (K+1 outputs), commits
-    the accepted ones and the emitted token. Returns the state and, per row (int32 [B]), the tokens
-    committed and the drafts accepted."""
+    the accepted ones and the emitted token (and, if `top_logprobs`, keeps the most likely tokens at their
+    positions: `keep_top_logprobs`). Returns the state and, per row (int32 [B]), the tokens committed and
+    the drafts accepted."""
     num_accepted, token = accept(
         speculative, target, drafts, draft_probs, state.sampling, state.lengths, state.thinking
     )
@@ -104,7 +110,20 @@ def accept_and_commit(
         index < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), token[:, None]
     )  # [B, K+1]: accepted drafts, then the emitted token
     new, num = commit(state, candidates, num_accepted + 1, target.logprobs_at(candidates))
+    if top_logprobs:
+        new = keep_top_logprobs(new, target)
     return new.replace(thinking=update_phase(speculative, state.thinking, candidates, num)), num, num_accepted
+
+
+def keep_top_logprobs(state: DecodeState, target: Target) -> DecodeState:
+    """`state` with the N most likely tokens of each of `target`'s T outputs (the positions a call committed,
+    T <= K+1) in `top_logprobs` / `top_tokens` [B, K+1, N]; nothing computed when N = 0."""
+    width, n = state.top_logprobs.shape[1:]
+    if n == 0:
+        return state
+    values, ids = jax.lax.top_k(target.logprobs, n)  # [B, T, N], descending
+    pad = ((0, 0), (0, width - values.shape[1]), (0, 0))
+    return state.replace(top_logprobs=jnp.pad(values, pad), top_tokens=jnp.pad(ids.astype(jnp.int32), pad))
 
 
 def commit_first_token(speculative: SpeculativeConfig | None, state: DecodeState, target: Target) -> DecodeState:
@@ -161,6 +180,7 @@ def decode_step(
     state: DecodeState,
     num_drafts: int | None = None,
     draft_next: bool = True,
+    top_logprobs: bool = True,
 ) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing).
 
@@ -168,14 +188,21 @@ def decode_step(
     `mtp_jax.serving.speculation`; k = 0 is a plain step). The drafter still drafts K for the next step, so
     its caches hold every committed position whatever k a step uses. `draft_next=False` (static, with k = 0
     only): the MTP modules only write their caches (`drafters.fill_caches`), no draft head, no chain; the
-    drafts left in the state are stale, so a step that drafts must come before the next one that verifies."""
+    drafts left in the state are stale, so a step that drafts must come before the next one that verifies.
+    `top_logprobs=False` (static): `DecodeState.top_logprobs` is left as it was (stale; serving skips the
+    top-N when no running request asked for it)."""
     if not draft_next and num_drafts != 0:
         raise ValueError(f"draft_next=False needs num_drafts=0 (stale drafts cannot be verified), got {num_drafts!r}")
     k = state.draft.tokens.shape[1] if num_drafts is None else num_drafts
     target, h0, cache = verify(model, state, k)  # h0: [B, k+1, E] at positions L-1 .. L-1+k
     before = state
     state, num, num_accepted = accept_and_commit(
-        speculative, state.replace(cache=cache), target, state.draft.tokens[:, :k], state.draft.probs[:, :k]
+        speculative,
+        state.replace(cache=cache),
+        target,
+        state.draft.tokens[:, :k],
+        state.draft.probs[:, :k],
+        top_logprobs,
     )
     state = state.replace(cache=settle(state.cache, num))  # recurrent states: after the last committed token
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num), k))
@@ -205,6 +232,8 @@ class StepOutput:
     logprobs: jax.Array  # float32 [B, K+1]
     num_accepted: jax.Array  # int32 [B]
     done: jax.Array  # bool [B], after the step
+    top_logprobs: jax.Array  # float32 [B, K+1, N]: the N most likely tokens at each committed position
+    top_tokens: jax.Array  # int32 [B, K+1, N] (`DecodeState.top_logprobs`; N = 0 unless asked for)
 
 
 def step_with_output(
@@ -214,13 +243,15 @@ def step_with_output(
     block_table: jax.Array | None = None,
     num_drafts: int | None = None,
     draft_next: bool = True,
+    top_logprobs: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     """`decode_step` (verifying `num_drafts` drafts; drafting the next unless `draft_next` is False), and what
     it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
 
     A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
     must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
-    new = with_pages(decode_step(model, speculative, with_pages(state, block_table), num_drafts, draft_next), None)
+    stepped = decode_step(model, speculative, with_pages(state, block_table), num_drafts, draft_next, top_logprobs)
+    new = with_pages(stepped, None)
     positions = jnp.minimum(
         state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
     )  # [B, K+1]
@@ -230,6 +261,8 @@ def step_with_output(
         logprobs=jnp.take_along_axis(new.logprobs, positions, axis=1),
         num_accepted=new.metrics.num_accepted - state.metrics.num_accepted,
         done=new.done,
+        top_logprobs=new.top_logprobs,
+        top_tokens=new.top_tokens,
     )
 
 

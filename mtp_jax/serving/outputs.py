@@ -91,6 +91,8 @@ class RequestOutput:
     (max_tokens) or "abort". stop_reason: the stop string or stop token id that matched (None for
     EOS, as vLLM). metrics: the request's `RequestMetrics` (complete once finished). num_drafts: the
     drafts its decode step verified (K, or what adaptive speculation chose; 0 for a prefill's token).
+    top_logprobs: per new token, the request's `logprobs` most likely tokens at its position as (token id,
+    raw logprob) pairs, most likely first (empty when it asked for none).
     """
 
     request_id: str
@@ -105,6 +107,7 @@ class RequestOutput:
     stop_reason: str | int | None
     metrics: RequestMetrics
     num_drafts: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:

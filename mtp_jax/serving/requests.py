@@ -13,6 +13,7 @@ from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.text import TextStream
 from mtp_jax.serving.outputs import RequestMetrics, RequestOutput
+from mtp_jax.validation import is_integer
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class ServedRequest:
     text_end: int | None = None  # where a stop string cut the text
     admitted: int = -1  # admission order (the newest is preempted first)
     pages_final: int = 0  # leading positions already offered to the prefix cache
+    num_logprobs: int = 0  # most likely tokens reported per output token (OpenAI's top_logprobs)
 
     @property
     def length(self) -> int:
@@ -65,6 +67,8 @@ class ServedRequest:
         oracle: bool,
         oracle_tokens: Sequence[int] | None,
         num_speculative_tokens: int,
+        num_logprobs: int = 0,
+        max_logprobs: int = 0,
     ) -> ServedRequest:
         """A request checked as `ServingEngine.add_request` documents (its arguments, raising its errors),
         not yet given its id and arrival time."""
@@ -94,6 +98,10 @@ class ServedRequest:
             raise ValueError("stop strings must be non-empty")
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer (ServingEngine(tokenizer=...))")
+        if not is_integer(num_logprobs) or not 0 <= num_logprobs <= max_logprobs:
+            raise ValueError(
+                f"logprobs must be an int in 0 .. {max_logprobs} (the engine's max_logprobs), got {num_logprobs!r}"
+            )
         if oracle != (oracle_tokens is not None):
             raise ValueError("oracle_tokens is required with speculative method 'oracle' and only there")
         if oracle:
@@ -115,6 +123,7 @@ class ServedRequest:
             oracle_tokens=oracle_tokens,
             metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=num_speculative_tokens),
             text=None if tokenizer is None else TextStream(tokenizer),
+            num_logprobs=int(num_logprobs),
         )
 
     def take(self, tokens: list[int], now: float) -> int:
@@ -163,10 +172,18 @@ class ServedRequest:
         return piece
 
     def output(
-        self, tokens, logprobs, text: str, num_committed: int, num_accepted: int, num_drafts: int = 0
+        self,
+        tokens,
+        logprobs,
+        text: str,
+        num_committed: int,
+        num_accepted: int,
+        num_drafts: int = 0,
+        top_logprobs=(),
     ) -> RequestOutput:
-        """What it receives now: `tokens`, their logprobs and `text`, from a step that verified `num_drafts`
-        drafts and committed `num_committed` tokens, `num_accepted` of them accepted drafts."""
+        """What it receives now: `tokens`, their logprobs, their `top_logprobs` and `text`, from a step that
+        verified `num_drafts` drafts and committed `num_committed` tokens, `num_accepted` of them accepted
+        drafts."""
         return RequestOutput(
             request_id=self.id,
             token_ids=tokens,
@@ -180,4 +197,5 @@ class ServedRequest:
             stop_reason=self.stop_reason,
             metrics=self.metrics,
             num_drafts=num_drafts,
+            top_logprobs=list(top_logprobs),
         )

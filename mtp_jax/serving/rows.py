@@ -51,6 +51,7 @@ class DeviceRows:
         prefill_chunk: int,
         paging: RowPages,
         variants: tuple[int, ...],
+        max_logprobs: int = 0,
     ):
         self.staging_rows = batch_rows(mesh)
         if max_batch % self.staging_rows:
@@ -64,6 +65,7 @@ class DeviceRows:
         self.variants = variants  # the numbers of drafts a step may verify (`SpeculationPolicy.variants`)
         self.drafts_stale = False  # after a plain step that drafted nothing (`step(..., draft_next=False)`)
         self.oracle = speculative is not None and speculative.method == "oracle"
+        self.max_logprobs = max_logprobs
         state, _ = self.decode.init_state(
             [[0]] * max_batch,
             max_new_tokens=1,
@@ -71,6 +73,7 @@ class DeviceRows:
             stop_tokens=[],
             oracle_tokens=np.zeros((max_batch, max_length), np.int32) if self.oracle else None,
             pages=PageLayout(self.num_pages, paging.page_size),
+            max_logprobs=max_logprobs,
         )
         self.state = self.decode.release(self._placed(state), np.ones(max_batch, bool))  # every slot free
 
@@ -96,6 +99,7 @@ class DeviceRows:
             stop_tokens=[] if request is None else request.stop_token_ids,
             oracle_tokens=oracle,
             pages=PageLayout(self.num_pages, self.paging.page_size, pools=False),
+            max_logprobs=self.max_logprobs,
         )
         return self._placed(state)
 
@@ -116,10 +120,13 @@ class DeviceRows:
         )
         return rows
 
-    def first_token(self, rows: DecodeState, position: int) -> tuple[int, float]:
-        """The token a final prefill committed at `position` and its logprob."""
-        token, logprob = to_host((rows.tokens[0, position], rows.logprobs[0, position]))
-        return int(token), float(logprob)
+    def first_token(self, rows: DecodeState, position: int) -> tuple[int, float, np.ndarray, np.ndarray]:
+        """The token a final prefill committed at `position`, its logprob and the `max_logprobs` most likely
+        tokens there (raw logprobs float32 [N], ids int32 [N])."""
+        token, logprob, values, ids = to_host(
+            (rows.tokens[0, position], rows.logprobs[0, position], rows.top_logprobs[0, 0], rows.top_tokens[0, 0])
+        )
+        return int(token), float(logprob), values, ids
 
     @property
     def plain_steps_skip_drafts(self) -> bool:
@@ -128,21 +135,30 @@ class DeviceRows:
         return self.k_max > 0 and 0 in self.variants
 
     def step(
-        self, slots: Sequence[ServedRequest | None], width: int, num_drafts: int, *, draft_next: bool = True
+        self,
+        slots: Sequence[ServedRequest | None],
+        width: int,
+        num_drafts: int,
+        *,
+        draft_next: bool = True,
+        top_logprobs: bool = False,
     ) -> StepOutput:
         """One decode step of every slot (`slots[b]`: row b's request, None for a free row) reading `width`
         pages per row and verifying `num_drafts` drafts, drafting the next ones unless `draft_next` is False
         (then `drafts_stale` until a step drafts again: `DecodeEngine.step_with_output`); returns what each
-        row committed, on the host. Raises ValueError for drafts to verify while they are stale."""
+        row committed, on the host; its top logprobs only with `top_logprobs` (a program of its own, for steps
+        in which a running request asked for them). Raises ValueError for drafts to verify while stale."""
         if num_drafts and self.drafts_stale:
             raise ValueError("the drafts are stale after a step that drafted none: a step must draft first")
-        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next)
+        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs)
         self.drafts_stale = not draft_next
-        return StepOutput(*to_host((out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done)))
+        return to_host(out)  # (a StepOutput of numpy arrays)
 
-    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool = True):
+    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool = True, top_logprobs: bool = False):
         k = None if num_drafts == self.k_max and draft_next else num_drafts  # all K: the one program of a fixed K
-        return self.decode.step_with_output(self.state, table, num_drafts=k, draft_next=draft_next)
+        return self.decode.step_with_output(
+            self.state, table, num_drafts=k, draft_next=draft_next, top_logprobs=top_logprobs
+        )
 
     def insert(self, rows: DecodeState, slot: int) -> None:
         """A prefilled staging row into slot `slot`."""
@@ -167,8 +183,9 @@ class DeviceRows:
         free = [None] * self.staging_rows
         for width in self.paging.buckets:
             plain = [(0, False)] if self.plain_steps_skip_drafts else []
-            for k, draft_next in [(k, True) for k in self.variants] + plain:
-                self.state, _ = self._step(self.table([None] * self.max_batch, width), k, draft_next)
+            tops = (False, True) if self.max_logprobs else (False,)
+            for (k, draft_next), top in itertools.product([(k, True) for k in self.variants] + plain, tops):
+                self.state, _ = self._step(self.table([None] * self.max_batch, width), k, draft_next, top)
                 self.release([0])  # (slot 0 is free: nothing changes)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads

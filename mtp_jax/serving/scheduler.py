@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
@@ -101,7 +102,9 @@ class ServingEngine:
         recurrent layers, method "vanilla"). page_buckets: the block-table widths in pages the
         step compiles for (`mtp_jax.serving.paging.RowPages`; default 1, 4, 16, ... and the widest).
         speculative_policy: "fixed" (every step verifies K drafts) or "adaptive" (K chosen per step from
-        0 .. K by measured acceptance and step times, `mtp_jax.serving.speculation`).
+        0 .. K by measured acceptance and step times, `mtp_jax.serving.speculation`). max_logprobs: N, the
+        most likely tokens a request may ask for per output token (`add_request(logprobs=)`; vLLM's
+        `max_logprobs`); every step then computes the top N at each position (0: never).
         prefill_chunk: C, prompt tokens per prefill call
         (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
         which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
@@ -125,6 +128,7 @@ class ServingEngine:
         prefix_caching: bool | None = None,
         page_buckets: Sequence[int] | None = None,
         speculative_policy: str = "fixed",
+        max_logprobs: int = 0,
         prefill_chunk: int = 64,
         max_queue: int = 256,
         mesh: Mesh | None = None,
@@ -178,6 +182,7 @@ class ServingEngine:
             prefill_chunk=self.prefill_chunk,
             paging=self.paging,
             variants=self.speculation.variants,
+            max_logprobs=max_logprobs,
         )
         self.num_preemptions = 0
         self.last_num_drafts = k  # the drafts the last decode step verified
@@ -204,6 +209,7 @@ class ServingEngine:
         stop: Iterable[str] = (),
         request_id: str | None = None,
         oracle_tokens: Sequence[int] | None = None,
+        logprobs: int = 0,
     ) -> str:
         """Queues a request; returns its id. Any thread.
 
@@ -213,6 +219,8 @@ class ServingEngine:
         `ignore_eos`; at most `MAX_STOP_TOKENS` (16) in all. stop: strings that end the output
         (excluded from the text; needs a tokenizer). oracle_tokens: with method "oracle" only (and
         required there), the sequence its drafts replay, prompt first (at most max_length ids).
+        logprobs: the most likely tokens (0 .. `max_logprobs`) reported with each output token
+        (`RequestOutput.top_logprobs`), computed on device from the raw logits at its position.
 
         Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
         over max_length or over what `num_pages` hold, too many stop tokens, stop strings without a
@@ -231,6 +239,8 @@ class ServingEngine:
             oracle=self.rows.oracle,
             oracle_tokens=oracle_tokens,
             num_speculative_tokens=self.num_speculative_tokens,
+            num_logprobs=logprobs,
+            max_logprobs=self.rows.max_logprobs,
         )
         need = self.pages.pages_for(self.paging.reach(len(request.prompt) + request.max_tokens))
         if need > self.num_pages:
@@ -415,8 +425,16 @@ class ServingEngine:
         # step that drafts (not timed: the policy's choice stays pending until it runs).
         redraft = chosen > 0 and self.rows.drafts_stale
         k = 0 if redraft else chosen
-        out = self.rows.step(self._slots, width, k, draft_next=chosen > 0 or not self.rows.plain_steps_skip_drafts)
-        num, tokens, logprobs, accepted, done = out.num_committed, out.tokens, out.logprobs, out.num_accepted, out.done
+        draft_next = chosen > 0 or not self.rows.plain_steps_skip_drafts
+        top_logprobs = any(r.num_logprobs for r in running)
+        step = self.rows.step(self._slots, width, k, draft_next=draft_next, top_logprobs=top_logprobs)
+        num, tokens, logprobs, accepted, done = (
+            step.num_committed,
+            step.tokens,
+            step.logprobs,
+            step.num_accepted,
+            step.done,
+        )
         now = self.clock()
         if not redraft:
             self.speculation.observe(k, width, now - start, [int(accepted[r.slot]) for r in running])
@@ -426,8 +444,9 @@ class ServingEngine:
             if r is None:
                 continue
             n = int(num[slot])
+            tops = _top_logprobs(r, step.top_logprobs[slot, :n], step.top_tokens[slot, :n])
             out = self._absorb(
-                r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now, k
+                r, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), n, int(accepted[slot]), now, k, tops
             )
             r.metrics.count_step(k, out.num_accepted)
             outputs.append(out)
@@ -492,8 +511,8 @@ class ServingEngine:
     def _first_token(self, staging: _Staging) -> RequestOutput:
         """The prefill's committed token handed out; the row enters its slot unless it finished."""
         r = staging.request
-        token, logprob = self.rows.first_token(staging.state, len(staging.prompt))
-        out = self._absorb(r, [token], [logprob], 1, 0, self.clock())
+        token, logprob, values, ids = self.rows.first_token(staging.state, len(staging.prompt))
+        out = self._absorb(r, [token], [logprob], 1, 0, self.clock(), 0, _top_logprobs(r, values[None], ids[None]))
         if not out.finished:  # (finished: by the device's rules, or a stop string; either way it stays out)
             self.rows.insert(staging.state, staging.slot)
             r.slot = staging.slot
@@ -505,16 +524,16 @@ class ServingEngine:
     # Host-side bookkeeping
 
     def _absorb(self, r: ServedRequest, tokens: list[int], logprobs: list[float], num_committed: int,
-                num_accepted: int, now: float, num_drafts: int = 0) -> RequestOutput:  # fmt: skip
-        """Hands `tokens` to `r` up to its first stop condition; returns what it received."""
+                num_accepted: int, now: float, num_drafts: int = 0, tops=()) -> RequestOutput:  # fmt: skip
+        """Hands `tokens` (and their `tops`) to `r` up to its first stop condition; returns what it received."""
         taken = r.take(tokens, now)
         accepted = min(num_accepted, taken)
         return self._output(
-            r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed, accepted, now, num_drafts
+            r, tokens[:taken], logprobs[:taken], r.text_delta(), num_committed, accepted, now, num_drafts, tops[:taken]
         )
 
     def _output(
-        self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now, num_drafts=0
+        self, r: ServedRequest, tokens, logprobs, text, num_committed, num_accepted, now, num_drafts=0, tops=()
     ) -> RequestOutput:
         """`r`'s output; a finished request leaves its slot, its pages and the unfinished ids."""
         if r.finish_reason is not None:
@@ -525,8 +544,17 @@ class ServingEngine:
                 self.pages.release(r.id)
             with self._lock:
                 self._ids.discard(r.id)
-        return r.output(tokens, logprobs, text, num_committed, num_accepted, num_drafts)
+        return r.output(tokens, logprobs, text, num_committed, num_accepted, num_drafts, tops)
 
     def _finish(self, r: ServedRequest, reason: str, tokens, logprobs) -> RequestOutput:
         r.finish_reason = reason
         return self._output(r, tokens, logprobs, r.text_delta() if reason != "abort" else "", 0, 0, self.clock())
+
+
+def _top_logprobs(r: ServedRequest, values: np.ndarray, ids: np.ndarray) -> list[list[tuple[int, float]]]:
+    """Per position, the `r.num_logprobs` most likely (token id, raw logprob) pairs of `values` / `ids`
+    ([n, N], most likely first); [] when it asked for none."""
+    m = r.num_logprobs
+    if not m:
+        return []
+    return [list(zip(i[:m].tolist(), v[:m].tolist(), strict=True)) for v, i in zip(values, ids, strict=True)]
