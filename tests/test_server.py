@@ -15,9 +15,12 @@ import gc
 import http.client
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import openai  # the official client, a test dependency (pyproject's `test` extra)
@@ -35,7 +38,16 @@ from mtp_jax.serving import RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine
 from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt
 from mtp_jax.serving.prometheus import PrometheusMetrics
-from mtp_jax.serving.server import bind, build_app
+from mtp_jax.serving.protocol import (
+    IGNORED_FIELDS,
+    NOT_IMPLEMENTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptLimits,
+    longest_token_chars,
+    short_json,
+)
+from mtp_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, bind, build_app
 
 SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 MAX_LENGTH = 256
@@ -362,6 +374,37 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "top_p": 0}, 400, "top_p"),
         ("/v1/completions", [1, 2], 400, None),
+        # limits and overflows: refused, naming the field, never clamped
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**63}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1e308}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": float("nan")}, 400, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 17}, 400, "stop_token_ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * 20_000}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "y" * 20_000}, 400, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["\udc00"]}, 400, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {}}, 400, "guided_json"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            400,
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi \ud800"}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2**40},
+            400,
+            "max_completion_tokens",
+        ),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
@@ -417,6 +460,232 @@ def test_full_queue_is_429_queue_full(served):
         assert status == 503 and payload["error"]["code"] == "engine_unavailable"
         assert request(url, "GET", "/metrics")[0] == 404  # no metrics given
     assert engine.num_waiting == 1  # the refused requests left nothing behind
+
+
+# ----------------------------------------------------------------------------------------------
+# Every field honoured or refused; limits before work
+
+# For each field the server does not implement, a value that asks for it.
+ASKING = {
+    "n": 2,
+    "best_of": 3,
+    "echo": True,
+    "suffix": "\n",
+    "logit_bias": {"7": 5},
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "min_tokens": 4,
+    "top_logprobs": 2,
+    "prompt_logprobs": 0,
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": {"name": "f"},
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "truncate_prompt_tokens": 8,
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+    "chat_template": "{{ messages[0]['content'] }}",
+    "chat_template_kwargs": {"enable_thinking": False},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+}
+IGNORED = {  # a value for each accepted-and-ignored field
+    "user": "u-1",
+    "safety_identifier": "s-1",
+    "metadata": {"k": "v"},
+    "store": True,
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "parallel_tool_calls": False,
+}
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+
+
+def test_the_lists_of_refused_and_ignored_fields_are_tested():
+    assert set(ASKING) == set(NOT_IMPLEMENTED) and set(IGNORED) == set(IGNORED_FIELDS)
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert not (set(NOT_IMPLEMENTED) | set(IGNORED_FIELDS)) & declared
+
+
+@pytest.mark.parametrize("field", sorted(ASKING))
+def test_a_field_not_implemented_is_refused_by_name(served, field):
+    for create, kwargs in (
+        (served.client.completions.create, {"prompt": "x"}),
+        (served.client.chat.completions.create, {"messages": CHAT}),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            create(model=MODEL, max_tokens=4, extra_body={field: ASKING[field]}, **kwargs)
+        assert (raised.value.param, raised.value.type) == (field, "invalid_request_error")
+        message = raised.value.body["message"]
+        assert message.startswith(f"{field}: {short_json(ASKING[field])} is not supported"), message
+
+
+def test_json_mode_and_tools_are_refused_not_ignored(served):
+    with pytest.raises(openai.BadRequestError, match="structured output") as raised:
+        served.client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "json_object"})
+    assert raised.value.param == "response_format"
+    tools = ASKING["tools"]
+    for choice in ("auto", "required"):
+        with pytest.raises(openai.BadRequestError, match="function calling") as raised:
+            served.client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice=choice)
+        assert raised.value.param in {"tools", "tool_choice"}
+
+
+def test_no_op_values_and_ignored_fields_are_accepted_and_change_nothing(served):
+    no_ops = {name: (u.noop[0] if u.noop else None) for name, u in NOT_IMPLEMENTED.items()}
+    assert no_ops["n"] == 1 and no_ops["response_format"] == {"type": "text"} and no_ops["skip_special_tokens"]
+    extra = {**no_ops, **IGNORED}
+    plain = completion_result(complete(served, PROMPT, max_tokens=12, temperature=0))
+    assert completion_result(complete(served, PROMPT, max_tokens=12, temperature=0, extra_body=extra)) == plain
+    chat = [
+        served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, **kwargs)
+        for kwargs in ({}, {"extra_body": extra})
+    ]
+    assert chat[0].choices[0].message.content == chat[1].choices[0].message.content
+    chunks = complete(
+        served, PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_obfuscation": True}
+    )
+    assert "".join(c.choices[0].text for c in chunks) == plain[0]
+
+
+def test_limits_are_named_in_the_refusals(served):
+    limits = PromptLimits.for_tokenizer(served.tokenizer, MAX_LENGTH)
+    assert limits.max_chars == MAX_LENGTH * longest_token_chars(served.tokenizer) > 1000
+    cases = [
+        ({"prompt": [7] * 300}, "prompt", f"at most {MAX_LENGTH - 1} fit"),
+        ({"prompt": "x" * (limits.max_chars + 1)}, "prompt", f"at most {limits.max_chars} characters"),
+        ({"prompt": "x", "max_tokens": 2**63}, "max_tokens", f"{2**63} is more than a request holds"),
+        ({"prompt": "x", "temperature": 1e308}, "temperature", "float32"),
+        ({"prompt": "x\ud800"}, "prompt", "lone surrogate U+D800 at character 1"),
+    ]
+    for body, param, message in cases:
+        status, payload, _ = request(served.url, "POST", "/v1/completions", {"model": MODEL, **body})
+        assert (status, payload["error"]["param"]) == (400, param) and message in payload["error"]["message"]
+        assert str(2**31 - 1) not in payload["error"]["message"]
+    status, payload, _ = request(served.url, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "\ud800": 1})
+    assert status == 400 and payload["error"]["param"] == "\ud800"  # quoted back, in ASCII JSON
+
+
+def test_request_body_over_the_limit_is_413_before_it_is_read(served):
+    with pytest.raises(openai.APIStatusError) as raised:
+        complete(served, "x" * (DEFAULT_MAX_REQUEST_BYTES + 1))
+    assert (raised.value.status_code, raised.value.code) == (413, "request_too_large")
+    assert str(DEFAULT_MAX_REQUEST_BYTES) in raised.value.message
+    body = json.dumps({"model": MODEL, "prompt": "import os\n", "max_tokens": 2, "temperature": 0}).encode()
+    with running(build_app(served.async_engine, served.tokenizer, MODEL, max_request_bytes=len(body))) as url:
+        assert request(url, "POST", "/v1/completions", body)[0] == 200
+        assert request(url, "POST", "/v1/completions", body + b" ")[0] == 413
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", iter([body, b" " * 100]), encode_chunked=True)  # no length
+        response = conn.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+        conn.close()
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        build_app(served.async_engine, served.tokenizer, MODEL, max_request_bytes=0)
+
+
+# The attacker: the official client in another process (building large bodies there holds its own GIL,
+# not this process's, where the server and the streams' client run). All four attacks at once.
+ATTACKER = r"""
+import json, sys, time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+import openai
+
+client = openai.OpenAI(base_url=sys.argv[1], api_key="x", max_retries=0, timeout=60)
+code = "x = 1\n"
+attacks = [
+    (client.completions.create, {"prompt": code * (10 * 2**20 // len(code))}),  # 10 MB: over the body limit
+    (client.completions.create, {"prompt": [7] * 2_000_000}),  # 2M token ids in 4 MB: over max_length
+    (client.completions.create, {"prompt": code * 500_000}),  # 3 MB of text: more than max_length tokens hold
+    (client.chat.completions.create, {"messages": [{"role": "user", "content": code * 500_000}]}),
+]
+
+
+def send(attack):
+    create, body = attack
+    start = time.perf_counter()
+    try:  # the body as extra_body, sent as is: the client's own type transform of 2M ids takes ~20 s
+        create(model=sys.argv[2], max_tokens=4, **{key: [] for key in body}, extra_body=body)
+        return [200, None, time.perf_counter() - start]
+    except openai.APIStatusError as error:
+        return [error.status_code, error.param, time.perf_counter() - start]
+
+
+print("ready", flush=True)
+sys.stdin.readline()
+with ThreadPoolExecutor(len(attacks)) as pool:
+    print(json.dumps(list(pool.map(send, attacks))), flush=True)
+"""
+
+
+def _stream_times(served, prompts: list[str], done: Callable[[], bool]) -> list[list[list[float]]]:
+    """Per prompt, the chunk arrival times (perf_counter seconds) of each of its streamed completions: one
+    thread per prompt, all at once, each streaming its prompt again and again until `done()` after one."""
+
+    def one(prompt):
+        runs = []
+        while not runs or not done():
+            chunks = complete(
+                served, prompt, max_tokens=240, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
+            runs.append([time.perf_counter() for _ in chunks])
+        return runs
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _largest_gap(times: list[list[list[float]]]) -> float:
+    """The longest wait between two chunks of one stream, after its first (which waits for admission)."""
+    return max(b - a for runs in times for t in runs for a, b in zip(t[1:], t[2:], strict=False))
+
+
+def test_huge_requests_are_refused_quickly_without_stalling_other_streams(served):
+    prompts = ["import os\n", "def add(a, b):\n", "class Point:\n", "for i in range("]
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, f"{served.url}/v1", MODEL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        baseline = _largest_gap(_stream_times(served, prompts, lambda: True))
+        assert attacker.stdout.readline() == "ready\n"
+        attacked = threading.Event()
+
+        def attack_once_streaming():
+            wait_for(lambda: served.engine.num_running == len(prompts))
+            start = time.perf_counter()
+            attacker.stdin.write("go\n")
+            attacker.stdin.flush()
+            results = json.loads(attacker.stdout.readline())
+            attacked.set()
+            return start, time.perf_counter(), results
+
+        with ThreadPoolExecutor(1) as pool:
+            attack = pool.submit(attack_once_streaming)
+            times = _stream_times(served, prompts, attacked.is_set)  # they stream until the attack is over
+            start, end, results = attack.result()
+    finally:
+        attacker.kill()
+        attacker.wait()
+    assert [r[:2] for r in results] == [[413, None], [400, "prompt"], [400, "prompt"], [400, "messages"]]
+    assert all(seconds < 5 for _, _, seconds in results)  # refused quickly (unbounded, the 10 MB took 17 s)
+    assert all(runs[0][0] < start + 1 and end < runs[-1][-1] for runs in times)  # the attack came as all streamed
+    gap, bound = _largest_gap(times), 3 * baseline + 1.0  # the machine is shared and noisy: a wide margin
+    assert gap < bound, (gap, baseline, results)
+    assert not served.engine.has_unfinished()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,6 +803,7 @@ def test_serve_command_line(tmp_path, capsys):
         8000,
         run_serve,
     )
+    assert args.max_request_bytes is None  # DEFAULT_MAX_REQUEST_BYTES
     args = build_parser().parse_args(
         [
             "serve",
@@ -554,6 +824,8 @@ def test_serve_command_line(tmp_path, capsys):
             "m",
             "--mesh",
             "data=1",
+            "--max-request-bytes",
+            "16MiB",
         ]
     )
     assert (
@@ -565,6 +837,7 @@ def test_serve_command_line(tmp_path, capsys):
         args.max_queue,
         args.served_model_name,
         args.mesh,
-    ) == ("some/dir", "none", 2, 512, 16, 3, "m", "data=1")
+        args.max_request_bytes,
+    ) == ("some/dir", "none", 2, 512, 16, 3, "m", "data=1", 16 * 2**20)
     assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "MODEL_DIR" in capsys.readouterr().err

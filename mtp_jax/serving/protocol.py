@@ -1,40 +1,151 @@
 """The OpenAI API's request and response shapes for `/v1/completions` and `/v1/chat/completions`.
 
-Requests are pydantic models of OpenAI's fields plus vLLM's `top_k`, `ignore_eos` and
-`stop_token_ids`. Fields they do not name are ignored (OpenAI clients send extras); named fields
-this server cannot honour are refused (400) rather than ignored:
+`parse_request` turns a raw request body into a pydantic model of OpenAI's fields plus vLLM's
+`top_k`, `ignore_eos` and `stop_token_ids`. Every field is honoured or refused, never silently
+dropped:
 
-- `prompt`: a string or a list of token ids; a list holding exactly one of those is taken as that
-  prompt, a batch of several prompts is refused ("only one prompt per request"). `n` and
-  `best_of`: only 1. `echo`, `suffix`, `logit_bias`, nonzero `presence_penalty` /
-  `frequency_penalty`: refused.
-- `max_tokens` (chat: `max_completion_tokens`, else `max_tokens`): completions default to 16 as
-  OpenAI's; chat defaults to everything the slot holds (the server's max length - prompt).
-- `temperature` defaults to 1.0 as OpenAI's (0 = greedy), `top_p` to 1.0, `top_k` to off (0 or -1).
-  `seed`: the request's seed in [0, 2**32); without one each request draws a fresh random seed.
-- `stop`: a string or a list of at most 4 non-empty strings (OpenAI's limit), excluded from the
-  text. `stop_token_ids`: ids that end the output (at most 16 with the EOS ids).
-- `logprobs`: completions take an int, only 0 (each chosen token's logprob, `top_logprobs` null);
-  chat takes a bool with `top_logprobs` 0 or absent. The logprobs are of the model's raw
-  distribution (before temperature and filtering), as vLLM's default.
-- `stream` with `stream_options.include_usage`: a last chunk with `usage` and no choices.
+- Honoured: `model`; `prompt` (completions: a string or a list of token ids; a list holding exactly
+  one of those is that prompt) or `messages` (chat: text content, text parts joined); `max_tokens`
+  (chat: `max_completion_tokens`, else `max_tokens`; completions default to 16 as OpenAI's, chat to
+  everything the row holds, max_length - prompt); `temperature` (default 1.0 as OpenAI's, 0 =
+  greedy), `top_p` (1.0), `top_k` (off: 0 or -1), `seed` (in [0, 2**32); without one each request
+  draws a fresh random seed); `stop` (a string or at most 4 non-empty strings, OpenAI's limit,
+  excluded from the text), `stop_token_ids` (ids that end the output, at most 16 with the EOS ids),
+  `ignore_eos`; `logprobs` (completions: only 0, each chosen token's logprob, `top_logprobs` null;
+  chat: a bool, the chosen tokens' logprobs; of the model's raw distribution, before temperature
+  and filtering, as vLLM's default); `stream` and `stream_options.include_usage` (a last chunk with
+  `usage` and no choices).
+- Accepted and ignored, as they cannot change the output (`IGNORED_FIELDS`): `user`,
+  `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+  `parallel_tool_calls` (tools are refused), and `stream_options.include_obfuscation`.
+- Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
+  (clients send defaults: `n: 1`, `presence_penalty: 0`, `response_format: {"type": "text"}`,
+  `skip_special_tokens: true`, `add_generation_prompt: true`, `tools: []`, ...), is accepted; any
+  other value is a 400 naming the field. They are `n`, `best_of`, `echo`, `suffix`, `logit_bias`,
+  `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
+  `top_logprobs`, `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
+  `function_call`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
+  `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
+  `reasoning_effort`, `verbosity`, `modalities`, `audio`, `prediction`, `web_search_options`.
+  Refused where they are parsed: several prompts in one request, completions' `logprobs` > 0,
+  content parts that are not text.
+- Any other field is unknown: a 400 naming it. A message object may carry more keys (`name`,
+  `tool_call_id`, ...): the chat template may read them.
 
-Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}` (`error_body`).
-Response bodies are plain dicts (`completion_response`, `chat_response` and their chunks).
+Limits, checked before the prompt is tokenized (`PromptLimits`): a token-id prompt of max_length
+ids or more; a text (the completion prompt, the rendered chat prompt) of more characters than
+max_length tokens can hold; `max_tokens` over max_length (refused, not clamped); a stop string
+longer than any output; a `temperature` over float32's largest (the device would divide by inf);
+text that is not Unicode (a lone surrogate in `prompt`, `messages` or `stop`); more than 16
+`stop_token_ids`; JSON's non-standard NaN and Infinity. The body's size is the server's to bound.
+
+Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}` (`error_body`), from a
+`RequestError` whose `param` names the field. Response bodies are plain dicts (`completion_response`,
+`chat_response` and their chunks).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import secrets
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from tokenizers import Tokenizer
 
+from mtp_jax.config import MAX_STOP_TOKENS
 from mtp_jax.decode.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature is float32 on device
+MAX_INT32 = 2**31 - 1  # token counts are int32 on device
+
+# Fields of OpenAI's API that cannot change the output: accepted, and ignored.
+IGNORED_FIELDS = {
+    "user": "an end user's id, for the provider's abuse monitoring",
+    "safety_identifier": "the same, OpenAI's newer name",
+    "metadata": "tags of a stored completion (nothing is stored)",
+    "store": "asks the provider to store the completion (nothing is stored)",
+    "service_tier": "the provider's processing tier (there is one)",
+    "prompt_cache_key": "a prompt-cache hint (prefix caching needs none)",
+    "parallel_tool_calls": "only has an effect with tools, which are refused",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A request field this server does not implement: what it asks for, and the values (besides null)
+    that ask for nothing, which are accepted since clients send defaults."""
+
+    feature: str
+    noop: tuple = ()
+
+
+# Fields that would change the output and are not implemented. Implementing one: declare it on the
+# request model (`_Sampled`, `CompletionRequest` or `ChatCompletionRequest`) and remove it here.
+NOT_IMPLEMENTED: dict[str, Unsupported] = {
+    "n": Unsupported("several choices", (1,)),
+    "best_of": Unsupported("best-of-n candidates", (1,)),
+    "echo": Unsupported("echoing the prompt", (False,)),
+    "suffix": Unsupported("insertion (a suffix)", ("",)),
+    "logit_bias": Unsupported("logit biases", ({},)),
+    "presence_penalty": Unsupported("presence penalties", (0,)),
+    "frequency_penalty": Unsupported("frequency penalties", (0,)),
+    "repetition_penalty": Unsupported("repetition penalties", (1,)),
+    "min_p": Unsupported("min-p sampling", (0,)),
+    "min_tokens": Unsupported("a minimum output length", (0,)),
+    "top_logprobs": Unsupported("the top alternatives' logprobs", (0,)),
+    "prompt_logprobs": Unsupported("prompt logprobs"),
+    "response_format": Unsupported("structured output (JSON mode, JSON schemas)", ({"type": "text"},)),
+    "tools": Unsupported("function calling", ([],)),
+    "tool_choice": Unsupported("function calling", ("none", "auto")),
+    "functions": Unsupported("function calling", ([],)),
+    "function_call": Unsupported("function calling", ("none", "auto")),
+    "include_stop_str_in_output": Unsupported("stop strings kept in the text", (False,)),
+    "skip_special_tokens": Unsupported("special tokens in the text", (True,)),
+    "truncate_prompt_tokens": Unsupported("prompt truncation"),
+    "add_generation_prompt": Unsupported("chat prompts without the assistant's header", (True,)),
+    "continue_final_message": Unsupported("continuing the final message", (False,)),
+    "chat_template": Unsupported("a chat template per request"),
+    "chat_template_kwargs": Unsupported("chat template arguments", ({},)),
+    "reasoning_effort": Unsupported("reasoning settings"),
+    "verbosity": Unsupported("verbosity settings"),
+    "modalities": Unsupported("output other than text", (["text"],)),
+    "audio": Unsupported("audio output"),
+    "prediction": Unsupported("predicted outputs"),
+    "web_search_options": Unsupported("web search"),
+}
+
+
+def short_json(value, depth: int = 2) -> str:
+    """A JSON value for an error message, in ASCII and at most ~100 characters, whatever the client sent:
+    long strings, lists and objects are cut ("...")."""
+    if isinstance(value, str):
+        text = json.dumps(value[:40]) + ("..." if len(value) > 40 else "")
+    elif isinstance(value, list):
+        items = [short_json(v, depth - 1) for v in value[:3]] if depth > 0 else []
+        text = "[" + ", ".join(items + ["..."] * (len(value) > len(items))) + "]"
+    elif isinstance(value, dict):
+        items = (
+            [f"{short_json(k)}: {short_json(v, depth - 1)}" for k, v in list(value.items())[:3]] if depth > 0 else []
+        )
+        text = "{" + ", ".join(items + ["..."] * (len(value) > len(items))) + "}"
+    else:
+        text = json.dumps(value) if isinstance(value, (bool, float)) or value is None else str(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 class RequestError(ValueError):
@@ -60,15 +171,161 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters of text one token covers: its vocabulary's longest entry (added tokens
+    included). Byte-level vocabularies spell a token one character per byte, and a character is at
+    least one byte, so this bounds byte-level BPE (GPT-2, Llama 3, DeepSeek-V3) and SentencePiece alike."""
+    return max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLimits:
+    """What one request may hold, checked before its prompt is tokenized.
+
+    max_length: tokens of one request, prompt and output (the engine's): a prompt has fewer.
+    max_chars: characters of prompt text. `for_tokenizer` sets max_length x `longest_token_chars`:
+      longer text cannot fit in max_length tokens. (A tokenizer whose normalizer deletes characters,
+      or that maps a run of unknown characters to one token, could fit more: give it a larger bound.)
+    """
+
+    max_length: int
+    max_chars: int
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, max_length: int) -> PromptLimits:
+        return cls(max_length=max_length, max_chars=max_length * longest_token_chars(tokenizer))
+
+    def check_ids(self, num_ids: int) -> None:
+        """Raises ValueError for a prompt of `num_ids` token ids that leaves no room for output."""
+        if num_ids >= self.max_length:
+            raise ValueError(
+                f"the prompt has {num_ids} token ids: at most {self.max_length - 1} fit (a request holds "
+                f"max_length={self.max_length} tokens, prompt and output)"
+            )
+
+    def check_text(self, text: str, what: str = "the prompt") -> None:
+        """Raises ValueError for text of more than `max_chars` characters, or that is not Unicode."""
+        if len(text) > self.max_chars:
+            raise ValueError(
+                f"{what} has {len(text)} characters: more than max_length={self.max_length} tokens hold "
+                f"(at most {self.max_chars} characters)"
+            )
+        check_unicode(text, what)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raises ValueError when `text` is not valid Unicode (a lone surrogate, from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate U+{ord(text[error.start]):04X} at character {error.start}"
+        ) from None
+
+
+def _limits(info: ValidationInfo) -> PromptLimits | None:
+    return (info.context or {}).get("limits")
+
+
+def _same(value, noop) -> bool:
+    """JSON equality: a bool equals only a bool; 0 equals 0.0."""
+    if isinstance(value, bool) or isinstance(noop, bool):
+        return value is noop
+    return value == noop
+
+
+def check_fields(data: dict, model: type[BaseModel]) -> dict:
+    """`data` less the fields that ask for nothing: the ignored ones and the not implemented ones at a
+    no-op value. Raises RequestError naming the first field that is unknown or that asks for
+    something not implemented (see the module docstring)."""
+    kept = {}
+    for name, value in data.items():
+        if name in model.model_fields:
+            kept[name] = value
+        elif name in NOT_IMPLEMENTED:
+            unsupported = NOT_IMPLEMENTED[name]
+            if value is not None and not any(_same(value, noop) for noop in unsupported.noop):
+                accepted = " or ".join(json.dumps(noop) for noop in (*unsupported.noop, None))
+                raise RequestError(
+                    f"{name}: {short_json(value)} is not supported (this server does not implement "
+                    f"{unsupported.feature}; {name} may only be {accepted})",
+                    name,
+                )
+        elif name not in IGNORED_FIELDS:
+            raise RequestError(f"unknown field {short_json(name)}: not a parameter this server implements", name)
+    return kept
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members in `loc`
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """Pydantic's (or FastAPI's) validation errors as one RequestError naming the first offending field."""
+    first = errors[0]
+    loc = [
+        str(p) for p in first.get("loc", ()) if p != "body" and str(p).lower() not in _TYPE_TAGS and "[" not in str(p)
+    ]
+    if first.get("type") == "json_invalid":
+        return RequestError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc:
+        return RequestError(f"the request body must be a JSON object ({first['msg']})")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field: not a parameter this server implements"
+    else:
+        message = str(first["msg"]).removeprefix("Value error, ")
+    return RequestError(f"{'.'.join(loc)}: {message}", loc[0])
+
+
+Request = TypeVar("Request", bound="_Sampled")
+
+
+def parse_request(model: type[Request], body: bytes, limits: PromptLimits | None = None) -> Request:
+    """The request `model` (`CompletionRequest` or `ChatCompletionRequest`) of a raw JSON body, checked
+    (within `limits`, when given). Raises RequestError (400) naming the field: a body that is not a
+    JSON object, a field unknown or not implemented, a value of the wrong type, out of range or over
+    `limits`. Its time is linear in the body's size: run it off the event loop."""
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got a {type(data).__name__}")
+    data = check_fields(data, model)
+    try:
+        return model.model_validate(data, context={"limits": limits})
+    except ValidationError as error:
+        raise validation_error(error.errors(include_url=False)) from None
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool | None = False
+    include_obfuscation: StrictBool | None = None  # ignored: padding against length side channels
+
+
+def _checked_max_tokens(value: int | None, info: ValidationInfo) -> int | None:
+    if value is None:
+        return value
+    if value < 1:
+        raise ValueError(f"must be an int >= 1, got {value}")
+    limits = _limits(info)
+    if limits is not None and value > limits.max_length:
+        raise ValueError(
+            f"{value} is more than a request holds: max_length={limits.max_length} tokens, prompt and output"
+        )
+    if value > MAX_INT32:
+        raise ValueError(f"must be at most 2**31 - 1 (int32 on device), got {value}")
+    return value
 
 
 class _Sampled(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share (a request is built by `parse_request`, which refuses the rest)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: StrictInt | None = None
@@ -79,42 +336,46 @@ class _Sampled(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool | None = False
     stop_token_ids: list[StrictInt] | None = None
 
-    @field_validator("n")
+    @field_validator("max_tokens")
     @classmethod
-    def _one_choice(cls, n):
-        if n not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    def _max_tokens(cls, value, info):
+        return _checked_max_tokens(value, info)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if value is not None and value > FLOAT32_MAX:
+            raise ValueError(
+                f"must be at most {FLOAT32_MAX:.8g} (float32's largest: it is float32 on device), got {value}"
+            )
+        return value
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, stop):
+    def _stop_strings(cls, stop, info):
         stop = [stop] if isinstance(stop, str) else (stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
+        limits = _limits(info)
+        for s in stop:
+            if limits is not None and len(s) > limits.max_chars:
+                raise ValueError(
+                    f"a stop string of {len(s)} characters never matches: the output holds at most "
+                    f"{limits.max_chars} characters (max_length={limits.max_length} tokens)"
+                )
+            check_unicode(s, "a stop string")
         return stop
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _no_penalty(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _stop_token_ids(cls, value):
+        if value is not None and len(value) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens are supported (with EOS), got {len(value)}")
         return value
 
     def resolved_max_tokens(self) -> int | None:
@@ -149,19 +410,22 @@ class CompletionRequest(_Sampled):
     prompt: Any = Field(description="a string or a list of token ids (one prompt)")
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
-    echo: StrictBool | None = False
-    best_of: StrictInt | None = None
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _one_prompt(cls, prompt, info):
+        limits = _limits(info)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            if limits is not None:
+                limits.check_text(prompt)
+            check_unicode(prompt, "the prompt")
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise ValueError(f"only one prompt per request is supported, got {len(prompt)}")
+        if isinstance(prompt, list) and limits is not None:
+            limits.check_ids(len(prompt))  # before looking at 2M ids
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         raise ValueError("prompt must be a string or a list of token ids")
@@ -171,13 +435,6 @@ class CompletionRequest(_Sampled):
     def _logprobs(cls, value):
         if value not in (None, 0):
             raise ValueError(f"only logprobs=0 (the chosen token's logprob) is supported, got {value}")
-        return value
-
-    @field_validator("echo", "best_of", "suffix")
-    @classmethod
-    def _unsupported(cls, value, info):
-        if value and not (info.field_name == "best_of" and value == 1):
-            raise ValueError(f"{info.field_name} is not supported")
         return value
 
 
@@ -206,7 +463,6 @@ class ChatCompletionRequest(_Sampled):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
 
     @field_validator("messages")
     @classmethod
@@ -217,12 +473,10 @@ class ChatCompletionRequest(_Sampled):
             m.text()  # refuses non-text parts here, naming the field
         return messages
 
-    @field_validator("top_logprobs")
+    @field_validator("max_completion_tokens")
     @classmethod
-    def _top_logprobs(cls, value):
-        if value not in (None, 0):
-            raise ValueError(f"only top_logprobs=0 is supported, got {value}")
-        return value
+    def _max_completion_tokens(cls, value, info):
+        return _checked_max_tokens(value, info)
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

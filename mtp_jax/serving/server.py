@@ -13,14 +13,22 @@ Endpoints:
 - `GET /v1/models` (and `/v1/models/{id}`): the one served model. `GET /health`: 200 while the
   engine thread runs, else 503. `GET /metrics`: Prometheus text (`PrometheusMetrics`), when given.
 
+Limits before work: a request body over `max_request_bytes` (default `DEFAULT_MAX_REQUEST_BYTES`,
+4 MiB; `mtp-jax serve --max-request-bytes`) is refused with 413 `request_too_large`, from its
+Content-Length before a byte is read, or once that many bytes have come (a chunked body). A prompt
+longer than the engine's `max_length` holds is refused before it is tokenized (`PromptLimits`: token
+ids, or characters of text). Parsing, checking, chat templating and tokenizing run in a worker thread
+(`asyncio.to_thread`; tokenizing through `encode_batch`, which releases the GIL, where `encode` holds
+it for the whole text), so a large or malformed request does not delay another's stream or `/health`.
+
 Errors carry OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for a body that
-is not JSON or fails validation (FastAPI's 422 is replaced), a parameter the engine refuses
-(sampling values, a prompt that does not fit `max_length`, too many stop tokens: `param` names
-it) or an unsupported option (n > 1, logprobs > 0, ...); 404 `model_not_found` for another model
+is not a JSON object, a field that is unknown or not implemented (`protocol.NOT_IMPLEMENTED`: never
+ignored), a value out of range (sampling values, a prompt that does not fit `max_length`, too many
+stop tokens: `param` names it); 413 for a body too large; 404 `model_not_found` for another model
 name; 429 `queue_full` when `max_queue` requests wait already; 503 when the engine thread is not
 running. A client that disconnects (or closes a stream) aborts its request, which frees its slot
-before the next engine step. Handlers only await their request's queue: nothing blocks the
-event loop while the engine thread computes.
+before the next engine step. Handlers only await their request's queue and worker thread: nothing
+blocks the event loop while the engine thread computes.
 """
 
 from __future__ import annotations
@@ -44,8 +52,17 @@ from mtp_jax.serving import protocol
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
 from mtp_jax.serving.chat_template import ChatTemplate
 from mtp_jax.serving.prometheus import CONTENT_TYPE, PrometheusMetrics
-from mtp_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+from mtp_jax.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptLimits,
+    RequestError,
+    error_body,
+    short_json,
+)
 from mtp_jax.serving.scheduler import QueueFull
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 160k-token prompt as token ids (~7 bytes each) or text, with room
 
 # The parameter an engine / SamplingParams message is about, first match wins.
 _PARAM_PATTERNS = (
@@ -58,13 +75,19 @@ _PARAM_PATTERNS = (
     (r"\bstop tokens?\b|\bstop_token", "stop_token_ids"),
     (r"^stop\b", "stop"),
 )
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union members in `loc`
+
+
+class _ErrorResponse(JSONResponse):
+    """JSON in ASCII: an error may quote what the client sent, even a lone surrogate (not UTF-8)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 def _error(
     status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+    return _ErrorResponse(error_body(message, type, param, code), status_code=status)
 
 
 def refusal(error: Exception, prompt_param: str = "prompt") -> JSONResponse:
@@ -84,18 +107,29 @@ def refusal(error: Exception, prompt_param: str = "prompt") -> JSONResponse:
     return _error(400, message, param=param)
 
 
-def _validation_error(error: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 as OpenAI's 400, naming the first offending field."""
-    first = error.errors()[0]
-    loc = [
-        str(p) for p in first.get("loc", ()) if p != "body" and str(p).lower() not in _TYPE_TAGS and "[" not in str(p)
-    ]
-    if first.get("type") == "json_invalid":
-        return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    if not loc:
-        return _error(400, f"the request body must be a JSON object ({first['msg']})")
-    message = str(first["msg"]).removeprefix("Value error, ")
-    return _error(400, f"{'.'.join(loc)}: {message}", param=loc[0])
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes. Raises RequestError 413 `request_too_large` when its
+    Content-Length says more (nothing is read) or, for a chunked body, once more has come (uvicorn
+    discards the rest after the response)."""
+
+    def too_large(size: str) -> RequestError:
+        return RequestError(
+            f"the request body is {size} bytes: this server accepts at most {limit} "
+            "(max_request_bytes; mtp-jax serve --max-request-bytes)",
+            status=413,
+            code="request_too_large",
+        )
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _sse(obj: dict) -> str:
@@ -136,8 +170,17 @@ class _Collected:
 
 
 class _OpenAIServer:
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, chat_template: ChatTemplate):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        model_name: str,
+        chat_template: ChatTemplate,
+        max_request_bytes: int,
+        limits: PromptLimits,
+    ):
         self.engine, self.tokenizer, self.model_name, self.chat_template = engine, tokenizer, model_name, chat_template
+        self.max_request_bytes, self.limits = max_request_bytes, limits
 
     def model_card(self, created: int) -> dict:
         return {
@@ -151,11 +194,15 @@ class _OpenAIServer:
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise RequestError(
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {short_json(name)} does not exist; this server serves {short_json(self.model_name)}",
                 "model",
                 status=404,
                 code="model_not_found",
             )
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; `encode_batch` releases the GIL while it works (`encode` does not)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _submit(self, body, prompt_ids: list[int], request_id: str) -> RequestStream:
         return self.engine.add_request(prompt_ids, request_id=request_id, **body.engine_kwargs())
@@ -181,11 +228,18 @@ class _OpenAIServer:
     # ------------------------------------------------------------------------------------------
     # /v1/completions
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    def completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        """The request of a raw body and its prompt's token ids (a worker thread's job: its time grows with
+        the body). Raises RequestError naming the field."""
+        body = protocol.parse_request(CompletionRequest, raw, self.limits)
+        self._check_model(body.model)
+        return body, (self._encode(body.prompt) if isinstance(body.prompt, str) else body.prompt)
+
+    async def completions(self, request: Request) -> Response:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         try:
-            self._check_model(body.model)
-            prompt = self.tokenizer.encode(body.prompt).ids if isinstance(body.prompt, str) else body.prompt
+            raw = await read_body(request, self.max_request_bytes)
+            body, prompt = await asyncio.to_thread(self.completion_prompt, raw)
             stream = self._submit(body, prompt, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error)
@@ -256,20 +310,25 @@ class _OpenAIServer:
     # ------------------------------------------------------------------------------------------
     # /v1/chat/completions
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The token ids of the messages rendered by the chat template."""
+    def chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """The request of a raw body and the token ids of its messages rendered by the chat template (a
+        worker thread's job). Raises RequestError naming the field."""
+        body = protocol.parse_request(ChatCompletionRequest, raw, self.limits)
+        self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
         try:
             text = self.chat_template.render(messages)
+            self.limits.check_text(text, "the rendered prompt")
         except ValueError as error:
-            raise RequestError(str(error), "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=self.chat_template.add_special_tokens).ids
+            raise RequestError(f"messages: {error}", "messages") from None
+        return body, self._encode(text, self.chat_template.add_special_tokens)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:
-            self._check_model(body.model)
-            stream = self._submit(body, self.chat_prompt(body), request_id)
+            raw = await read_body(request, self.max_request_bytes)
+            body, prompt = await asyncio.to_thread(self.chat_prompt, raw)
+            stream = self._submit(body, prompt, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error, prompt_param="messages")
         if body.stream:
@@ -337,17 +396,24 @@ def build_app(
     metrics: PrometheusMetrics | None = None,
     *,
     chat_template: ChatTemplate | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    limits: PromptLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app of the endpoints above over `engine` (started and stopped by the caller, see
     `serve`); `chat_template` defaults to the plain one (`ChatTemplate.from_model_dir` reads a
-    model's)."""
-    server = _OpenAIServer(engine, tokenizer, model_name, chat_template or ChatTemplate())
+    model's). `max_request_bytes`: the largest request body (bytes, 413 above); `limits`: what a
+    prompt may hold before it is tokenized, default `PromptLimits.for_tokenizer(tokenizer,
+    engine.engine.max_length)`. Raises ValueError for `max_request_bytes` < 1."""
+    if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
+        raise ValueError(f"max_request_bytes must be an int >= 1 (bytes), got {max_request_bytes!r}")
+    limits = limits or PromptLimits.for_tokenizer(tokenizer, engine.engine.max_length)
+    server = _OpenAIServer(engine, tokenizer, model_name, chat_template or ChatTemplate(), max_request_bytes, limits)
     created = int(time.time())
     app = FastAPI(title="mtp-jax", summary="OpenAI-compatible completions with MTP speculative decoding")
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError):
-        return _validation_error(error)
+    async def _invalid(request: Request, error: RequestValidationError):  # FastAPI's 422 as OpenAI's 400
+        return refusal(protocol.validation_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
@@ -357,13 +423,14 @@ def build_app(
     async def _internal(request: Request, error: Exception):  # a bug: still OpenAI's shape
         return _error(500, f"internal error: {type(error).__name__}: {error}", "server_error", code="internal_error")
 
+    # The bodies are read and parsed by the handlers (within limits, off the event loop), not by FastAPI.
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
+    async def completions(request: Request):
+        return await server.completions(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat_completions(body, request)
+    async def chat_completions(request: Request):
+        return await server.chat_completions(request)
 
     @app.get("/v1/models")
     async def models():
@@ -405,6 +472,7 @@ def serve(
     *,
     metrics: PrometheusMetrics | None = None,
     chat_template: ChatTemplate | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     host: str = "127.0.0.1",
     port: int = 8000,
     sock: socket.socket | None = None,
@@ -414,7 +482,9 @@ def serve(
     """Serves `build_app(...)` with uvicorn until interrupted (Ctrl-C, SIGTERM): on `sock` (default
     `bind(host, port)`), calls `on_listening(url)`, starts the engine thread, and shuts it down at the
     end (in-flight requests get 5 seconds, then are cancelled and aborted). Closes the socket."""
-    app = build_app(engine, tokenizer, model_name, metrics, chat_template=chat_template)
+    app = build_app(
+        engine, tokenizer, model_name, metrics, chat_template=chat_template, max_request_bytes=max_request_bytes
+    )
     sock = bind(host, port) if sock is None else sock
     host = sock.getsockname()[0]
     name = f"[{host}]" if ":" in host else host
