@@ -51,6 +51,7 @@ from mtp_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, bind, build_app
 
 SPEC = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
 MAX_LENGTH = 256
+MAX_LOGPROBS = 5
 MODEL = "demo"
 PROMPT = "import os\n\n\ndef "
 EOS_AT_ONCE = "if __name__ == '__main__':\n    main()\n"  # the demo model's greedy output is EOS alone
@@ -109,8 +110,9 @@ def served():
     model, tokenizer = load_pretrained()
     metrics = PrometheusMetrics(MODEL, SPEC.num_speculative_tokens, max_model_len=MAX_LENGTH)
     engine = RecordingEngine(
-        model, SPEC, tokenizer=tokenizer, max_batch=4, max_length=MAX_LENGTH, prefill_chunk=32, stats=metrics
-    )
+        model, SPEC, tokenizer=tokenizer, max_batch=4, max_length=MAX_LENGTH, prefill_chunk=32, stats=metrics,
+        max_logprobs=MAX_LOGPROBS,
+    )  # fmt: skip
     engine.warm_up()
     warm_counts = engine.compiled_counts()
     async_engine = AsyncEngine(engine)
@@ -190,6 +192,71 @@ def test_greedy_completion_matches_generate_plain_and_streamed(served, prompt):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_top_logprobs_of_completions_and_chat(served):
+    """Completions' logprobs=n and chat's top_logprobs=n: per token the n most likely tokens, most likely first;
+    greedy, the first is the chosen token with its logprob (the engine's values are checked against a full
+    forward in tests/test_serving_engine.py)."""
+    tokens, logprobs, _ = greedy_reference(served, PROMPT, 40)
+    lp = complete(served, PROMPT, max_tokens=40, temperature=0, logprobs=3).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(logprobs, abs=1e-4) and len(lp.top_logprobs) == len(tokens)
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        values = list(top.values())
+        assert len(top) <= 3 and values == sorted(values, reverse=True)  # (two ids may share a text)
+        assert top[token] == pytest.approx(chosen, abs=1e-6) and values[0] == pytest.approx(chosen, abs=1e-6)
+    streamed = complete(served, PROMPT, max_tokens=40, temperature=0, logprobs=3, stream=True)
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] == lp.top_logprobs
+
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=20, temperature=0, logprobs=True, top_logprobs=MAX_LOGPROBS
+    )
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == MAX_LOGPROBS for c in content)
+    for c in content:
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, pytest.approx(c.logprob, abs=1e-6))
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    plain = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=20, temperature=0, logprobs=True
+    )
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+
+
+def test_n_choices_are_seeded_samples_and_echo_returns_the_prompt(served):
+    """n choices: choice i samples with seed + i (choice 0 is the request with n = 1), so they differ and
+    repeat; usage counts the prompt once and every choice's tokens; streamed chunks carry each choice's
+    index. echo: the prompt's text first."""
+    sampled = dict(max_tokens=16, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    three = complete(served, PROMPT, n=3, **sampled)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [c.text for c in complete(served, PROMPT, n=3, **sampled).choices] == texts
+    assert complete(served, PROMPT, **sampled).choices[0].text == texts[0]
+    assert complete(served, PROMPT, **{**sampled, "seed": 8}).choices[0].text == texts[1]
+    assert three.usage.completion_tokens == 3 * 16 and three.usage.prompt_tokens == len(ids_of(served, PROMPT))
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in complete(served, PROMPT, n=3, stream=True, **sampled):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert list(streamed.values()) == texts
+
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=2, max_completion_tokens=12, temperature=1.0, seed=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content != chat.choices[
+        1
+    ].message.content
+    deltas = {0: "", 1: ""}
+    for chunk in served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=2, max_completion_tokens=12, temperature=1.0, seed=3, stream=True
+    ):
+        deltas[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert list(deltas.values()) == [c.message.content for c in chat.choices]
+
+    plain = complete(served, PROMPT, max_tokens=8, temperature=0).choices[0].text
+    assert complete(served, PROMPT, max_tokens=8, temperature=0, echo=True).choices[0].text == PROMPT + plain
+    ids = ids_of(served, PROMPT)
+    echoed = complete(served, ids, max_tokens=8, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in echoed) == served.tokenizer.decode(ids) + plain
 
 
 def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
@@ -363,8 +430,10 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [7] * 300}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x = 1\n" * 100}, 400, "prompt"),
@@ -408,7 +477,19 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "n"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 6},
+            400,
+            "top_logprobs",
+        ),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 100}]},
@@ -467,7 +548,6 @@ def test_full_queue_is_429_queue_full(served):
 
 # For each field the server does not implement, a value that asks for it.
 ASKING = {
-    "n": 2,
     "best_of": 3,
     "echo": True,
     "suffix": "\n",
@@ -477,7 +557,6 @@ ASKING = {
     "repetition_penalty": 1.2,
     "min_p": 0.1,
     "min_tokens": 4,
-    "top_logprobs": 2,
     "prompt_logprobs": 0,
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -512,16 +591,19 @@ CHAT = [{"role": "user", "content": "def add(a, b):"}]
 
 def test_the_lists_of_refused_and_ignored_fields_are_tested():
     assert set(ASKING) == set(NOT_IMPLEMENTED) and set(IGNORED) == set(IGNORED_FIELDS)
-    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-    assert not (set(NOT_IMPLEMENTED) | set(IGNORED_FIELDS)) & declared
+    completions, chat = set(CompletionRequest.model_fields), set(ChatCompletionRequest.model_fields)
+    assert not set(IGNORED_FIELDS) & (completions | chat)
+    assert set(NOT_IMPLEMENTED) & completions == {"echo"} and not set(NOT_IMPLEMENTED) & chat
 
 
 @pytest.mark.parametrize("field", sorted(ASKING))
 def test_a_field_not_implemented_is_refused_by_name(served, field):
-    for create, kwargs in (
-        (served.client.completions.create, {"prompt": "x"}),
-        (served.client.chat.completions.create, {"messages": CHAT}),
+    for create, kwargs, request_model in (
+        (served.client.completions.create, {"prompt": "x"}, CompletionRequest),
+        (served.client.chat.completions.create, {"messages": CHAT}, ChatCompletionRequest),
     ):
+        if field in request_model.model_fields:
+            continue  # implemented on this endpoint (echo: completions)
         with pytest.raises(openai.BadRequestError) as raised:
             create(model=MODEL, max_tokens=4, extra_body={field: ASKING[field]}, **kwargs)
         assert (raised.value.param, raised.value.type) == (field, "invalid_request_error")
@@ -542,8 +624,8 @@ def test_json_mode_and_tools_are_refused_not_ignored(served):
 
 def test_no_op_values_and_ignored_fields_are_accepted_and_change_nothing(served):
     no_ops = {name: (u.noop[0] if u.noop else None) for name, u in NOT_IMPLEMENTED.items()}
-    assert no_ops["n"] == 1 and no_ops["response_format"] == {"type": "text"} and no_ops["skip_special_tokens"]
-    extra = {**no_ops, **IGNORED}
+    assert no_ops["response_format"] == {"type": "text"} and no_ops["skip_special_tokens"]
+    extra = {**no_ops, **IGNORED, "n": 1}
     plain = completion_result(complete(served, PROMPT, max_tokens=12, temperature=0))
     assert completion_result(complete(served, PROMPT, max_tokens=12, temperature=0, extra_body=extra)) == plain
     chat = [

@@ -127,6 +127,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="the largest request body; larger ones get 413 before they are read (e.g. 16MiB; default 4MiB, "
         "a 160k-token prompt as token ids or text)",
     )
+    p.add_argument(
+        "--max-logprobs",
+        type=bounded(int, 0),
+        default=20,
+        help="most likely tokens a request may ask for per output token (completions' logprobs, chat's "
+        "top_logprobs; default 20 as vLLM's); computed on device only in steps where a request asks",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument(
@@ -209,6 +216,7 @@ def _build_engine(args: argparse.Namespace, mesh):
             page_size=args.page_size,
             prefix_caching=args.prefix_caching,
             speculative_policy=args.speculative_policy,
+            max_logprobs=args.max_logprobs,
             prefill_chunk=args.prefill_chunk,
             max_queue=args.max_queue,
             mesh=mesh,

@@ -11,24 +11,27 @@ dropped:
   greedy), `top_p` (1.0), `top_k` (off: 0 or -1), `seed` (in [0, 2**32); without one each request
   draws a fresh random seed); `stop` (a string or at most 4 non-empty strings, OpenAI's limit,
   excluded from the text), `stop_token_ids` (ids that end the output, at most 16 with the EOS ids),
-  `ignore_eos`; `logprobs` (completions: only 0, each chosen token's logprob, `top_logprobs` null;
-  chat: a bool, the chosen tokens' logprobs; of the model's raw distribution, before temperature
-  and filtering, as vLLM's default); `stream` and `stream_options.include_usage` (a last chunk with
-  `usage` and no choices).
+  `ignore_eos`; `logprobs` (completions: an int n, each chosen token's logprob and, for n > 0, the
+  n most likely tokens' as `top_logprobs`; chat: a bool, with `top_logprobs` n; n up to the server's
+  `max_logprobs`, `mtp-jax serve --max-logprobs`; of the model's raw distribution, before temperature
+  and filtering, as vLLM's default); `n` (1 .. 128 choices, each its own engine request, choice i
+  sampled with seed + i: choice 0 is the request with n = 1; the prompt's pages are shared through
+  the prefix cache where it is on); completions' `echo` (the prompt's text first; not with
+  `logprobs`, which would need the prompt's); `stream` and `stream_options.include_usage` (a last
+  chunk with `usage`, the prompt once and every choice's tokens, and no choices).
 - Accepted and ignored, as they cannot change the output (`IGNORED_FIELDS`): `user`,
   `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
   `parallel_tool_calls` (tools are refused), and `stream_options.include_obfuscation`.
 - Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
-  (clients send defaults: `n: 1`, `presence_penalty: 0`, `response_format: {"type": "text"}`,
+  (clients send defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`,
   `skip_special_tokens: true`, `add_generation_prompt: true`, `tools: []`, ...), is accepted; any
-  other value is a 400 naming the field. They are `n`, `best_of`, `echo`, `suffix`, `logit_bias`,
+  other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`, `logit_bias`,
   `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
-  `top_logprobs`, `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
+  `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
   `function_call`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
   `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
   `reasoning_effort`, `verbosity`, `modalities`, `audio`, `prediction`, `web_search_options`.
-  Refused where they are parsed: several prompts in one request, completions' `logprobs` > 0,
-  content parts that are not text.
+  Refused where they are parsed: several prompts in one request, content parts that are not text.
 - Any other field is unknown: a 400 naming it. A message object may carry more keys (`name`,
   `tool_call_id`, ...): the chat template may read them.
 
@@ -72,6 +75,7 @@ from mtp_jax.decode.sampling import SamplingParams
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature is float32 on device
 MAX_INT32 = 2**31 - 1  # token counts are int32 on device
+MAX_CHOICES = 128  # n, as OpenAI's API
 
 # Fields of OpenAI's API that cannot change the output: accepted, and ignored.
 IGNORED_FIELDS = {
@@ -95,11 +99,11 @@ class Unsupported:
 
 
 # Fields that would change the output and are not implemented. Implementing one: declare it on the
-# request model (`_Sampled`, `CompletionRequest` or `ChatCompletionRequest`) and remove it here.
+# request model (`_Sampled`, `CompletionRequest` or `ChatCompletionRequest`) and remove it here; a field
+# declared on one endpoint's model only stays here for the other (`echo`: completions only).
 NOT_IMPLEMENTED: dict[str, Unsupported] = {
-    "n": Unsupported("several choices", (1,)),
     "best_of": Unsupported("best-of-n candidates", (1,)),
-    "echo": Unsupported("echoing the prompt", (False,)),
+    "echo": Unsupported("echoing the last message (chat)", (False,)),
     "suffix": Unsupported("insertion (a suffix)", ("",)),
     "logit_bias": Unsupported("logit biases", ({},)),
     "presence_penalty": Unsupported("presence penalties", (0,)),
@@ -107,7 +111,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "repetition_penalty": Unsupported("repetition penalties", (1,)),
     "min_p": Unsupported("min-p sampling", (0,)),
     "min_tokens": Unsupported("a minimum output length", (0,)),
-    "top_logprobs": Unsupported("the top alternatives' logprobs", (0,)),
     "prompt_logprobs": Unsupported("prompt logprobs"),
     "response_format": Unsupported("structured output (JSON mode, JSON schemas)", ({"type": "text"},)),
     "tools": Unsupported("function calling", ([],)),
@@ -190,10 +193,23 @@ class PromptLimits:
 
     max_length: int
     max_chars: int
+    max_logprobs: int = 0  # most likely tokens per output token a request may ask for (the engine's)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, max_length: int) -> PromptLimits:
-        return cls(max_length=max_length, max_chars=max_length * longest_token_chars(tokenizer))
+    def for_tokenizer(cls, tokenizer: Tokenizer, max_length: int, max_logprobs: int = 0) -> PromptLimits:
+        return cls(
+            max_length=max_length, max_chars=max_length * longest_token_chars(tokenizer), max_logprobs=max_logprobs
+        )
+
+    def check_logprobs(self, value: int | None) -> int | None:
+        """Raises ValueError unless `value` (most likely tokens per output token) is None or in 0 ..
+        `max_logprobs`."""
+        if value is not None and not 0 <= value <= self.max_logprobs:
+            raise ValueError(
+                f"must be in 0 .. {self.max_logprobs} (the most likely tokens this server reports per token: "
+                f"mtp-jax serve --max-logprobs), got {value}"
+            )
+        return value
 
     def check_ids(self, num_ids: int) -> None:
         """Raises ValueError for a prompt of `num_ids` token ids that leaves no room for output."""
@@ -322,6 +338,12 @@ def _checked_max_tokens(value: int | None, info: ValidationInfo) -> int | None:
     return value
 
 
+def _choice_seed(seed: int, choice: int) -> int:
+    """Choice i's seed: `seed` itself for choice 0 (checked as given by `SamplingParams`), then
+    (seed + i) mod 2**32."""
+    return seed if choice == 0 else (seed + choice) % 2**32
+
+
 class _Sampled(BaseModel):
     """The fields both endpoints share (a request is built by `parse_request`, which refuses the rest)."""
 
@@ -338,6 +360,22 @@ class _Sampled(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = False
     stop_token_ids: list[StrictInt] | None = None
+    n: StrictInt | None = 1
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value):
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be in 1 .. {MAX_CHOICES} (choices of one request), got {value}")
+        return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def num_logprobs(self) -> int:
+        """The most likely tokens reported per output token (`ServingEngine.add_request(logprobs=)`)."""
+        return 0
 
     @field_validator("max_tokens")
     @classmethod
@@ -381,15 +419,17 @@ class _Sampled(BaseModel):
     def resolved_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def engine_kwargs(self) -> dict:
-        """The keyword arguments of `ServingEngine.add_request` (all but the prompt). Raises ValueError /
-        TypeError naming the field for a sampling parameter out of range (`SamplingParams`)."""
+    def engine_kwargs(self, choice: int = 0) -> dict:
+        """The keyword arguments of `ServingEngine.add_request` (all but the prompt) for choice `choice` of
+        `n`: choice i samples with seed (`seed` + i) mod 2**32 (a fresh random seed each without `seed`),
+        so the choices differ and a request with a seed is repeatable. Raises ValueError / TypeError naming
+        the field for a sampling parameter out of range (`SamplingParams`)."""
         top_k = self.top_k or 0
         sampling = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if top_k == -1 else top_k,
-            seed=secrets.randbits(32) if self.seed is None else self.seed,
+            seed=secrets.randbits(32) if self.seed is None else _choice_seed(self.seed, choice),
         )
         return dict(
             max_tokens=self.resolved_max_tokens(),
@@ -397,6 +437,7 @@ class _Sampled(BaseModel):
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
+            logprobs=self.num_logprobs(),
         )
 
     @property
@@ -410,6 +451,10 @@ class CompletionRequest(_Sampled):
     prompt: Any = Field(description="a string or a list of token ids (one prompt)")
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+
+    def num_logprobs(self) -> int:
+        return self.logprobs or 0
 
     @field_validator("prompt")
     @classmethod
@@ -432,9 +477,14 @@ class CompletionRequest(_Sampled):
 
     @field_validator("logprobs")
     @classmethod
-    def _logprobs(cls, value):
-        if value not in (None, 0):
-            raise ValueError(f"only logprobs=0 (the chosen token's logprob) is supported, got {value}")
+    def _logprobs(cls, value, info):
+        return (_limits(info) or PromptLimits(2, 0)).check_logprobs(value)
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value, info):
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported (it needs the prompt's logprobs)")
         return value
 
 
@@ -463,6 +513,17 @@ class ChatCompletionRequest(_Sampled):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return (_limits(info) or PromptLimits(2, 0)).check_logprobs(value)
+
+    def num_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @field_validator("messages")
     @classmethod
@@ -499,22 +560,42 @@ def token_strings(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], offset: int) -> dict:
-    """The legacy completions `logprobs` object; `text_offset` counts characters from `offset`."""
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], offset: int, top: list | None = None
+) -> dict:
+    """The legacy completions `logprobs` object; `text_offset` counts characters from `offset`; `top`: per
+    token its most likely (id, logprob) pairs (`RequestOutput.top_logprobs`), as `top_logprobs` dicts of
+    token text -> logprob (None when not asked for: logprobs=0)."""
     tokens = token_strings(tokenizer, token_ids)
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+    tops = None
+    if top:
+        tops = [{text: lp for text, (_, lp) in zip(token_strings(tokenizer, [i for i, _ in pairs]), pairs, strict=True)}
+                for pairs in top]  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float]) -> dict:
-    """The chat `logprobs` object (`top_logprobs` empty: only the chosen tokens)."""
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], top: list | None = None) -> dict:
+    """The chat `logprobs` object; `top`: per token its most likely (id, logprob) pairs, as each entry's
+    `top_logprobs` (empty when not asked for)."""
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    top = top or [[]] * len(token_ids)
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(token_strings(tokenizer, token_ids), logprobs, strict=True)
+            {
+                **entry(t, lp),
+                "top_logprobs": [
+                    entry(text, value)
+                    for text, (_, value) in zip(token_strings(tokenizer, [i for i, _ in pairs]), pairs, strict=True)
+                ],
+            }
+            for t, lp, pairs in zip(token_strings(tokenizer, token_ids), logprobs, top, strict=True)
         ]
     }
 
@@ -528,48 +609,44 @@ def _envelope(kind: str, request_id: str, model: str, created: int | None) -> di
     }
 
 
-def completion_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | int | None,
-    usage_: dict | None,
-    logprobs: dict | None = None,
-    *,
-    created: int | None = None,
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, stop_reason: str | int | None, logprobs: dict | None = None
 ) -> dict:
-    """A `text_completion` object (also each streamed chunk's shape, with `usage` null until the end)."""
-    choice = {
-        "index": 0,
+    """One choice of a `text_completion` object (or of a streamed chunk)."""
+    return {
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    return {**_envelope("text_completion", request_id, model, created), "choices": [choice], "usage": usage_}
 
 
-def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    stop_reason: str | int | None,
-    usage_: dict,
-    logprobs: dict | None = None,
-    *,
-    created: int | None = None,
+def completion_response(
+    request_id: str, model: str, choices: list[dict], usage_: dict | None, *, created: int | None = None
 ) -> dict:
-    """A `chat.completion` object."""
-    choice = {
-        "index": 0,
+    """A `text_completion` object (also each streamed chunk's shape, with `usage` null until the end)."""
+    return {**_envelope("text_completion", request_id, model, created), "choices": choices, "usage": usage_}
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, stop_reason: str | int | None, logprobs: dict | None = None
+) -> dict:
+    """One choice of a `chat.completion` object."""
+    return {
+        "index": index,
         "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    return {**_envelope("chat.completion", request_id, model, created), "choices": [choice], "usage": usage_}
+
+
+def chat_response(
+    request_id: str, model: str, choices: list[dict], usage_: dict, *, created: int | None = None
+) -> dict:
+    """A `chat.completion` object."""
+    return {**_envelope("chat.completion", request_id, model, created), "choices": choices, "usage": usage_}
 
 
 def chat_chunk(
@@ -581,10 +658,11 @@ def chat_chunk(
     logprobs: dict | None = None,
     *,
     created: int,
+    index: int = 0,
 ) -> dict:
-    """A `chat.completion.chunk` with one choice."""
+    """A `chat.completion.chunk` with one choice (choice `index` of n)."""
     choice = {
-        "index": 0,
+        "index": index,
         "delta": delta,
         "logprobs": logprobs,
         "finish_reason": finish_reason,

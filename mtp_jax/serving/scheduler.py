@@ -104,7 +104,8 @@ class ServingEngine:
         speculative_policy: "fixed" (every step verifies K drafts) or "adaptive" (K chosen per step from
         0 .. K by measured acceptance and step times, `mtp_jax.serving.speculation`). max_logprobs: N, the
         most likely tokens a request may ask for per output token (`add_request(logprobs=)`; vLLM's
-        `max_logprobs`); every step then computes the top N at each position (0: never).
+        `max_logprobs`); a step computes the top N only when a running request asked for them
+        (a program of its own: warm-up compiles both).
         prefill_chunk: C, prompt tokens per prefill call
         (>= K + 1 when speculating). max_queue: >= 1, requests waiting (not yet prefilling) beyond
         which `add_request` raises `QueueFull`. clock: the time source of `RequestMetrics` (seconds).
@@ -240,7 +241,7 @@ class ServingEngine:
             oracle_tokens=oracle_tokens,
             num_speculative_tokens=self.num_speculative_tokens,
             num_logprobs=logprobs,
-            max_logprobs=self.rows.max_logprobs,
+            max_logprobs=self.max_logprobs,
         )
         need = self.pages.pages_for(self.paging.reach(len(request.prompt) + request.max_tokens))
         if need > self.num_pages:
@@ -289,6 +290,11 @@ class ServingEngine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._ids)
+
+    @property
+    def max_logprobs(self) -> int:
+        """N, the most likely tokens a request may ask for per output token (`add_request(logprobs=)`)."""
+        return self.rows.max_logprobs
 
     @property
     def num_pages(self) -> int:

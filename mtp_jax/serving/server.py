@@ -51,6 +51,7 @@ from tokenizers import Tokenizer
 from mtp_jax.serving import protocol
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
 from mtp_jax.serving.chat_template import ChatTemplate
+from mtp_jax.serving.outputs import RequestOutput
 from mtp_jax.serving.prometheus import CONTENT_TYPE, PrometheusMetrics
 from mtp_jax.serving.protocol import (
     ChatCompletionRequest,
@@ -137,17 +138,18 @@ def _sse(obj: dict) -> str:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that abort their request however the response ends (client gone included)."""
+    """Server-sent events that abort their requests however the response ends (client gone included)."""
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._request_stream = stream
+        self._request_streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._request_stream.abort()
+            for stream in self._request_streams:
+                stream.abort()
 
 
 async def _disconnected(request: Request) -> None:
@@ -156,17 +158,52 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of the n choices' streams as they come, each with its choice's index. Raises EngineError
+    as the streams do."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except EngineError as error:
+            await queue.put((index, error))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, EngineError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class _Collected:
-    """A whole request's outputs."""
+    """A whole choice's outputs."""
 
     def __init__(self):
-        self.text, self.token_ids, self.logprobs, self.last = [], [], [], None
+        self.text, self.token_ids, self.logprobs, self.top_logprobs, self.last = [], [], [], [], None
 
-    def add(self, out) -> None:
+    def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
         self.last = out
+
+
+def _usage(lasts: list[RequestOutput]) -> dict:
+    """The usage of a request's choices: its prompt once, every choice's completion tokens."""
+    return protocol.usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts))
 
 
 class _OpenAIServer:
@@ -204,16 +241,26 @@ class _OpenAIServer:
         """`text`'s token ids; `encode_batch` releases the GIL while it works (`encode` does not)."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _submit(self, body, prompt_ids: list[int], request_id: str) -> RequestStream:
-        return self.engine.add_request(prompt_ids, request_id=request_id, **body.engine_kwargs())
+    def _submit(self, body, prompt_ids: list[int], request_id: str) -> list[RequestStream]:
+        """One engine request per choice (ids `request_id`, or `request_id`-i for n > 1); all or none."""
+        n, streams = body.num_choices, []
+        try:
+            for i in range(n):
+                rid = request_id if n == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.add_request(prompt_ids, request_id=rid, **body.engine_kwargs(i)))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
-    async def _collect(self, stream: RequestStream, request: Request) -> _Collected | None:
-        """All the request's outputs; None when the client disconnected first (the request is aborted)."""
+    async def _collect(self, streams: list[RequestStream], request: Request) -> list[_Collected] | None:
+        """All the choices' outputs; None when the client disconnected first (the requests are aborted)."""
 
         async def drain():
-            collected = _Collected()
-            async for out in stream:
-                collected.add(out)
+            collected = [_Collected() for _ in streams]
+            async for index, out in _merged(streams):
+                collected[index].add(out)
             return collected
 
         task, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(_disconnected(request))
@@ -223,7 +270,8 @@ class _OpenAIServer:
         finally:
             task.cancel()
             watch.cancel()
-            stream.abort()
+            for stream in streams:
+                stream.abort()
 
     # ------------------------------------------------------------------------------------------
     # /v1/completions
@@ -235,73 +283,74 @@ class _OpenAIServer:
         self._check_model(body.model)
         return body, (self._encode(body.prompt) if isinstance(body.prompt, str) else body.prompt)
 
+    def _echo(self, body: CompletionRequest, prompt: list[int]) -> str:
+        """The prompt's text when the request asks for it back (`echo`), else ""."""
+        if not body.echo:
+            return ""
+        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def _completion_logprobs(self, body: CompletionRequest, token_ids, logprobs, top, offset: int) -> dict | None:
+        if body.logprobs is None:
+            return None
+        return protocol.completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top)
+
     async def completions(self, request: Request) -> Response:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         try:
             raw = await read_body(request, self.max_request_bytes)
             body, prompt = await asyncio.to_thread(self.completion_prompt, raw)
-            stream = self._submit(body, prompt, request_id)
+            streams = self._submit(body, prompt, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error)
+        echo = self._echo(body, prompt)
         if body.stream:
-            return _EventStream(self._completion_events(body, stream, created), stream)
+            return _EventStream(self._completion_events(body, streams, request_id, created, echo), streams)
         try:
-            done = await self._collect(stream, request)
+            done = await self._collect(streams, request)
         except EngineError as error:
             return refusal(error)
         if done is None:
             return Response(status_code=499)  # nobody reads it
-        last = done.last
-        logprobs = (
-            None
-            if body.logprobs is None
-            else protocol.completion_logprobs(self.tokenizer, done.token_ids, done.logprobs, 0)
-        )
-        return JSONResponse(
-            protocol.completion_response(
-                request_id,
-                self.model_name,
-                "".join(done.text),
-                last.finish_reason,
-                last.stop_reason,
-                protocol.usage(last.prompt_tokens, last.completion_tokens),
-                logprobs,
-                created=created,
+        choices = [
+            protocol.completion_choice(
+                i,
+                echo + "".join(c.text),
+                c.last.finish_reason,
+                c.last.stop_reason,
+                self._completion_logprobs(body, c.token_ids, c.logprobs, c.top_logprobs, 0),
             )
-        )
+            for i, c in enumerate(done)
+        ]
+        usage = _usage([c.last for c in done])
+        return JSONResponse(protocol.completion_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _completion_events(
-        self, body: CompletionRequest, stream: RequestStream, created: int
+        self, body: CompletionRequest, streams: list[RequestStream], request_id: str, created: int, echo: str
     ) -> AsyncIterator[str]:
-        offset, last = 0, None
+        offsets, lasts = [0] * len(streams), [None] * len(streams)
+
+        def chunk(index: int, text: str, out: RequestOutput | None = None, logprobs: dict | None = None) -> str:
+            choice = protocol.completion_choice(
+                index, text, out and out.finish_reason, out and out.stop_reason, logprobs
+            )
+            return _sse(protocol.completion_response(request_id, self.model_name, [choice], None, created=created))
+
         try:
-            async for out in stream:
-                last, logprobs = out, None
-                if body.logprobs is not None and out.token_ids:
-                    logprobs = protocol.completion_logprobs(self.tokenizer, out.token_ids, out.logprobs, offset)
-                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                if out.text or out.finished or logprobs:
-                    yield _sse(
-                        protocol.completion_response(
-                            stream.request_id,
-                            self.model_name,
-                            out.text,
-                            out.finish_reason,
-                            out.stop_reason,
-                            None,
-                            logprobs,
-                            created=created,
-                        )
+            for i in range(len(streams) if echo else 0):
+                yield chunk(i, echo)
+            async for i, out in _merged(streams):
+                lasts[i], logprobs = out, None
+                if out.token_ids:
+                    logprobs = self._completion_logprobs(
+                        body, out.token_ids, out.logprobs, out.top_logprobs, offsets[i]
                     )
+                    if logprobs is not None:
+                        offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                if out.text or out.finished or logprobs:
+                    yield chunk(i, out.text, out, logprobs)
             if body.include_usage:
                 yield _sse(
-                    protocol.usage_chunk(
-                        "text_completion",
-                        stream.request_id,
-                        self.model_name,
-                        protocol.usage(last.prompt_tokens, last.completion_tokens),
-                        created=created,
-                    )
+                    protocol.usage_chunk("text_completion", request_id, self.model_name, _usage(lasts), created=created)
                 )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
@@ -323,66 +372,68 @@ class _OpenAIServer:
             raise RequestError(f"messages: {error}", "messages") from None
         return body, self._encode(text, self.chat_template.add_special_tokens)
 
+    def _chat_logprobs(self, body: ChatCompletionRequest, token_ids, logprobs, top) -> dict | None:
+        if not body.logprobs or not token_ids:
+            return None
+        return protocol.chat_logprobs(self.tokenizer, token_ids, logprobs, top)
+
     async def chat_completions(self, request: Request) -> Response:
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:
             raw = await read_body(request, self.max_request_bytes)
             body, prompt = await asyncio.to_thread(self.chat_prompt, raw)
-            stream = self._submit(body, prompt, request_id)
+            streams = self._submit(body, prompt, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error, prompt_param="messages")
         if body.stream:
-            return _EventStream(self._chat_events(body, stream, created), stream)
+            return _EventStream(self._chat_events(body, streams, request_id, created), streams)
         try:
-            done = await self._collect(stream, request)
+            done = await self._collect(streams, request)
         except EngineError as error:
             return refusal(error)
         if done is None:
             return Response(status_code=499)
-        last = done.last
-        logprobs = protocol.chat_logprobs(self.tokenizer, done.token_ids, done.logprobs) if body.logprobs else None
-        return JSONResponse(
-            protocol.chat_response(
-                request_id,
-                self.model_name,
-                "".join(done.text),
-                last.finish_reason,
-                last.stop_reason,
-                protocol.usage(last.prompt_tokens, last.completion_tokens),
-                logprobs,
-                created=created,
+        choices = [
+            protocol.chat_choice(
+                i,
+                "".join(c.text),
+                c.last.finish_reason,
+                c.last.stop_reason,
+                self._chat_logprobs(body, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
             )
-        )
+            for i, c in enumerate(done)
+        ]
+        usage = _usage([c.last for c in done])
+        return JSONResponse(protocol.chat_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _chat_events(
-        self, body: ChatCompletionRequest, stream: RequestStream, created: int
+        self, body: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
     ) -> AsyncIterator[str]:
-        rid, last = stream.request_id, None
+        lasts = [None] * len(streams)
         try:
-            yield _sse(protocol.chat_chunk(rid, self.model_name, {"role": "assistant", "content": ""}, created=created))
-            async for out in stream:
-                last = out
-                logprobs = (
-                    protocol.chat_logprobs(self.tokenizer, out.token_ids, out.logprobs)
-                    if (body.logprobs and out.token_ids)
-                    else None
-                )
+            for i in range(len(streams)):
+                role = {"role": "assistant", "content": ""}
+                yield _sse(protocol.chat_chunk(rid, self.model_name, role, created=created, index=i))
+            async for i, out in _merged(streams):
+                lasts[i] = out
+                logprobs = self._chat_logprobs(body, out.token_ids, out.logprobs, out.top_logprobs)
                 if out.text or out.finished or logprobs:
                     delta = {"content": out.text} if out.text else {}
                     yield _sse(
                         protocol.chat_chunk(
-                            rid, self.model_name, delta, out.finish_reason, out.stop_reason, logprobs, created=created
+                            rid,
+                            self.model_name,
+                            delta,
+                            out.finish_reason,
+                            out.stop_reason,
+                            logprobs,
+                            created=created,
+                            index=i,
                         )
                     )
             if body.include_usage:
                 yield _sse(
-                    protocol.usage_chunk(
-                        "chat.completion.chunk",
-                        rid,
-                        self.model_name,
-                        protocol.usage(last.prompt_tokens, last.completion_tokens),
-                        created=created,
-                    )
+                    protocol.usage_chunk("chat.completion.chunk", rid, self.model_name, _usage(lasts), created=created)
                 )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
@@ -406,7 +457,7 @@ def build_app(
     engine.engine.max_length)`. Raises ValueError for `max_request_bytes` < 1."""
     if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
         raise ValueError(f"max_request_bytes must be an int >= 1 (bytes), got {max_request_bytes!r}")
-    limits = limits or PromptLimits.for_tokenizer(tokenizer, engine.engine.max_length)
+    limits = limits or PromptLimits.for_tokenizer(tokenizer, engine.engine.max_length, engine.engine.max_logprobs)
     server = _OpenAIServer(engine, tokenizer, model_name, chat_template or ChatTemplate(), max_request_bytes, limits)
     created = int(time.time())
     app = FastAPI(title="mtp-jax", summary="OpenAI-compatible completions with MTP speculative decoding")
