@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from speculative_helpers import CFG, END_THINK, THINK, S, V, W, add, scripted, spec
+from speculative_helpers import CFG, END_THINK, THINK, S, V, W, add, main_twin, scripted, spec
 
 from mtp_jax.decode.acceptance import Target, accept
 from mtp_jax.decode.engine import DecodeEngine
@@ -184,20 +184,29 @@ def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
         assert np.all(p[np.arange(N_ROWS), num_accepted, token] > 0)
 
 
-def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6, decode=generate):
+def check_sampled_generation(
+    model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6, decode=generate, logit_bias: dict | None = None
+):
     """n rows of one prompt with distinct seeds, temperature 1 and top-k, two greedy rows first: the first
     three generated tokens (one from prefill, then accepted drafts, residual samples and bonuses of
     speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy.
-    `decode`: `generate`, or another loop with its signature."""
+    `decode`: `generate`, or another loop with its signature. `logit_bias`: every row's (greedy ones too),
+    added to the logits of the expected distribution before top-k."""
     prompt = [3, 1, 4]
-    sampling = [SamplingParams()] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s) for s in range(n - 2)]
+    bias = dict(logit_bias=logit_bias or {})
+    sampling = [SamplingParams(**bias)] * 2 + [
+        SamplingParams(temperature=1.0, top_k=top_k, seed=s, **bias) for s in range(n - 2)
+    ]
+    added = np.zeros(V)
+    for token, value in (logit_bias or {}).items():
+        added[token] += value
     result = decode(
         model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[], sampling=sampling
     )
     tokens = np.asarray(result.tokens)  # [n, 3]
     assert 0 < result.metrics.num_accepted < result.metrics.num_drafts
 
-    def target(logits):  # temperature 1 and top-k, in numpy
+    def target(logits):  # temperature 1 and top-k, in numpy (the bias is in `logits` already)
         logits = np.asarray(logits, np.float64)
         kth = np.sort(logits, axis=-1)[..., -top_k][..., None]
         p = np.where(logits >= kth, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
@@ -207,6 +216,7 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
     for i in range(V * V):
         seqs[i, : len(prompt) + 2] = prompt + [i // V, i % V]
     logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i : i + 3]))) for i in range(0, V * V, 3)])
+    logits = logits + added  # (float32 logits; the bias added in float64 changes no argmax here)
     at1, at2, at3 = logits[0, len(prompt) - 1], logits[::V][:V, len(prompt)], logits[: V * V, len(prompt) + 1]
     greedy1 = at1.argmax()
     greedy2 = at2[greedy1].argmax()
@@ -225,6 +235,56 @@ def check_sampled_generation(model, sp: SpeculativeConfig, n: int = 4096, top_k:
 def test_sampled_generation_follows_the_target_distribution(models):
     """Drafts sampled from the MTP distribution (q carried from the draft step to the next verify)."""
     check_sampled_generation(models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"))
+
+
+def test_sampled_and_greedy_generation_with_a_logit_bias_follow_the_biased_target(models):
+    """A logit bias on every row (raising one token, lowering another, a third to -100): greedy rows take the
+    biased argmax and sampled rows with sampled drafts follow the biased distribution (the drafter sees the
+    bias too; verification keeps the output lossless either way)."""
+    check_sampled_generation(
+        models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"), logit_bias={0: 1.5, 5: -2.0, 7: -100}
+    )
+
+
+def test_greedy_speculation_with_a_logit_bias_equals_plain_greedy_with_it(models):
+    """Forbidding each row's first plain greedy token and raising another: eagle K = 3 on the scripted model
+    (drafts accepted, some rejected) gives plain greedy's tokens under the same bias, which never holds the
+    forbidden token; +100 on a token makes it the whole output; ids outside the vocabulary are refused."""
+    model = models["deepseek"]["scripted"]
+    prompts, max_new = [[1, 2, 3, 1, 4], [6, 7, 0, 6]], 20
+    plain = generate(main_twin(model), prompts, max_new_tokens=max_new, max_length=S, stop_tokens=[])
+    sampling = [SamplingParams(logit_bias={row[0]: -100, (row[0] + 3) % V: 0.5}) for row in plain.tokens]
+    biased = generate(
+        main_twin(model), prompts, max_new_tokens=max_new, max_length=S, stop_tokens=[], sampling=sampling
+    )
+    assert biased.tokens != plain.tokens and all(
+        row[0] not in b for row, b in zip(plain.tokens, biased.tokens, strict=True)
+    )
+    fast = generate(
+        model,
+        prompts,
+        max_new_tokens=max_new,
+        max_length=S,
+        stop_tokens=[],
+        sampling=sampling,
+        speculative=spec("eagle", 3),
+    )
+    assert fast.tokens == biased.tokens and fast.metrics.num_accepted > 0
+    np.testing.assert_allclose(fast.logprobs, biased.logprobs, atol=2e-5)  # raw logprobs: without the bias
+    forced = generate(
+        model, prompts, max_new_tokens=8, max_length=S, stop_tokens=[], speculative=spec("eagle", 3),
+        sampling=SamplingParams(logit_bias={2: 100}),
+    )  # fmt: skip
+    assert forced.tokens == [[2] * 8] * 2
+    with pytest.raises(ValueError, match="logit_bias token ids must be < vocab_size=8, got 8"):
+        generate(model, prompts, max_new_tokens=2, max_length=S, sampling=SamplingParams(logit_bias={8: 1}))
+    for bad, message in (
+        ({1: 101}, r"in \[-100, 100\]"),
+        ({-1: 1}, "token ids"),
+        (dict.fromkeys(range(301), 1), "300"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(logit_bias=bad)
 
 
 def _cycling_drafts(model, prompts, *, speculative, sampling, **request):

@@ -259,6 +259,25 @@ def test_n_choices_are_seeded_samples_and_echo_returns_the_prompt(served):
     assert "".join(c.choices[0].text for c in echoed) == served.tokenizer.decode(ids) + plain
 
 
+def test_logit_bias_forces_and_forbids_tokens(served):
+    """logit_bias on completions and chat (token id strings -> [-100, 100]): +100 makes a token the whole
+    output, -100 on the greedy output's first token changes it; bad keys and values are a 400 naming it."""
+    tokens, _, _ = greedy_reference(served, PROMPT, 40)
+    x = ids_of(served, "x")[0]
+    forced = complete(served, PROMPT, max_tokens=6, temperature=0, logit_bias={str(x): 100}, logprobs=0)
+    assert forced.choices[0].text == served.tokenizer.decode([x] * 6)
+    forbidden = complete(served, PROMPT, max_tokens=20, temperature=0, logit_bias={str(tokens[0]): -100}, logprobs=0)
+    assert forbidden.choices[0].logprobs.tokens[0] != served.tokenizer.decode([tokens[0]])
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=5, temperature=0, logit_bias={str(x): 100}
+    )
+    assert chat.choices[0].message.content == served.tokenizer.decode([x] * 5)
+    for bias, message in (({"abc": 1}, "token ids"), ({str(x): 101}, "[-100, 100]"), ({"99999999": 1}, "vocab_size")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            complete(served, PROMPT, max_tokens=2, logit_bias=bias)
+        assert raised.value.param == "logit_bias" and message in raised.value.body["message"]
+
+
 def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
     tokens, _, _ = greedy_reference(served, PROMPT, 40)
     text = served.tokenizer.decode(tokens)
@@ -551,7 +570,6 @@ ASKING = {
     "best_of": 3,
     "echo": True,
     "suffix": "\n",
-    "logit_bias": {"7": 5},
     "presence_penalty": 0.5,
     "frequency_penalty": -0.5,
     "repetition_penalty": 1.2,

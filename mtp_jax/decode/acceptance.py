@@ -23,6 +23,7 @@ from mtp_jax.decode.sampling import (
     STREAM_TARGET,
     SamplingState,
     all_greedy,
+    apply_logit_bias,
     row_keys,
     sample_from,
     target_probs,
@@ -36,9 +37,10 @@ if TYPE_CHECKING:
 class Target:
     """The target distributions of a forward's T outputs, each normalisation computed once.
 
-    logits: float32 [B, T, V], raw. probs: `target_probs(logits)` (temperature, top-k, top-p;
-    one-hot for greedy rows), what acceptance and sampling use. logprobs: the raw log-softmax,
-    what results report (vLLM's `raw_logprobs`) and relaxed acceptance compares.
+    logits: float32 [B, T, V], the raw logits with each row's logit bias added (`apply_logit_bias`).
+    probs: `target_probs(logits)` (temperature, top-k, top-p; one-hot for greedy rows), what acceptance
+    and sampling use. logprobs: the raw log-softmax (no bias), what results report (vLLM's
+    `raw_logprobs`) and relaxed acceptance compares.
     """
 
     logits: jax.Array
@@ -47,8 +49,9 @@ class Target:
 
     @classmethod
     def from_logits(cls, logits: jax.Array, sampling: SamplingState) -> Target:
-        logits = logits.astype(jnp.float32)
-        return cls(logits=logits, probs=target_probs(logits, sampling), logprobs=jax.nn.log_softmax(logits, axis=-1))
+        raw = logits.astype(jnp.float32)
+        biased = apply_logit_bias(raw, sampling)
+        return cls(logits=biased, probs=target_probs(biased, sampling), logprobs=jax.nn.log_softmax(raw, axis=-1))
 
     def logprobs_at(self, tokens: jax.Array) -> jax.Array:
         """Raw log-probability of `tokens` (int32 [B, T]) under output t: float32 [B, T]."""

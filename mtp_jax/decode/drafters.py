@@ -28,7 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache, PageLayout, init_cache, write_at
-from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingState, sample_from, target_probs
+from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingState, apply_logit_bias, sample_from, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.indexing import take_rows
 from mtp_jax.model import Transformer
@@ -98,7 +98,9 @@ def init_draft_state(
 def _pick_draft(
     speculative: SpeculativeConfig, logits: jax.Array, sampling: SamplingState, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """A draft token per row from MTP logits [B, V] for `positions`, and q ([B, V], or [B, 0] if greedy)."""
+    """A draft token per row from MTP logits [B, V] for `positions`, and q ([B, V], or [B, 0] if greedy); the
+    rows' logit bias applies as to the target (drafts the target could not take would only be rejected)."""
+    logits = apply_logit_bias(logits, sampling)
     if speculative.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
         return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
     q = target_probs(logits, sampling)

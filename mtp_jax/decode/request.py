@@ -165,6 +165,9 @@ def check_request(
     for p in params:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(p).__name__}")
+        outside = [token for token, _ in p.logit_bias if token >= config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids must be < vocab_size={config.vocab_size}, got {outside[0]}")
     stop = _stop_ids(config.eos_token_ids if stop_tokens is None else stop_tokens, config.vocab_size)
     return Request(
         prompts=prompts,

@@ -4,8 +4,9 @@ One function, `target_probs`, turns logits into the distribution a row samples f
 sampler draws from it and the speculative acceptance uses the very same function for its target p,
 which is what makes rejection sampling lossless (`docs/MTP_SPEC.md`, "Acceptance").
 
-Order of the filters, as in Hugging Face's and vLLM's samplers: temperature, then top-k, then
-top-p. Greedy rows (temperature 0) get a one-hot distribution at the argmax (lowest index on ties).
+Order, as in Hugging Face's and vLLM's samplers: the logit bias (`apply_logit_bias`, added to the raw
+logits before anything else), temperature, then top-k, then top-p. Greedy rows (temperature 0) get a
+one-hot distribution at the argmax (lowest index on ties).
 Randomness: row b's draw for the token at absolute position i uses
 `fold_in(fold_in(key(seed_b), i), stream)`, so a row's output does not depend on which other rows
 share its batch; the streams below separate the independent draws at one position.
@@ -14,6 +15,7 @@ share its batch; the streams below separate the independent draws at one positio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,8 @@ from mtp_jax.validation import is_int, is_real
 
 MAX_SEED = 2**32 - 1  # seeds are uint32 on device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
+MAX_LOGIT_BIAS = 300  # entries of one row's logit bias, as OpenAI's API
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI's API
 STREAM_TARGET = 0  # the committed token drawn from the target (plain sampling, residual, bonus)
 STREAM_ACCEPT = 1  # the acceptance uniforms u_j
 STREAM_DRAFT = 3  # draft tokens sampled from the MTP distribution
@@ -39,6 +43,9 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 disables.
     seed: the row's random seed, an int in [0, 2**32) (`MAX_SEED` + 1): it is stored as uint32 and
       `jax.random.key` maps every such value to its own key, losslessly.
+    logit_bias: token id -> a number in [-100, 100] added to its raw logit before everything else (greedy
+      rows too; OpenAI's `logit_bias`, at most 300 entries); stored as sorted (id, bias) pairs. Token ids
+      are checked against the vocabulary where the model is known (`check_request`).
 
     Python or NumPy numbers are accepted; a bool is not a number here. Raises TypeError for a
     value of the wrong type and ValueError for one out of range, naming the field.
@@ -48,8 +55,21 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise TypeError(f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+        for token, value in pairs:
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if not is_real(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
         for name in ("temperature", "top_p"):
             if not is_real(getattr(self, name)):
                 raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
@@ -78,9 +98,16 @@ class SamplingState:
     top_k: jax.Array  # int32, 0 = off
     top_p: jax.Array  # float32, 1 = off
     seed: jax.Array  # uint32
+    bias_tokens: jax.Array  # int32 [B, MAX_LOGIT_BIAS]: the logit bias's token ids, -1 = unused
+    bias_values: jax.Array  # float32 [B, MAX_LOGIT_BIAS]
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingState:
+        tokens = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
+        values = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
+        for b, p in enumerate(params):
+            for j, (token, value) in enumerate(p.logit_bias):
+                tokens[b, j], values[b, j] = token, value
         return cls(
             **jax.device_put(
                 dict(
@@ -88,6 +115,8 @@ class SamplingState:
                     top_k=np.asarray([p.top_k for p in params], np.int32),
                     top_p=np.asarray([p.top_p for p in params], np.float32),
                     seed=np.asarray([p.seed for p in params], np.uint32),
+                    bias_tokens=tokens,
+                    bias_values=values,
                 )
             )
         )
@@ -115,6 +144,21 @@ def _filter_top_k_top_p(scaled: jax.Array, sampling: SamplingState) -> jax.Array
     num_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(ordered, num_keep - 1, axis=-1)
     return jnp.where(scaled >= pth, scaled, -jnp.inf)
+
+
+def apply_logit_bias(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
+    """`logits` (float32) with each row's logit bias added at every position; computed only when some row
+    has one (`lax.cond`)."""
+    logits = logits.astype(jnp.float32)
+    batch, vocab = logits.shape[0], logits.shape[-1]
+
+    def add(logits):
+        ids = jnp.where(sampling.bias_tokens >= 0, sampling.bias_tokens, vocab)  # unused: past the end, dropped
+        rows = jnp.arange(batch)[:, None]
+        bias = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(sampling.bias_values, mode="drop")
+        return logits + bias.reshape(batch, *([1] * (logits.ndim - 2)), vocab)
+
+    return jax.lax.cond(jnp.any(sampling.bias_tokens >= 0), add, lambda x: x, logits)
 
 
 def all_greedy(sampling: SamplingState) -> jax.Array:

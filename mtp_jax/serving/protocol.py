@@ -16,16 +16,19 @@ dropped:
   `max_logprobs`, `mtp-jax serve --max-logprobs`; of the model's raw distribution, before temperature
   and filtering, as vLLM's default); `n` (1 .. 128 choices, each its own engine request, choice i
   sampled with seed + i: choice 0 is the request with n = 1; the prompt's pages are shared through
-  the prefix cache where it is on); completions' `echo` (the prompt's text first; not with
-  `logprobs`, which would need the prompt's); `stream` and `stream_options.include_usage` (a last
-  chunk with `usage`, the prompt once and every choice's tokens, and no choices).
+  the prefix cache where it is on); `logit_bias` (token id -> bias in [-100, 100], at most 300, added to
+  the raw logits before temperature and filtering, greedy rows too; under speculation the drafts are
+  drafted and verified with it, so output is as without speculation); completions' `echo` (the
+  prompt's text first; not with `logprobs`, which would need the prompt's); `stream` and
+  `stream_options.include_usage` (a last chunk with `usage`, the prompt once and every choice's
+  tokens, and no choices).
 - Accepted and ignored, as they cannot change the output (`IGNORED_FIELDS`): `user`,
   `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
   `parallel_tool_calls` (tools are refused), and `stream_options.include_obfuscation`.
 - Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
   (clients send defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`,
   `skip_special_tokens: true`, `add_generation_prompt: true`, `tools: []`, ...), is accepted; any
-  other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`, `logit_bias`,
+  other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
   `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
   `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
   `function_call`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
@@ -105,7 +108,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "best_of": Unsupported("best-of-n candidates", (1,)),
     "echo": Unsupported("echoing the last message (chat)", (False,)),
     "suffix": Unsupported("insertion (a suffix)", ("",)),
-    "logit_bias": Unsupported("logit biases", ({},)),
     "presence_penalty": Unsupported("presence penalties", (0,)),
     "frequency_penalty": Unsupported("frequency penalties", (0,)),
     "repetition_penalty": Unsupported("repetition penalties", (1,)),
@@ -361,6 +363,16 @@ class _Sampled(BaseModel):
     ignore_eos: StrictBool | None = False
     stop_token_ids: list[StrictInt] | None = None
     n: StrictInt | None = 1
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is not None:
+            bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
+            if bad is not None:
+                raise ValueError(f"keys must be token ids (decimal strings), got {short_json(bad)}")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -430,6 +442,7 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if top_k == -1 else top_k,
             seed=secrets.randbits(32) if self.seed is None else _choice_seed(self.seed, choice),
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
         )
         return dict(
             max_tokens=self.resolved_max_tokens(),

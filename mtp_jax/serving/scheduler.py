@@ -442,8 +442,6 @@ class ServingEngine:
             step.done,
         )
         now = self.clock()
-        if not redraft:
-            self.speculation.observe(k, width, now - start, [int(accepted[r.slot]) for r in running])
         self.last_num_drafts = k
         released = []
         for slot, r in enumerate(self._slots):
@@ -460,6 +458,8 @@ class ServingEngine:
                 released.append(slot)
             if not out.finished:
                 self.paging.offer(r)
+        if not redraft:  # timed with the host's share (detokenizing, stop strings), which larger blocks amortize
+            self.speculation.observe(k, width, self.clock() - start, [int(accepted[r.slot]) for r in running])
         self.rows.release(released)
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:

@@ -67,6 +67,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 160k-token prompt as token ids (~7 by
 
 # The parameter an engine / SamplingParams message is about, first match wins.
 _PARAM_PATTERNS = (
+    (r"\blogit_bias\b", "logit_bias"),
     (r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"),
     (r"\bprompt\b", "prompt"),
     (r"^temperature\b", "temperature"),

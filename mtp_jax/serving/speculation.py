@@ -2,7 +2,8 @@
 
 Speculation pays when the tokens a step commits grow faster than its cost: a step verifying k drafts
 commits 1 + a_1 + ... + a_k tokens per row on average, a_j the probability that its first j drafts are all
-accepted, and costs t(k, W), the measured wall time of the step's program at block-table width W. The
+accepted, and costs t(k, W), the measured wall time of the step at block-table width W: its program and the
+host's handling of what it committed (per step, so larger blocks amortize it). The
 adaptive policy (the idea of TensorRT-LLM's acceptance-rate auto-disable and vLLM's per-batch-size K, decided
 here from measurements rather than thresholds) picks the k in 0 .. K with the most committed tokens per
 second, E_k / t(k, W): K when drafts are accepted often and verifying is cheap, fewer as acceptance falls,
