@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from mtp_jax.serving import protocol
+from mtp_jax.serving import protocol, responses
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
 from mtp_jax.serving.chat_template import ChatTemplate
 from mtp_jax.serving.outputs import RequestOutput
@@ -204,7 +204,7 @@ class _Collected:
 
 def _usage(lasts: list[RequestOutput]) -> dict:
     """The usage of a request's choices: its prompt once, every choice's completion tokens."""
-    return protocol.usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts))
+    return responses.usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts))
 
 
 class _OpenAIServer:
@@ -293,7 +293,7 @@ class _OpenAIServer:
     def _completion_logprobs(self, body: CompletionRequest, token_ids, logprobs, top, offset: int) -> dict | None:
         if body.logprobs is None:
             return None
-        return protocol.completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top)
+        return responses.completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top)
 
     async def completions(self, request: Request) -> Response:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -313,7 +313,7 @@ class _OpenAIServer:
         if done is None:
             return Response(status_code=499)  # nobody reads it
         choices = [
-            protocol.completion_choice(
+            responses.completion_choice(
                 i,
                 echo + "".join(c.text),
                 c.last.finish_reason,
@@ -323,7 +323,7 @@ class _OpenAIServer:
             for i, c in enumerate(done)
         ]
         usage = _usage([c.last for c in done])
-        return JSONResponse(protocol.completion_response(request_id, self.model_name, choices, usage, created=created))
+        return JSONResponse(responses.completion_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _completion_events(
         self, body: CompletionRequest, streams: list[RequestStream], request_id: str, created: int, echo: str
@@ -331,10 +331,10 @@ class _OpenAIServer:
         offsets, lasts = [0] * len(streams), [None] * len(streams)
 
         def chunk(index: int, text: str, out: RequestOutput | None = None, logprobs: dict | None = None) -> str:
-            choice = protocol.completion_choice(
+            choice = responses.completion_choice(
                 index, text, out and out.finish_reason, out and out.stop_reason, logprobs
             )
-            return _sse(protocol.completion_response(request_id, self.model_name, [choice], None, created=created))
+            return _sse(responses.completion_response(request_id, self.model_name, [choice], None, created=created))
 
         try:
             for i in range(len(streams) if echo else 0):
@@ -351,7 +351,9 @@ class _OpenAIServer:
                     yield chunk(i, out.text, out, logprobs)
             if body.include_usage:
                 yield _sse(
-                    protocol.usage_chunk("text_completion", request_id, self.model_name, _usage(lasts), created=created)
+                    responses.usage_chunk(
+                        "text_completion", request_id, self.model_name, _usage(lasts), created=created
+                    )
                 )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
@@ -376,7 +378,7 @@ class _OpenAIServer:
     def _chat_logprobs(self, body: ChatCompletionRequest, token_ids, logprobs, top) -> dict | None:
         if not body.logprobs or not token_ids:
             return None
-        return protocol.chat_logprobs(self.tokenizer, token_ids, logprobs, top)
+        return responses.chat_logprobs(self.tokenizer, token_ids, logprobs, top)
 
     async def chat_completions(self, request: Request) -> Response:
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -395,7 +397,7 @@ class _OpenAIServer:
         if done is None:
             return Response(status_code=499)
         choices = [
-            protocol.chat_choice(
+            responses.chat_choice(
                 i,
                 "".join(c.text),
                 c.last.finish_reason,
@@ -405,7 +407,7 @@ class _OpenAIServer:
             for i, c in enumerate(done)
         ]
         usage = _usage([c.last for c in done])
-        return JSONResponse(protocol.chat_response(request_id, self.model_name, choices, usage, created=created))
+        return JSONResponse(responses.chat_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _chat_events(
         self, body: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
@@ -414,14 +416,14 @@ class _OpenAIServer:
         try:
             for i in range(len(streams)):
                 role = {"role": "assistant", "content": ""}
-                yield _sse(protocol.chat_chunk(rid, self.model_name, role, created=created, index=i))
+                yield _sse(responses.chat_chunk(rid, self.model_name, role, created=created, index=i))
             async for i, out in _merged(streams):
                 lasts[i] = out
                 logprobs = self._chat_logprobs(body, out.token_ids, out.logprobs, out.top_logprobs)
                 if out.text or out.finished or logprobs:
                     delta = {"content": out.text} if out.text else {}
                     yield _sse(
-                        protocol.chat_chunk(
+                        responses.chat_chunk(
                             rid,
                             self.model_name,
                             delta,
@@ -434,7 +436,7 @@ class _OpenAIServer:
                     )
             if body.include_usage:
                 yield _sse(
-                    protocol.usage_chunk("chat.completion.chunk", rid, self.model_name, _usage(lasts), created=created)
+                    responses.usage_chunk("chat.completion.chunk", rid, self.model_name, _usage(lasts), created=created)
                 )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
