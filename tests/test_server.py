@@ -225,7 +225,8 @@ def test_top_logprobs_of_completions_and_chat(served):
 def test_n_choices_are_seeded_samples_and_echo_returns_the_prompt(served):
     """n choices: choice i samples with seed + i (choice 0 is the request with n = 1), so they differ and
     repeat; usage counts the prompt once and every choice's tokens; streamed chunks carry each choice's
-    index. echo: the prompt's text first."""
+    index. Several prompts: n choices each, in prompt order, each as the prompt alone. echo: the prompt's
+    text first."""
     sampled = dict(max_tokens=16, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
     three = complete(served, PROMPT, n=3, **sampled)
     texts = [c.text for c in three.choices]
@@ -251,6 +252,15 @@ def test_n_choices_are_seeded_samples_and_echo_returns_the_prompt(served):
     ):
         deltas[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
     assert list(deltas.values()) == [c.message.content for c in chat.choices]
+
+    batch = complete(served, [PROMPT, ids_of(served, EOS_AT_ONCE), "x = "], n=2, **sampled)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices[:2]] == texts[:2]  # prompt 0's two choices: seeds 7 and 8
+    for i, prompt in enumerate((EOS_AT_ONCE, "x = ")):
+        alone = [c.text for c in complete(served, prompt, n=2, **sampled).choices]
+        assert [c.text for c in batch.choices[2 + 2 * i : 4 + 2 * i]] == alone
+    prompt_tokens = sum(len(ids_of(served, p)) for p in (PROMPT, EOS_AT_ONCE, "x = "))
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (prompt_tokens, 6 * 16)
 
     plain = complete(served, PROMPT, max_tokens=8, temperature=0).choices[0].text
     assert complete(served, PROMPT, max_tokens=8, temperature=0, echo=True).choices[0].text == PROMPT + plain
@@ -453,7 +463,9 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", [7, 1.5]]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 129}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 3, "n": 50}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": [7] * 300}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x = 1\n" * 100}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),

@@ -4,8 +4,8 @@
 `top_k`, `ignore_eos` and `stop_token_ids`. Every field is honoured or refused, never silently
 dropped:
 
-- Honoured: `model`; `prompt` (completions: a string or a list of token ids; a list holding exactly
-  one of those is that prompt) or `messages` (chat: text content, text parts joined); `max_tokens`
+- Honoured: `model`; `prompt` (completions: a string or a list of token ids, or a batch: a list of
+  those, each prompt n choices in prompt order) or `messages` (chat: text content, text parts joined); `max_tokens`
   (chat: `max_completion_tokens`, else `max_tokens`; completions default to 16 as OpenAI's, chat to
   everything the row holds, max_length - prompt); `temperature` (default 1.0 as OpenAI's, 0 =
   greedy), `top_p` (1.0), `top_k` (off: 0 or -1), `seed` (in [0, 2**32); without one each request
@@ -34,7 +34,8 @@ dropped:
   `function_call`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
   `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
   `reasoning_effort`, `verbosity`, `modalities`, `audio`, `prediction`, `web_search_options`.
-  Refused where they are parsed: several prompts in one request, content parts that are not text.
+  Refused where they are parsed: content parts that are not text, more than 128 choices in all
+  (prompts x n).
 - Any other field is unknown: a 400 naming it. A message object may carry more keys (`name`,
   `tool_call_id`, ...): the chat template may read them.
 
@@ -459,7 +460,7 @@ class _Sampled(BaseModel):
 class CompletionRequest(_Sampled):
     """`POST /v1/completions`."""
 
-    prompt: Any = Field(description="a string or a list of token ids (one prompt)")
+    prompt: Any = Field(description="a string or a list of token ids, or a list of those (a batch)")
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
@@ -469,22 +470,20 @@ class CompletionRequest(_Sampled):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt, info):
-        limits = _limits(info)
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if limits is not None:
-                limits.check_text(prompt)
-            check_unicode(prompt, "the prompt")
-            return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError(f"only one prompt per request is supported, got {len(prompt)}")
-        if isinstance(prompt, list) and limits is not None:
-            limits.check_ids(len(prompt))  # before looking at 2M ids
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise ValueError("prompt must be a string or a list of token ids")
+    def _prompts(cls, prompt, info):
+        """One prompt (a string or token ids) or a batch of them (a list of those): as a list of prompts."""
+        batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+        prompts = prompt if batch else [prompt]
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(prompts)}")
+        return [_one_prompt(p, _limits(info), f"prompt {i}" if batch else "the prompt") for i, p in enumerate(prompts)]
+
+    def check_choices(self) -> None:
+        """Raises RequestError (naming `n`) for more than `MAX_CHOICES` choices in all: prompts x n."""
+        if len(self.prompt) * self.num_choices > MAX_CHOICES:
+            raise RequestError(
+                f"n: {len(self.prompt)} prompts x n={self.num_choices} is more than {MAX_CHOICES} choices", "n"
+            )
 
     @field_validator("logprobs")
     @classmethod
@@ -497,6 +496,20 @@ class CompletionRequest(_Sampled):
         if value and info.data.get("logprobs") is not None:
             raise ValueError("echo with logprobs is not supported (it needs the prompt's logprobs)")
         return value
+
+
+def _one_prompt(prompt, limits: PromptLimits | None, what: str) -> str | list[int]:
+    """A checked prompt: a string, or a list of token ids (ValueError naming `what` otherwise)."""
+    if isinstance(prompt, str):
+        if limits is not None:
+            limits.check_text(prompt, what)
+        check_unicode(prompt, what)
+        return prompt
+    if isinstance(prompt, list) and limits is not None:
+        limits.check_ids(len(prompt))  # before looking at 2M ids
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValueError(f"{what} must be a string or a list of token ids")
 
 
 class ChatMessage(BaseModel):

@@ -202,9 +202,10 @@ class _Collected:
         self.last = out
 
 
-def _usage(lasts: list[RequestOutput]) -> dict:
-    """The usage of a request's choices: its prompt once, every choice's completion tokens."""
-    return responses.usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts))
+def _usage(lasts: list[RequestOutput], n: int) -> dict:
+    """The usage of a request's choices, n per prompt: each prompt once, every choice's completion tokens."""
+    prompts = sum(out.prompt_tokens for out in lasts[::n])
+    return responses.usage(prompts, sum(out.completion_tokens for out in lasts))
 
 
 class _OpenAIServer:
@@ -242,13 +243,15 @@ class _OpenAIServer:
         """`text`'s token ids; `encode_batch` releases the GIL while it works (`encode` does not)."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _submit(self, body, prompt_ids: list[int], request_id: str) -> list[RequestStream]:
-        """One engine request per choice (ids `request_id`, or `request_id`-i for n > 1); all or none."""
+    def _submit(self, body, prompts: list[list[int]], request_id: str) -> list[RequestStream]:
+        """One engine request per choice, n per prompt in prompt order (ids `request_id`, or `request_id`-i
+        for several), choice j of a prompt sampled with seed + j; all or none."""
         n, streams = body.num_choices, []
         try:
-            for i in range(n):
-                rid = request_id if n == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(prompt_ids, request_id=rid, **body.engine_kwargs(i)))
+            for p, prompt_ids in enumerate(prompts):
+                for j in range(n):
+                    rid = request_id if n * len(prompts) == 1 else f"{request_id}-{p * n + j}"
+                    streams.append(self.engine.add_request(prompt_ids, request_id=rid, **body.engine_kwargs(j)))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -277,18 +280,21 @@ class _OpenAIServer:
     # ------------------------------------------------------------------------------------------
     # /v1/completions
 
-    def completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
-        """The request of a raw body and its prompt's token ids (a worker thread's job: its time grows with
+    def completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+        """The request of a raw body and its prompts' token ids (a worker thread's job: its time grows with
         the body). Raises RequestError naming the field."""
         body = protocol.parse_request(CompletionRequest, raw, self.limits)
         self._check_model(body.model)
-        return body, (self._encode(body.prompt) if isinstance(body.prompt, str) else body.prompt)
+        body.check_choices()
+        return body, [self._encode(p) if isinstance(p, str) else p for p in body.prompt]
 
-    def _echo(self, body: CompletionRequest, prompt: list[int]) -> str:
-        """The prompt's text when the request asks for it back (`echo`), else ""."""
-        if not body.echo:
-            return ""
-        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+    def _echoes(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Per choice, its prompt's text when the request asks for it back (`echo`), else ""."""
+        texts = [
+            (p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
+            for p, ids in zip(body.prompt, prompts, strict=True)
+        ]
+        return [text for text in texts for _ in range(body.num_choices)]
 
     def _completion_logprobs(self, body: CompletionRequest, token_ids, logprobs, top, offset: int) -> dict | None:
         if body.logprobs is None:
@@ -299,13 +305,13 @@ class _OpenAIServer:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         try:
             raw = await read_body(request, self.max_request_bytes)
-            body, prompt = await asyncio.to_thread(self.completion_prompt, raw)
-            streams = self._submit(body, prompt, request_id)
+            body, prompts = await asyncio.to_thread(self.completion_prompt, raw)
+            streams = self._submit(body, prompts, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error)
-        echo = self._echo(body, prompt)
+        echoes = self._echoes(body, prompts)
         if body.stream:
-            return _EventStream(self._completion_events(body, streams, request_id, created, echo), streams)
+            return _EventStream(self._completion_events(body, streams, request_id, created, echoes), streams)
         try:
             done = await self._collect(streams, request)
         except EngineError as error:
@@ -315,18 +321,18 @@ class _OpenAIServer:
         choices = [
             responses.completion_choice(
                 i,
-                echo + "".join(c.text),
+                echoes[i] + "".join(c.text),
                 c.last.finish_reason,
                 c.last.stop_reason,
                 self._completion_logprobs(body, c.token_ids, c.logprobs, c.top_logprobs, 0),
             )
             for i, c in enumerate(done)
         ]
-        usage = _usage([c.last for c in done])
+        usage = _usage([c.last for c in done], body.num_choices)
         return JSONResponse(responses.completion_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _completion_events(
-        self, body: CompletionRequest, streams: list[RequestStream], request_id: str, created: int, echo: str
+        self, body: CompletionRequest, streams: list[RequestStream], request_id: str, created: int, echoes: list[str]
     ) -> AsyncIterator[str]:
         offsets, lasts = [0] * len(streams), [None] * len(streams)
 
@@ -337,8 +343,9 @@ class _OpenAIServer:
             return _sse(responses.completion_response(request_id, self.model_name, [choice], None, created=created))
 
         try:
-            for i in range(len(streams) if echo else 0):
-                yield chunk(i, echo)
+            for i, echo in enumerate(echoes):
+                if echo:
+                    yield chunk(i, echo)
             async for i, out in _merged(streams):
                 lasts[i], logprobs = out, None
                 if out.token_ids:
@@ -352,7 +359,7 @@ class _OpenAIServer:
             if body.include_usage:
                 yield _sse(
                     responses.usage_chunk(
-                        "text_completion", request_id, self.model_name, _usage(lasts), created=created
+                        "text_completion", request_id, self.model_name, _usage(lasts, body.num_choices), created=created
                     )
                 )
         except EngineError as error:
@@ -385,7 +392,7 @@ class _OpenAIServer:
         try:
             raw = await read_body(request, self.max_request_bytes)
             body, prompt = await asyncio.to_thread(self.chat_prompt, raw)
-            streams = self._submit(body, prompt, request_id)
+            streams = self._submit(body, [prompt], request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error, prompt_param="messages")
         if body.stream:
@@ -406,7 +413,7 @@ class _OpenAIServer:
             )
             for i, c in enumerate(done)
         ]
-        usage = _usage([c.last for c in done])
+        usage = _usage([c.last for c in done], body.num_choices)
         return JSONResponse(responses.chat_response(request_id, self.model_name, choices, usage, created=created))
 
     async def _chat_events(
@@ -436,7 +443,9 @@ class _OpenAIServer:
                     )
             if body.include_usage:
                 yield _sse(
-                    responses.usage_chunk("chat.completion.chunk", rid, self.model_name, _usage(lasts), created=created)
+                    responses.usage_chunk(
+                        "chat.completion.chunk", rid, self.model_name, _usage(lasts, body.num_choices), created=created
+                    )
                 )
         except EngineError as error:
             yield _sse(error_body(str(error), "server_error", None, "engine_unavailable"))
