@@ -282,10 +282,40 @@ def test_logit_bias_forces_and_forbids_tokens(served):
         model=MODEL, messages=CHAT, max_completion_tokens=5, temperature=0, logit_bias={str(x): 100}
     )
     assert chat.choices[0].message.content == served.tokenizer.decode([x] * 5)
-    for bias, message in (({"abc": 1}, "token ids"), ({str(x): 101}, "[-100, 100]"), ({"99999999": 1}, "vocab_size")):
+    cases = [
+        ({"abc": 1}, "token ids"),
+        ({str(x): 101}, "[-100, 100]"),
+        ({"99999999": 1}, "vocab_size"),
+        ({"9" * 5000: 1}, "token ids"),
+        ({"01": 5, "1": -5}, "token 1 is given twice"),
+        ({str(i): 1 for i in range(301)}, "at most 300"),
+    ]
+    for bias, message in cases:
         with pytest.raises(openai.BadRequestError) as raised:
             complete(served, PROMPT, max_tokens=2, logit_bias=bias)
         assert raised.value.param == "logit_bias" and message in raised.value.body["message"]
+
+
+def test_special_tokens_and_stop_strings_in_the_text_when_asked(served):
+    """skip_special_tokens=false keeps special tokens in the text (EOS forced by logit_bias with ignore_eos:
+    not a stop here); include_stop_str_in_output=true ends the text after the stop string, not before."""
+    eos = served.model.config.eos_token_ids[0]
+    forced = dict(max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    kept = complete(served, PROMPT, **forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == served.tokenizer.decode([eos] * 3, skip_special_tokens=False) != ""
+    assert complete(served, PROMPT, **forced, extra_body={"ignore_eos": True}).choices[0].text == ""
+    tokens, _, _ = greedy_reference(served, PROMPT, 40)
+    text = served.tokenizer.decode(tokens)
+    stop = text[10:14]
+    cut = complete(served, PROMPT, max_tokens=40, temperature=0, stop=[stop]).choices[0].text
+    kept = (
+        complete(
+            served, PROMPT, max_tokens=40, temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True}
+        )
+        .choices[0]
+        .text
+    )
+    assert cut == text[: text.find(stop)] and kept == cut + stop
 
 
 def test_stop_string_cuts_the_text_and_counts_tokens_to_it(served):
@@ -593,8 +623,6 @@ ASKING = {
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": {"name": "f"},
-    "include_stop_str_in_output": True,
-    "skip_special_tokens": False,
     "truncate_prompt_tokens": 8,
     "add_generation_prompt": False,
     "continue_final_message": True,
@@ -654,7 +682,7 @@ def test_json_mode_and_tools_are_refused_not_ignored(served):
 
 def test_no_op_values_and_ignored_fields_are_accepted_and_change_nothing(served):
     no_ops = {name: (u.noop[0] if u.noop else None) for name, u in NOT_IMPLEMENTED.items()}
-    assert no_ops["response_format"] == {"type": "text"} and no_ops["skip_special_tokens"]
+    assert no_ops["response_format"] == {"type": "text"} and no_ops["tools"] == []
     extra = {**no_ops, **IGNORED, "n": 1}
     plain = completion_result(complete(served, PROMPT, max_tokens=12, temperature=0))
     assert completion_result(complete(served, PROMPT, max_tokens=12, temperature=0, extra_body=extra)) == plain

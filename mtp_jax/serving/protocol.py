@@ -18,7 +18,9 @@ dropped:
   sampled with seed + i: choice 0 is the request with n = 1; the prompt's pages are shared through
   the prefix cache where it is on); `logit_bias` (token id -> bias in [-100, 100], at most 300, added to
   the raw logits before temperature and filtering, greedy rows too; under speculation the drafts are
-  drafted and verified with it, so output is as without speculation); completions' `echo` (the
+  drafted and verified with it, so output is as without speculation); `skip_special_tokens` (vLLM's,
+  default true; false keeps special tokens other than the stop token in the text),
+  `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
   prompt's text first; not with `logprobs`, which would need the prompt's); `stream` and
   `stream_options.include_usage` (a last chunk with `usage`, the prompt once and every choice's
   tokens, and no choices).
@@ -31,7 +33,7 @@ dropped:
   other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
   `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
   `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
-  `function_call`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
+  `function_call`, `truncate_prompt_tokens`,
   `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
   `reasoning_effort`, `verbosity`, `modalities`, `audio`, `prediction`, `web_search_options`.
   Refused where they are parsed: content parts that are not text, more than 128 choices in all
@@ -72,7 +74,7 @@ from pydantic import (
 from tokenizers import Tokenizer
 
 from mtp_jax.config import MAX_STOP_TOKENS
-from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature is float32 on device
@@ -118,8 +120,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "tool_choice": Unsupported("function calling", ("none", "auto")),
     "functions": Unsupported("function calling", ([],)),
     "function_call": Unsupported("function calling", ("none", "auto")),
-    "include_stop_str_in_output": Unsupported("stop strings kept in the text", (False,)),
-    "skip_special_tokens": Unsupported("special tokens in the text", (True,)),
     "truncate_prompt_tokens": Unsupported("prompt truncation"),
     "add_generation_prompt": Unsupported("chat prompts without the assistant's header", (True,)),
     "continue_final_message": Unsupported("continuing the final message", (False,)),
@@ -362,16 +362,27 @@ class _Sampled(BaseModel):
     ignore_eos: StrictBool | None = False
     stop_token_ids: list[StrictInt] | None = None
     n: StrictInt | None = 1
+    skip_special_tokens: StrictBool | None = True
+    include_stop_str_in_output: StrictBool | None = False
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value):
-        if value is not None:
-            bad = next((k for k in value if not (k.isascii() and k.isdigit())), None)
-            if bad is not None:
-                raise ValueError(f"keys must be token ids (decimal strings), got {short_json(bad)}")
-        return value
+        """As {token id: bias}; keys must be decimal token ids, each token once (at most 300 keys)."""
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+        bias = {}
+        for key, v in value.items():
+            digits = key.lstrip("0") or "0"
+            if not (key.isascii() and key.isdigit()) or len(digits) > 10:
+                raise ValueError(f"keys must be token ids (decimal strings), got {short_json(key)}")
+            if int(digits) in bias:
+                raise ValueError(f"token {int(digits)} is given twice ({short_json(key)})")
+            bias[int(digits)] = v
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -441,7 +452,7 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if top_k == -1 else top_k,
             seed=secrets.randbits(32) if self.seed is None else _choice_seed(self.seed, choice),
-            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            logit_bias={token: float(v) for token, v in (self.logit_bias or {}).items()},
         )
         return dict(
             max_tokens=self.resolved_max_tokens(),
@@ -450,6 +461,8 @@ class _Sampled(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.num_logprobs(),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
     @property

@@ -45,6 +45,7 @@ class ServedRequest:
     admitted: int = -1  # admission order (the newest is preempted first)
     pages_final: int = 0  # leading positions already offered to the prefix cache
     num_logprobs: int = 0  # most likely tokens reported per output token (OpenAI's top_logprobs)
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text after it, not before
 
     @property
     def length(self) -> int:
@@ -69,6 +70,8 @@ class ServedRequest:
         num_speculative_tokens: int,
         num_logprobs: int = 0,
         max_logprobs: int = 0,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> ServedRequest:
         """A request checked as `ServingEngine.add_request` documents (its arguments, raising its errors),
         not yet given its id and arrival time."""
@@ -98,6 +101,12 @@ class ServedRequest:
             raise ValueError("stop strings must be non-empty")
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer (ServingEngine(tokenizer=...))")
+        for name, flag in (
+            ("skip_special_tokens", skip_special_tokens),
+            ("include_stop_str_in_output", include_stop_str_in_output),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         if not is_integer(num_logprobs) or not 0 <= num_logprobs <= max_logprobs:
             raise ValueError(
                 f"logprobs must be an int in 0 .. {max_logprobs} (the engine's max_logprobs), got {num_logprobs!r}"
@@ -122,8 +131,9 @@ class ServedRequest:
             stop=stop,
             oracle_tokens=oracle_tokens,
             metrics=RequestMetrics(arrival_time=0.0, num_speculative_tokens=num_speculative_tokens),
-            text=None if tokenizer is None else TextStream(tokenizer),
+            text=None if tokenizer is None else TextStream(tokenizer, skip_special_tokens=skip_special_tokens),
             num_logprobs=int(num_logprobs),
+            include_stop_str_in_output=include_stop_str_in_output,
         )
 
     def take(self, tokens: list[int], now: float) -> int:
@@ -145,6 +155,8 @@ class ServedRequest:
                     hits = [(i, s) for s in self.stop if (i := self.text.text.find(s, searched)) >= 0]
                     if hits:
                         self.text_end, self.stop_reason = min(hits)
+                        if self.include_stop_str_in_output:
+                            self.text_end += len(self.stop_reason)
                         self.finish_reason = "stop"
                         break
             if len(self.token_ids) >= self.max_tokens:

@@ -211,6 +211,8 @@ class ServingEngine:
         request_id: str | None = None,
         oracle_tokens: Sequence[int] | None = None,
         logprobs: int = 0,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> str:
         """Queues a request; returns its id. Any thread.
 
@@ -222,6 +224,8 @@ class ServingEngine:
         required there), the sequence its drafts replay, prompt first (at most max_length ids).
         logprobs: the most likely tokens (0 .. `max_logprobs`) reported with each output token
         (`RequestOutput.top_logprobs`), computed on device from the raw logits at its position.
+        skip_special_tokens: leave special tokens out of the text (as `Tokenizer.decode`; a stop token is
+        never in it). include_stop_str_in_output: a matched stop string ends the text after it.
 
         Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
         over max_length or over what `num_pages` hold, too many stop tokens, stop strings without a
@@ -242,6 +246,8 @@ class ServingEngine:
             num_speculative_tokens=self.num_speculative_tokens,
             num_logprobs=logprobs,
             max_logprobs=self.max_logprobs,
+            skip_special_tokens=skip_special_tokens,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         need = self.pages.pages_for(self.paging.reach(len(request.prompt) + request.max_tokens))
         if need > self.num_pages:
