@@ -237,8 +237,10 @@ def gqa_cache_bytes(layers: int, tensor: int = 1, batch: int = B, length: int = 
 def decode_state_bytes(batch: int, length: int, k: int) -> int:
     """The decode state without caches, greedy eagle drafts: tokens and logprobs [B, S] (int32, float32);
     per row lengths, prompt_lengths, max_new_tokens (int32), done, thinking (bool), 16 stop tokens, 4
-    sampling parameters, 1 oracle token, 3 counters (int32); K drafts, K + K + 1 counters (int32)."""
-    return batch * (8 * length + 4 * 3 + 2 + 4 * 16 + 4 * 4 + 4 + 4 * 3 + 4 * k + 4 * (2 * k + 1))
+    sampling parameters and a logit bias of 300 (token id, value) pairs, 1 oracle token, 3 counters
+    (int32); K drafts, K + K + 1 counters (int32); no top logprobs (max_logprobs 0)."""
+    bias = 300 * (4 + 4)
+    return batch * (8 * length + 4 * 3 + 2 + 4 * 16 + 4 * 4 + bias + 4 + 4 * 3 + 4 * k + 4 * (2 * k + 1))
 
 
 def deepseek_v3_device_bytes(data: int, expert: int, tensor: int) -> int:
@@ -290,7 +292,7 @@ def test_glm_45_air_on_8_h200s_fits_with_experts_split_not_with_tensor_alone():
     split = plan("glm-4.5-air", "expert=8", memory)
     assert split.weights_bytes == glm_45_air_weight_bytes(expert=8)
     total = sum(glm_45_air_weight_bytes(expert=8).values()) + gqa_cache_bytes(47) + decode_state_bytes(B, S, 1)
-    assert split.total_bytes == total == 46_536_667_120  # 46.5 GB of 141
+    assert split.total_bytes == total == 46_536_686_320  # 46.5 GB of 141
     assert split.fits
     check_fits(split)  # nothing raised
 
@@ -317,7 +319,7 @@ def _smallest_by_hand(memory: int) -> tuple[tuple[int, int, int], int]:
 
 def test_deepseek_v3_bf16_does_not_fit_8_h200s_and_the_error_names_the_smallest_mesh():
     p = plan("deepseek-v3", "expert=8", 141 * GB)
-    assert p.total_bytes == deepseek_v3_device_bytes(1, 8, 1) == 203_759_865_840
+    assert p.total_bytes == deepseek_v3_device_bytes(1, 8, 1) == 203_759_885_040
     assert p.fits is False
     (data, expert, tensor), total = _smallest_by_hand(141 * GB)
     assert (data, expert, tensor) == (1, 16, 1)  # 16 devices: the experts split 16 ways
@@ -511,8 +513,8 @@ def test_verify_states_count_in_the_fit_and_the_smallest_mesh():
     eagle_7 = SpeculativeConfig(method="eagle", num_speculative_tokens=7)
     p = memory_plan(QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=10**9)
     verify = verify_states_bytes(QWEN35, 32, 7)
-    assert p.verify_states_bytes == verify == 117_571_584  # more than all the rest: 112,840,832 bytes
-    assert p.total_bytes - verify == 112_840_832
+    assert p.verify_states_bytes == verify == 117_571_584  # more than all the rest: 112,917,632 bytes
+    assert p.total_bytes - verify == 112_917_632
     tight = memory_plan(
         QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=p.total_bytes - verify
     )
