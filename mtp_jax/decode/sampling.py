@@ -147,18 +147,18 @@ def _filter_top_k_top_p(scaled: jax.Array, sampling: SamplingState) -> jax.Array
 
 
 def apply_logit_bias(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
-    """`logits` (float32) with each row's logit bias added at every position; computed only when some row
-    has one (`lax.cond`)."""
+    """`logits` (float32) with each row's logit bias added at every position. Built per row (vmap: a batch
+    sharded over devices scatters locally) and always (a condition on any row's bias would be one more
+    collective per step on a mesh; the add is small beside the head's matmul)."""
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape[0], logits.shape[-1]
+    ids = jnp.where(sampling.bias_tokens >= 0, sampling.bias_tokens, vocab)  # unused: past the end, dropped
 
-    def add(logits):
-        ids = jnp.where(sampling.bias_tokens >= 0, sampling.bias_tokens, vocab)  # unused: past the end, dropped
-        rows = jnp.arange(batch)[:, None]
-        bias = jnp.zeros((batch, vocab), jnp.float32).at[rows, ids].add(sampling.bias_values, mode="drop")
-        return logits + bias.reshape(batch, *([1] * (logits.ndim - 2)), vocab)
+    def row(ids, values):
+        return jnp.zeros((vocab,), jnp.float32).at[ids].add(values, mode="drop")
 
-    return jax.lax.cond(jnp.any(sampling.bias_tokens >= 0), add, lambda x: x, logits)
+    bias = jax.vmap(row)(ids, sampling.bias_values)  # [B, V]
+    return logits + bias.reshape(batch, *([1] * (logits.ndim - 2)), vocab)
 
 
 def all_greedy(sampling: SamplingState) -> jax.Array:
