@@ -36,7 +36,7 @@ from mtp_jax.cli.serve import run_serve
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.serving import RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine
-from mtp_jax.serving.chat_template import ChatTemplate, plain_prompt
+from mtp_jax.serving.chat_template import ChatTemplate, ChatTemplateArgumentError, plain_prompt
 from mtp_jax.serving.prometheus import PrometheusMetrics
 from mtp_jax.serving.protocol import (
     IGNORED_FIELDS,
@@ -44,7 +44,9 @@ from mtp_jax.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptLimits,
+    RequestError,
     longest_token_chars,
+    parse_request,
     short_json,
 )
 from mtp_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, bind, build_app
@@ -624,10 +626,7 @@ ASKING = {
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": {"name": "f"},
     "truncate_prompt_tokens": 8,
-    "add_generation_prompt": False,
-    "continue_final_message": True,
     "chat_template": "{{ messages[0]['content'] }}",
-    "chat_template_kwargs": {"enable_thinking": False},
     "reasoning_effort": "low",
     "verbosity": "low",
     "modalities": ["text", "audio"],
@@ -899,9 +898,173 @@ def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
             chat.usage.prompt_tokens,
             chat.usage.completion_tokens,
         ) == expected
+        # the template's arguments reach it: the prompt ends inside the final message, bos_token overridden
+        prefill = [*messages, {"role": "assistant", "content": "    return"}]
+        arguments = {"add_generation_prompt": False, "continue_final_message": True}
+        arguments["chat_template_kwargs"] = {"bos_token": "", "unread": [1, {"a": None}]}
+        continued = "# user: def add(a, b):\n# assistant:     return"
+        assert chat_template.render(prefill, **arguments) == continued
+        expected = completion_result(complete(served, continued, max_tokens=8, temperature=0))
+        chat = client.chat.completions.create(
+            model="chatty", messages=prefill, max_tokens=8, temperature=0, extra_body=arguments
+        )
+        assert (
+            chat.choices[0].message.content,
+            chat.choices[0].finish_reason,
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+        ) == expected
     refusing = ChatTemplate("{{ raise_exception('only user messages') }}")
     with pytest.raises(ValueError, match="only user messages"):
         refusing.render(messages)
+
+
+# A template that reads add_generation_prompt, a chat_template_kwargs variable and bos_token.
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
+PREFILL = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+
+
+def test_chat_template_arguments_change_the_rendered_prompt():
+    template = ChatTemplate(THINKING_TEMPLATE, bos_token="<s>")
+    head = "<s><|user|>Hi<|end|>\n<|assistant|>"
+    cases = [
+        ({}, head + "Sure, <|end|>\n<|assistant|>"),
+        ({"add_generation_prompt": False}, head + "Sure, <|end|>\n"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, head + "Sure, "),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, head + "Sure, <|end|>\n<|assistant|><think></think>"),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, head + "Sure, <|end|>\n<|assistant|>"),
+        ({"chat_template_kwargs": {"bos_token": "[BOS]"}}, "[BOS]" + head[3:] + "Sure, <|end|>\n<|assistant|>"),
+        # vLLM merges the kwargs over its arguments: these two are apply_chat_template's
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, head + "Sure, <|end|>\n"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}}, head + "Sure, "),
+    ]
+    for arguments, rendered in cases:
+        assert template.render(PREFILL, **arguments) == rendered, arguments
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    # a template that trims the content: the cut trims too (transformers')
+    trimming = ChatTemplate(THINKING_TEMPLATE.replace("m['content']", "m['content'] | trim"))
+    assert trimming.render(PREFILL, **cont) == "<|user|>Hi<|end|>\n<|assistant|>Sure,"
+    # the sentinel finds the final message's end where its text recurs after it ("end" in "<|end|>")
+    ending = [PREFILL[0], {"role": "assistant", "content": "end"}]
+    assert template.render(ending, **cont) == head + "end"
+    # the plain template: no header without add_generation_prompt, no final newline to continue; kwargs unread
+    plain = ChatTemplate()
+    assert plain_prompt(PREFILL, add_generation_prompt=False) == "<|user|>\nHi\n<|assistant|>\nSure, \n"
+    assert plain.render(PREFILL, **cont) == "<|user|>\nHi\n<|assistant|>\nSure, "
+    thinking = {"chat_template_kwargs": {"enable_thinking": False, "bos_token": "x"}}
+    assert (
+        plain.render(PREFILL, **thinking)
+        == plain_prompt(PREFILL)
+        == "<|user|>\nHi\n<|assistant|>\nSure, \n<|assistant|>\n"
+    )
+
+    refused = [
+        (template, {"continue_final_message": True}, "continue_final_message", "cannot both be true"),
+        (plain, {"continue_final_message": True}, "continue_final_message", "cannot both be true"),
+        (template, {"chat_template_kwargs": {"continue_final_message": True}}, "continue_final_message", "both"),
+        (plain, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", 'may not set "messages"'),
+        (template, {"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs", '"chat_template"'),
+        (template, {"chat_template_kwargs": {"add_generation_prompt": 0}}, "chat_template_kwargs", "must be a bool"),
+        (template, {"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
+        # the final message's content is not in the rendered text as it is: rewritten, or dropped
+        (ChatTemplate("{{ messages[-1]['content'] | upper }}"), cont, "continue_final_message", "does not write"),
+        (ChatTemplate("{{ messages[0]['content'] }}"), cont, "continue_final_message", "does not write"),
+    ]
+    for chat_template, arguments, param, message in refused:
+        with pytest.raises(ChatTemplateArgumentError, match=message) as raised:
+            chat_template.render(PREFILL, **arguments)
+        assert raised.value.param == param and str(raised.value).startswith(f"{param}: ")
+
+
+def test_chat_template_arguments_render_as_transformers_does():
+    """The oracle: transformers' apply_chat_template rendering (the [parity] extra)."""
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    templates = [THINKING_TEMPLATE, THINKING_TEMPLATE.replace("m['content']", "m['content'] | trim")]
+    conversations = [PREFILL, [PREFILL[0], {"role": "assistant", "content": "end"}], PREFILL[:1]]
+    cases = [(True, False, {}), (False, False, {}), (False, True, {}), (True, False, {"enable_thinking": False})]
+    cases.append((False, True, {"enable_thinking": False, "bos_token": "[BOS]"}))
+    for source in templates:
+        for messages in conversations:
+            for add, cont, kwargs in cases:
+                variables = {"bos_token": "<s>", "eos_token": "</s>", **kwargs}
+                (expected,), _ = chat_template_utils.render_jinja_template(
+                    [messages], chat_template=source, add_generation_prompt=add, continue_final_message=cont,
+                    **variables,
+                )  # fmt: skip
+                got = ChatTemplate(source, bos_token="<s>", eos_token="</s>").render(
+                    messages, add_generation_prompt=add, continue_final_message=cont, chat_template_kwargs=kwargs
+                )
+                assert got == expected, (source, messages, add, cont, kwargs)
+
+
+def test_chat_template_fields_are_parsed_strictly():
+    def parse(**fields):
+        body = {"model": MODEL, "messages": CHAT, **fields}
+        return parse_request(ChatCompletionRequest, json.dumps(body).encode())
+
+    defaults = dict(add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None)
+    assert parse().chat_template_arguments() == defaults
+    nulls = dict.fromkeys(defaults)
+    assert parse(**nulls).chat_template_arguments() == defaults
+    fields = dict(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"a": [1, None]})
+    assert parse(**fields).chat_template_arguments() == fields
+    # both sent true: vLLM's check, before rendering (both true by add_generation_prompt's default: render's)
+    with pytest.raises(RequestError, match="cannot both be true") as raised:
+        parse(add_generation_prompt=True, continue_final_message=True).chat_template_arguments()
+    assert raised.value.param == "continue_final_message"
+    for field, value, message in [
+        ("add_generation_prompt", "false", "valid boolean"),
+        ("add_generation_prompt", 0, "valid boolean"),
+        ("continue_final_message", 1, "valid boolean"),
+        (
+            "chat_template_kwargs",
+            [["enable_thinking", False]],
+            r'must be an object of chat template variables, got \[\["',
+        ),
+        ("chat_template_kwargs", "enable_thinking", "must be an object"),
+    ]:
+        with pytest.raises(RequestError, match=message) as raised:
+            parse(**{field: value})
+        assert raised.value.param == field and raised.value.message.startswith(f"{field}: ")
+
+
+def test_chat_template_fields_through_the_server(served):
+    """The plain template: the prompt without the header, or ending inside the final message, is the
+    completion of that text; refusals name the field."""
+    create = served.client.chat.completions.create
+    user = [{"role": "user", "content": "def add(a, b):"}]
+    prefill = [*user, {"role": "assistant", "content": "    return"}]
+    for messages, arguments, rendered in [
+        (user, {"add_generation_prompt": False}, "<|user|>\ndef add(a, b):\n"),
+        (
+            prefill,
+            {"add_generation_prompt": False, "continue_final_message": True},
+            "<|user|>\ndef add(a, b):\n<|assistant|>\n    return",
+        ),
+    ]:
+        expected = completion_result(complete(served, rendered, max_tokens=8, temperature=0))
+        chat = create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=arguments)
+        choice = chat.choices[0]
+        assert (
+            choice.message.content,
+            choice.finish_reason,
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+        ) == expected
+    for extra, param, message in [
+        ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),  # by default
+        ({"add_generation_prompt": "no"}, "add_generation_prompt", "valid boolean"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "must be an object"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", 'may not set "messages"'),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message) as raised:
+            create(model=MODEL, messages=prefill, max_tokens=4, extra_body=extra)
+        assert (raised.value.param, raised.value.type) == (param, "invalid_request_error")
+    assert not served.engine.has_unfinished()
 
 
 # ----------------------------------------------------------------------------------------------

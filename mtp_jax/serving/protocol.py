@@ -21,21 +21,24 @@ dropped:
   drafted and verified with it, so output is as without speculation); `skip_special_tokens` (vLLM's,
   default true; false keeps special tokens other than the stop token in the text),
   `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
-  prompt's text first; not with `logprobs`, which would need the prompt's); `stream` and
+  prompt's text first; not with `logprobs`, which would need the prompt's); chat's vLLM fields
+  `add_generation_prompt` (default true: the prompt ends with the assistant's header),
+  `continue_final_message` (default false: the prompt ends inside the final message, a prefill;
+  needs `add_generation_prompt: false`) and `chat_template_kwargs` (more chat template variables,
+  e.g. `{"enable_thinking": false}`; not `messages` or `chat_template`), rendered as
+  `mtp_jax.serving.chat_template` says; `stream` and
   `stream_options.include_usage` (a last chunk with `usage`, the prompt once and every choice's
   tokens, and no choices).
 - Accepted and ignored, as they cannot change the output (`IGNORED_FIELDS`): `user`,
   `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
   `parallel_tool_calls` (tools are refused), and `stream_options.include_obfuscation`.
 - Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
-  (clients send defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`,
-  `skip_special_tokens: true`, `add_generation_prompt: true`, `tools: []`, ...), is accepted; any
-  other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
-  `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
+  (clients send defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`, `tools: []`,
+  ...), is accepted; any other value is a 400 naming the field. They are `best_of`, chat's `echo`,
+  `suffix`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
   `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
-  `function_call`, `truncate_prompt_tokens`,
-  `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
-  `reasoning_effort`, `verbosity`, `modalities`, `audio`, `prediction`, `web_search_options`.
+  `function_call`, `truncate_prompt_tokens`, `chat_template`, `reasoning_effort`, `verbosity`,
+  `modalities`, `audio`, `prediction`, `web_search_options`.
   Refused where they are parsed: content parts that are not text, more than 128 choices in all
   (prompts x n).
 - Any other field is unknown: a 400 naming it. A message object may carry more keys (`name`,
@@ -121,10 +124,7 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "functions": Unsupported("function calling", ([],)),
     "function_call": Unsupported("function calling", ("none", "auto")),
     "truncate_prompt_tokens": Unsupported("prompt truncation"),
-    "add_generation_prompt": Unsupported("chat prompts without the assistant's header", (True,)),
-    "continue_final_message": Unsupported("continuing the final message", (False,)),
     "chat_template": Unsupported("a chat template per request"),
-    "chat_template_kwargs": Unsupported("chat template arguments", ({},)),
     "reasoning_effort": Unsupported("reasoning settings"),
     "verbosity": Unsupported("verbosity settings"),
     "modalities": Unsupported("output other than text", (["text"],)),
@@ -551,6 +551,35 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = True  # vLLM's; null: true
+    continue_final_message: StrictBool | None = False  # vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"must be an object of chat template variables, got {short_json(value)}")
+        return value
+
+    def chat_template_arguments(self) -> dict:
+        """The keyword arguments of `ChatTemplate.render` (all but the messages), which checks them as they
+        are once `chat_template_kwargs` is merged over the other two. Raises RequestError naming
+        `continue_final_message` when it and `add_generation_prompt` are both sent true (vLLM's check,
+        before the merge: either may be overridden by `chat_template_kwargs`)."""
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise RequestError(
+                "continue_final_message: it and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+        return dict(
+            add_generation_prompt=self.add_generation_prompt is not False,
+            continue_final_message=bool(self.continue_final_message),
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
     @field_validator("top_logprobs")
     @classmethod

@@ -50,7 +50,7 @@ from tokenizers import Tokenizer
 
 from mtp_jax.serving import protocol, responses
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
-from mtp_jax.serving.chat_template import ChatTemplate
+from mtp_jax.serving.chat_template import ChatTemplate, ChatTemplateArgumentError
 from mtp_jax.serving.outputs import RequestOutput
 from mtp_jax.serving.prometheus import CONTENT_TYPE, PrometheusMetrics
 from mtp_jax.serving.protocol import (
@@ -370,14 +370,19 @@ class _OpenAIServer:
     # /v1/chat/completions
 
     def chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-        """The request of a raw body and the token ids of its messages rendered by the chat template (a
-        worker thread's job). Raises RequestError naming the field."""
+        """The request of a raw body and the token ids of its messages rendered by the chat template with
+        its `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` (a worker
+        thread's job). Raises RequestError naming the field: the template's argument it refuses, else
+        `messages`."""
         body = protocol.parse_request(ChatCompletionRequest, raw, self.limits)
         self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        arguments = body.chat_template_arguments()
         try:
-            text = self.chat_template.render(messages)
+            text = self.chat_template.render(messages, **arguments)
             self.limits.check_text(text, "the rendered prompt")
+        except ChatTemplateArgumentError as error:
+            raise RequestError(str(error), error.param) from None
         except ValueError as error:
             raise RequestError(f"messages: {error}", "messages") from None
         return body, self._encode(text, self.chat_template.add_special_tokens)
