@@ -154,11 +154,12 @@ def _draft_timer(model, spec: SpeculativeConfig, batch: int, prefix: int, capaci
     start = lengths - 1 - width if spec.hidden_window else lengths - 2
     tokens = jnp.ones((batch, capacity), jnp.int32)
     sampling = mtp_jax.decode.sampling.SamplingState.from_params([mtp_jax.SamplingParams()] * batch)
+    metadata = mtp_jax.decode.sampling.SamplingMetadata.build(sampling, config.vocab_size)
 
     def body(params, carry):
         draft_state, acc = carry
         draft_state = drafters.draft(
-            nnx.merge(graphdef, params), spec, sampling, tokens, draft_state, hidden, start, lengths
+            nnx.merge(graphdef, params), spec, metadata, tokens, draft_state, hidden, start, lengths
         )
         return draft_state, acc + draft_state.tokens.sum()
 

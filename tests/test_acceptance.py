@@ -7,6 +7,7 @@ Models and shared setup: `speculative_helpers` and the `models` fixture (`confte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -21,7 +22,7 @@ from speculative_helpers import CFG, END_THINK, THINK, S, V, W, add, main_twin, 
 from mtp_jax.decode.acceptance import Target, accept
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.generation import generate
-from mtp_jax.decode.sampling import SamplingParams, SamplingState, target_probs
+from mtp_jax.decode.sampling import SamplingMetadata, SamplingParams, SamplingState, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
 
 
@@ -71,7 +72,12 @@ def jit_accept(sp: SpeculativeConfig):
     """`accept` jitted once per config (and shapes)."""
     return jax.jit(
         lambda logits, drafts, q, sampling, *rest: accept(
-            sp, Target.from_logits(logits, sampling), drafts, q, sampling, *rest
+            sp,
+            Target.from_logits(logits, SamplingMetadata.build(sampling, logits.shape[-1])),
+            drafts,
+            q,
+            sampling,
+            *rest,
         )
     )
 
@@ -81,7 +87,12 @@ def with_uniform(monkeypatch, value: float, sp: SpeculativeConfig):
     monkeypatch.setattr(jax.random, "uniform", lambda key, *args, **kwargs: jnp.full((), value, jnp.float32))
     return jax.jit(
         lambda logits, drafts, q, sampling, *rest: accept(
-            sp, Target.from_logits(logits, sampling), drafts, q, sampling, *rest
+            sp,
+            Target.from_logits(logits, SamplingMetadata.build(sampling, logits.shape[-1])),
+            drafts,
+            q,
+            sampling,
+            *rest,
         )
     )
 
@@ -184,29 +195,42 @@ def test_p_equal_to_q_with_zeros_gives_no_nan(monkeypatch):
         assert np.all(p[np.arange(N_ROWS), num_accepted, token] > 0)
 
 
+def processed_reference(logits, prompt, output, params: SamplingParams, stop=()) -> np.ndarray:
+    """vLLM's logits processing in numpy (float64) for one position of a row whose prompt is `prompt` and
+    output so far `output`: logit bias, min_tokens (the `stop` ids at -inf), repetition penalty (prompt and
+    output), frequency and presence penalties (output)."""
+    x = np.array(logits, np.float64)
+    for token, value in params.logit_bias:
+        x[..., token] += value
+    if len(output) < params.min_tokens:
+        x[..., list(stop)] = -np.inf
+    for token in set(prompt) | set(output):
+        x[..., token] = np.where(
+            x[..., token] > 0, x[..., token] / params.repetition_penalty, x[..., token] * params.repetition_penalty
+        )
+    counts = np.bincount(np.asarray(output, np.int64), minlength=x.shape[-1])
+    return x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
 def check_sampled_generation(
-    model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6, decode=generate, logit_bias: dict | None = None
+    model, sp: SpeculativeConfig, n: int = 4096, top_k: int = 6, decode=generate, **processing
 ):
     """n rows of one prompt with distinct seeds, temperature 1 and top-k, two greedy rows first: the first
     three generated tokens (one from prefill, then accepted drafts, residual samples and bonuses of
     speculative steps) follow the model's distribution, enumerated exactly; the greedy rows are greedy.
-    `decode`: `generate`, or another loop with its signature. `logit_bias`: every row's (greedy ones too),
-    added to the logits of the expected distribution before top-k."""
+    `decode`: `generate`, or another loop with its signature. `processing`: every row's (greedy ones too)
+    logit bias and penalties (`SamplingParams` fields), applied to the expected distribution's logits by
+    `processed_reference`, each position after the tokens before it."""
     prompt = [3, 1, 4]
-    bias = dict(logit_bias=logit_bias or {})
-    sampling = [SamplingParams(**bias)] * 2 + [
-        SamplingParams(temperature=1.0, top_k=top_k, seed=s, **bias) for s in range(n - 2)
-    ]
-    added = np.zeros(V)
-    for token, value in (logit_bias or {}).items():
-        added[token] += value
+    greedy = SamplingParams(**processing)
+    sampling = [greedy] * 2 + [SamplingParams(temperature=1.0, top_k=top_k, seed=s, **processing) for s in range(n - 2)]
     result = decode(
         model, [prompt] * n, speculative=sp, max_new_tokens=3, max_length=S, stop_tokens=[], sampling=sampling
     )
     tokens = np.asarray(result.tokens)  # [n, 3]
     assert 0 < result.metrics.num_accepted < result.metrics.num_drafts
 
-    def target(logits):  # temperature 1 and top-k, in numpy (the bias is in `logits` already)
+    def target(logits):  # temperature 1 and top-k, in numpy (the logits are processed already)
         logits = np.asarray(logits, np.float64)
         kth = np.sort(logits, axis=-1)[..., -top_k][..., None]
         p = np.where(logits >= kth, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
@@ -216,8 +240,11 @@ def check_sampled_generation(
     for i in range(V * V):
         seqs[i, : len(prompt) + 2] = prompt + [i // V, i % V]
     logits = np.concatenate([np.asarray(_main_logits(model, jnp.asarray(seqs[i : i + 3]))) for i in range(0, V * V, 3)])
-    logits = logits + added  # (float32 logits; the bias added in float64 changes no argmax here)
-    at1, at2, at3 = logits[0, len(prompt) - 1], logits[::V][:V, len(prompt)], logits[: V * V, len(prompt) + 1]
+    at1 = processed_reference(logits[0, len(prompt) - 1], prompt, [], greedy)
+    at2 = np.stack([processed_reference(logits[t * V, len(prompt)], prompt, [t], greedy) for t in range(V)])
+    at3 = np.stack(
+        [processed_reference(logits[i, len(prompt) + 1], prompt, [i // V, i % V], greedy) for i in range(V * V)]
+    )
     greedy1 = at1.argmax()
     greedy2 = at2[greedy1].argmax()
     np.testing.assert_array_equal(tokens[:2], [[greedy1, greedy2, at3[greedy1 * V + greedy2].argmax()]] * 2)
@@ -230,6 +257,7 @@ def check_sampled_generation(
         np.bincount((sampled[:, 0] * V + sampled[:, 1]) * V + sampled[:, 2], minlength=V**3), joint123
     )
     assert ok, f"(t_1, t_2, t_3): {message}"
+    return tokens
 
 
 def test_sampled_generation_follows_the_target_distribution(models):
@@ -285,6 +313,86 @@ def test_greedy_speculation_with_a_logit_bias_equals_plain_greedy_with_it(models
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(logit_bias=bad)
+
+
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={5: -1.0})
+
+
+def test_sampled_generation_with_penalties_follows_the_penalized_target(models):
+    """Repetition, frequency and presence penalties and a logit bias on every row: greedy rows take the
+    processed argmax and sampled rows with sampled drafts follow the processed distribution, position 3's
+    after tokens 1 and 2, which are often one block's accepted drafts (the target at draft 2's position counts
+    draft 1; t_2 = t_3 in some rows: the second draft repeated the first)."""
+    tokens = check_sampled_generation(
+        models["deepseek"]["random"], spec("eagle", 2, draft_sampling="sample"), **PENALTIES
+    )
+    assert np.sum(tokens[2:, 1] == tokens[2:, 2]) > 50
+
+
+def _greedy_reference(model, prompt, max_new, params: SamplingParams, stop=()) -> list[int]:
+    """Greedy decoding without a cache: the main model over the whole sequence each token, its last logits
+    processed by `processed_reference`, stopping after a `stop` token."""
+    out = []
+    while len(out) < max_new:
+        seq = np.zeros((1, W), np.int32)
+        seq[0, : len(prompt) + len(out)] = prompt + out
+        logits = np.asarray(_main_logits(model, jnp.asarray(seq)))[0, len(prompt) + len(out) - 1]
+        out.append(int(processed_reference(logits, prompt, out, params, stop).argmax()))
+        if out[-1] in stop:
+            break
+    return out
+
+
+@pytest.mark.parametrize("method", ["eagle", "vanilla"])
+def test_greedy_speculation_with_penalties_and_min_tokens_equals_plain_greedy_and_a_reference(models, method):
+    """Penalties, a logit bias and min_tokens under eagle K = 3 / vanilla K = 2 on the random model (16 prompts;
+    drafts accepted and rejected, accepted drafts that change the penalties of the positions after them in
+    their block): the output equals plain greedy with them, and both equal a cache-free reference that applies
+    them in numpy. The stop token is one the unpenalized output takes early, forbidden until min_tokens = 6."""
+    model = models["deepseek"]["random"]
+    prompts, max_new = [list(map(int, p)) for p in np.random.default_rng(0).integers(0, V, (16, 5))], 12
+    unpenalized = generate(main_twin(model), prompts, max_new_tokens=max_new, max_length=S, stop_tokens=[])
+    stop = [unpenalized.tokens[0][1]]
+    params = SamplingParams(min_tokens=6, **PENALTIES)
+    request = dict(max_new_tokens=max_new, max_length=S, stop_tokens=stop, sampling=params)
+    plain = generate(main_twin(model), prompts, **request)
+    assert plain.tokens == [_greedy_reference(main_twin(model), p, max_new, params, stop) for p in prompts]
+    assert plain.tokens != unpenalized.tokens and all(stop[0] not in row[:6] for row in plain.tokens)
+    assert any(stop[0] in row for row in plain.tokens)  # (allowed after min_tokens)
+    fast = generate(model, prompts, speculative=spec(method, 3 if method == "eagle" else 2), **request)
+    assert fast.tokens == plain.tokens and fast.metrics.num_accepted > 0
+    for fast_row, plain_row in zip(fast.logprobs, plain.logprobs, strict=True):
+        np.testing.assert_allclose(fast_row, plain_row, atol=2e-5)  # raw logprobs, nothing processed
+
+
+def test_a_resumed_row_counts_its_earlier_output_as_output(models):
+    """A row resumed after a preemption (the serving engine re-prefills what it had generated as prompt,
+    `init_state(num_generated=g)`) continues exactly as the uninterrupted one under penalties and min_tokens:
+    its first g tokens count as output, not prompt (the frequency and presence penalties) and as generated
+    (min_tokens: row stops after 6 tokens in all, not 6 after resuming). Without num_generated (and min_tokens,
+    which would then exceed some rows' max_new_tokens) the penalties give another output."""
+    model = models["deepseek"]["random"]
+    prompts = [list(map(int, p)) for p in np.random.default_rng(1).integers(0, V, (8, 5))]
+    params = SamplingParams(min_tokens=6, frequency_penalty=1.5, presence_penalty=1.0)
+    first = generate(main_twin(model), prompts, max_new_tokens=12, max_length=S, stop_tokens=[1], sampling=params)
+    engine, g = DecodeEngine(model, spec("eagle", 3)), 3
+    assert any(1 in row[6:] for row in first.tokens)
+    resumed = {}
+    for generated in ([g] * len(prompts), None):
+        state, padded = engine.init_state(
+            [p + row[:g] for p, row in zip(prompts, first.tokens, strict=True)],
+            max_new_tokens=[len(row) - g for row in first.tokens],
+            max_length=S,
+            stop_tokens=[1],
+            sampling=params if generated else dataclasses.replace(params, min_tokens=0),
+            num_generated=generated,
+        )
+        resumed[generated is None] = engine.result(engine.run(engine.prefill(state, padded)), 0.0).tokens
+    assert resumed[False] == [row[g:] for row in first.tokens] != resumed[True]
+    with pytest.raises(ValueError, match="num_generated must be in 0 .. len"):
+        engine.init_state([[1, 2]], max_new_tokens=2, max_length=S, num_generated=[2])
+    with pytest.raises(ValueError, match="min_tokens=6 must be at most max_tokens"):
+        engine.init_state([[1, 2, 3]], max_new_tokens=3, max_length=S, sampling=params, num_generated=[2])
 
 
 def _cycling_drafts(model, prompts, *, speculative, sampling, **request):

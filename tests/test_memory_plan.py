@@ -236,11 +236,12 @@ def gqa_cache_bytes(layers: int, tensor: int = 1, batch: int = B, length: int = 
 
 def decode_state_bytes(batch: int, length: int, k: int) -> int:
     """The decode state without caches, greedy eagle drafts: tokens and logprobs [B, S] (int32, float32);
-    per row lengths, prompt_lengths, max_new_tokens (int32), done, thinking (bool), 16 stop tokens, 4
-    sampling parameters and a logit bias of 300 (token id, value) pairs, 1 oracle token, 3 counters
-    (int32); K drafts, K + K + 1 counters (int32); no top logprobs (max_logprobs 0)."""
+    per row lengths, prompt_lengths, output_start, max_new_tokens (int32), done, thinking (bool), 16 stop
+    tokens, 9 sampling parameters (temperature, top-k, top-p, seed, min_tokens, three penalties, min-p) and a
+    logit bias of 300 (token id, value) pairs, 1 oracle token, 3 counters (int32); K drafts, K + K + 1
+    counters (int32); no top logprobs (max_logprobs 0)."""
     bias = 300 * (4 + 4)
-    return batch * (8 * length + 4 * 3 + 2 + 4 * 16 + 4 * 4 + bias + 4 + 4 * 3 + 4 * k + 4 * (2 * k + 1))
+    return batch * (8 * length + 4 * 4 + 2 + 4 * 16 + 4 * 9 + bias + 4 + 4 * 3 + 4 * k + 4 * (2 * k + 1))
 
 
 def deepseek_v3_device_bytes(data: int, expert: int, tensor: int) -> int:
@@ -292,7 +293,7 @@ def test_glm_45_air_on_8_h200s_fits_with_experts_split_not_with_tensor_alone():
     split = plan("glm-4.5-air", "expert=8", memory)
     assert split.weights_bytes == glm_45_air_weight_bytes(expert=8)
     total = sum(glm_45_air_weight_bytes(expert=8).values()) + gqa_cache_bytes(47) + decode_state_bytes(B, S, 1)
-    assert split.total_bytes == total == 46_536_686_320  # 46.5 GB of 141
+    assert split.total_bytes == total == 46_536_686_512  # 46.5 GB of 141
     assert split.fits
     check_fits(split)  # nothing raised
 
@@ -319,7 +320,7 @@ def _smallest_by_hand(memory: int) -> tuple[tuple[int, int, int], int]:
 
 def test_deepseek_v3_bf16_does_not_fit_8_h200s_and_the_error_names_the_smallest_mesh():
     p = plan("deepseek-v3", "expert=8", 141 * GB)
-    assert p.total_bytes == deepseek_v3_device_bytes(1, 8, 1) == 203_759_885_040
+    assert p.total_bytes == deepseek_v3_device_bytes(1, 8, 1) == 203_759_885_232
     assert p.fits is False
     (data, expert, tensor), total = _smallest_by_hand(141 * GB)
     assert (data, expert, tensor) == (1, 16, 1)  # 16 devices: the experts split 16 ways
@@ -492,7 +493,7 @@ def test_verify_states_are_what_the_real_verify_keeps(scan, k):
     """The plan's shapes against `jax.eval_shape` of `mtp_jax.decode.step.verify`: the `RecurrentCandidates`
     in the cache it returns (stacked, where the model scans), here with a bfloat16 conv."""
     from mtp_jax.cache import RecurrentCandidates
-    from mtp_jax.decode.step import verify
+    from mtp_jax.decode.step import sampling_metadata, verify
     from mtp_jax.memory_plan import abstract_decode_state
 
     speculative = SpeculativeConfig(method="eagle", num_speculative_tokens=k)
@@ -500,7 +501,12 @@ def test_verify_states_are_what_the_real_verify_keeps(scan, k):
     model = abstract_model(config)
     graph, params = nnx.split(model)
     state, _ = abstract_decode_state(model, max_batch=3, max_length=32, speculative=speculative)
-    _, _, cache = jax.eval_shape(lambda params, state: verify(nnx.merge(graph, params), state), params, state)
+
+    def verified(params, state):
+        model = nnx.merge(graph, params)
+        return verify(model, state, sampling_metadata(model, state))
+
+    _, _, cache = jax.eval_shape(verified, params, state)
     is_kept = lambda node: isinstance(node, RecurrentCandidates)  # noqa: E731
     kept = [node for node in jax.tree.leaves(cache, is_leaf=is_kept) if is_kept(node)]
     assert len(kept) == (1 if scan else 3)
@@ -514,7 +520,7 @@ def test_verify_states_count_in_the_fit_and_the_smallest_mesh():
     p = memory_plan(QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=10**9)
     verify = verify_states_bytes(QWEN35, 32, 7)
     assert p.verify_states_bytes == verify == 117_571_584  # more than all the rest: 112,917,632 bytes
-    assert p.total_bytes - verify == 112_917_632
+    assert p.total_bytes - verify == 112_918_400
     tight = memory_plan(
         QWEN35, max_batch=32, max_length=256, speculative=eagle_7, device_memory_bytes=p.total_bytes - verify
     )

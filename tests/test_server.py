@@ -29,7 +29,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from test_async_engine import wait_for
 
-from mtp_jax import generate
+from mtp_jax import SamplingParams, generate
 from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained
 from mtp_jax.cli import build_parser, main
 from mtp_jax.cli.serve import run_serve
@@ -163,6 +163,11 @@ def complete(served, prompt, **kwargs):
 def completion_result(response) -> tuple[str, str, int, int]:
     choice = response.choices[0]
     return choice.text, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
+
+
+def chat_result(response) -> tuple[str, str, int, int]:
+    choice = response.choices[0]
+    return choice.message.content, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,6 +611,86 @@ def test_full_queue_is_429_queue_full(served):
     assert engine.num_waiting == 1  # the refused requests left nothing behind
 
 
+def test_penalties_min_p_and_min_tokens_change_the_output_as_generate_does(served):
+    """presence, frequency and repetition penalties (completions and chat, greedy under the server's eagle
+    speculation) give `generate`'s tokens with the same `SamplingParams`, which differ from the unpenalized
+    ones; min_tokens keeps EOS off (a prompt whose greedy output is EOS at once); min_p with a tiny value
+    at temperature 1 is greedy; out-of-range values are a 400 naming the field."""
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    expected = generate(
+        served.model, [ids_of(served, PROMPT)], max_new_tokens=24, max_length=MAX_LENGTH,
+        sampling=SamplingParams(**penalties), speculative=SPEC,
+    ).tokens[0]  # fmt: skip
+    assert expected != greedy_reference(served, PROMPT, 24)[0][: len(expected)]
+    out = complete(served, PROMPT, max_tokens=24, temperature=0, logprobs=0, extra_body=penalties)
+    assert out.choices[0].logprobs.tokens == [served.tokenizer.decode([t]) for t in expected]
+    streamed = complete(served, PROMPT, max_tokens=24, temperature=0, stream=True, extra_body=penalties)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    eos_tokens, _, eos_reason = greedy_reference(served, EOS_AT_ONCE, 8)
+    assert eos_reason == "stop" and len(eos_tokens) == 1
+    held = complete(served, EOS_AT_ONCE, max_tokens=8, temperature=0, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens >= 5
+    tiny_min_p = complete(served, PROMPT, max_tokens=12, temperature=1.0, seed=3, extra_body={"min_p": 0.999})
+    assert tiny_min_p.choices[0].text == complete(served, PROMPT, max_tokens=12, temperature=0).choices[0].text
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=10, temperature=0, presence_penalty=1.5,
+        frequency_penalty=0.5, extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    as_text = complete(served, plain_prompt(CHAT), max_tokens=10, temperature=0, extra_body=penalties)
+    assert chat.choices[0].message.content == as_text.choices[0].text
+    for field, value, message in (
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3.0, "[-2, 2]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("min_tokens", 9, "at most max_tokens"),
+        ("min_tokens", -1, ">= 0"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            complete(served, PROMPT, max_tokens=4, extra_body={field: value})
+        assert raised.value.param == field and message in raised.value.body["message"], raised.value.body
+
+
+def test_response_format_json_schema_and_json_object(served):
+    """response_format through the openai client: a JSON schema (completions and chat, streamed too) gives
+    JSON that validates, the same greedy text streamed or not (eagle speculation under the grammar), ending
+    with "stop"; json_object starts an object where the unconstrained text does not; a schema the engine
+    cannot compile, and min_tokens with a format, are a 400 naming the field."""
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["function", "class"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["kind", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    out = complete(served, PROMPT, max_tokens=40, temperature=0, extra_body={"response_format": fmt})
+    value = json.loads(out.choices[0].text)
+    assert out.choices[0].finish_reason == "stop" and value["kind"] in ("function", "class") and 0 <= value["n"] <= 9
+    assert set(value) == {"kind", "n"} and isinstance(value["n"], int)
+    streamed = complete(served, PROMPT, max_tokens=40, temperature=0, stream=True, extra_body={"response_format": fmt})
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=40, temperature=0, response_format=fmt
+    )
+    as_text = complete(served, plain_prompt(CHAT), max_tokens=40, temperature=0, extra_body={"response_format": fmt})
+    assert chat.choices[0].message.content == as_text.choices[0].text and json.loads(as_text.choices[0].text)
+    free = complete(served, PROMPT, max_tokens=4, temperature=0).choices[0].text
+    obj = complete(served, PROMPT, max_tokens=4, temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    assert obj.choices[0].text.startswith("{") and not free.startswith("{")
+    tiny = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+    assert complete(served, PROMPT, max_tokens=8, temperature=0, extra_body={"response_format": tiny}).choices[
+        0
+    ].text in ("true", "false")
+    for body, param, message in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format", ""),
+        ({"response_format": {"type": "yaml"}}, "response_format", "must be one of"),
+        ({"response_format": fmt, "min_tokens": 2}, "min_tokens", "cannot be combined"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            complete(served, PROMPT, max_tokens=8, extra_body=body)
+        assert raised.value.param == param and message in raised.value.body["message"], raised.value.body
+
+
 # ----------------------------------------------------------------------------------------------
 # Every field honoured or refused; limits before work
 
@@ -614,13 +699,7 @@ ASKING = {
     "best_of": 3,
     "echo": True,
     "suffix": "\n",
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
-    "repetition_penalty": 1.2,
-    "min_p": 0.1,
-    "min_tokens": 4,
     "prompt_logprobs": 0,
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
@@ -668,10 +747,7 @@ def test_a_field_not_implemented_is_refused_by_name(served, field):
         assert message.startswith(f"{field}: {short_json(ASKING[field])} is not supported"), message
 
 
-def test_json_mode_and_tools_are_refused_not_ignored(served):
-    with pytest.raises(openai.BadRequestError, match="structured output") as raised:
-        served.client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "json_object"})
-    assert raised.value.param == "response_format"
+def test_tools_are_refused_not_ignored(served):
     tools = ASKING["tools"]
     for choice in ("auto", "required"):
         with pytest.raises(openai.BadRequestError, match="function calling") as raised:
@@ -681,8 +757,8 @@ def test_json_mode_and_tools_are_refused_not_ignored(served):
 
 def test_no_op_values_and_ignored_fields_are_accepted_and_change_nothing(served):
     no_ops = {name: (u.noop[0] if u.noop else None) for name, u in NOT_IMPLEMENTED.items()}
-    assert no_ops["response_format"] == {"type": "text"} and no_ops["tools"] == []
-    extra = {**no_ops, **IGNORED, "n": 1}
+    assert no_ops["tools"] == []
+    extra = {**no_ops, **IGNORED, "n": 1, "response_format": {"type": "text"}}
     plain = completion_result(complete(served, PROMPT, max_tokens=12, temperature=0))
     assert completion_result(complete(served, PROMPT, max_tokens=12, temperature=0, extra_body=extra)) == plain
     chat = [
@@ -892,12 +968,7 @@ def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
     with running(build_app(served.async_engine, served.tokenizer, "chatty", chat_template=chat_template)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         chat = client.chat.completions.create(model="chatty", messages=messages, max_tokens=25, temperature=0)
-        assert (
-            chat.choices[0].message.content,
-            chat.choices[0].finish_reason,
-            chat.usage.prompt_tokens,
-            chat.usage.completion_tokens,
-        ) == expected
+        assert chat_result(chat) == expected
         # the template's arguments reach it: the prompt ends inside the final message, bos_token overridden
         prefill = [*messages, {"role": "assistant", "content": "    return"}]
         arguments = {"add_generation_prompt": False, "continue_final_message": True}
@@ -908,12 +979,7 @@ def test_chat_template_of_the_model_directory_is_used(served, tmp_path):
         chat = client.chat.completions.create(
             model="chatty", messages=prefill, max_tokens=8, temperature=0, extra_body=arguments
         )
-        assert (
-            chat.choices[0].message.content,
-            chat.choices[0].finish_reason,
-            chat.usage.prompt_tokens,
-            chat.usage.completion_tokens,
-        ) == expected
+        assert chat_result(chat) == expected
     refusing = ChatTemplate("{{ raise_exception('only user messages') }}")
     with pytest.raises(ValueError, match="only user messages"):
         refusing.render(messages)

@@ -212,7 +212,8 @@ def first_at(sequence: list[int], index: int) -> bool:
 
 def test_stops_inside_an_accepted_block(demo):
     """Every draft accepted (K + 1 = 4 tokens a step): a cap, a stop token and a stop string each
-    met at the second token of a block end the output exactly there."""
+    met at the second token of a block end the output exactly there; the stop string does not within
+    min_tokens."""
     model, tokenizer, prompts = demo
     engine = ServingEngine(model, ORACLE, tokenizer=tokenizer, max_batch=2, max_length=S, prefill_chunk=32)
     prompt = prompts[2]  # its greedy continuation does not repeat itself at once
@@ -256,6 +257,12 @@ def test_stops_inside_an_accepted_block(demo):
     assert "".join(o.text for o in got) == text[-1][: text[-1].find(stop)]
     assert tokens_of(outputs[after]) == alone(model, prompts[3], 10, spec=None, stop_tokens=[])
     assert engine.num_running == 0
+
+    # The same stop string within min_tokens (vLLM's: stop strings are not matched before it): no stop there.
+    sampling = SamplingParams(min_tokens=end + 2)
+    rid, reference = full_acceptance(model, engine, prompt, 40, stop=[stop], ignore_eos=True, sampling=sampling)
+    got = tokens_of(drain(engine)[rid])
+    assert len(got) > end + 1 and got == reference[: len(got)]
 
 
 def test_abort_frees_the_slot_and_leaves_the_others(demo):

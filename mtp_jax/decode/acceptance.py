@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mtp_jax.decode.grammar_mask import apply_token_bitmask
 from mtp_jax.decode.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
+    SamplingMetadata,
     SamplingState,
     all_greedy,
-    apply_logit_bias,
+    process_logits,
     row_keys,
     sample_from,
     target_probs,
@@ -37,9 +39,9 @@ if TYPE_CHECKING:
 class Target:
     """The target distributions of a forward's T outputs, each normalisation computed once.
 
-    logits: float32 [B, T, V], the raw logits with each row's logit bias added (`apply_logit_bias`).
-    probs: `target_probs(logits)` (temperature, top-k, top-p; one-hot for greedy rows), what acceptance
-    and sampling use. logprobs: the raw log-softmax (no bias), what results report (vLLM's
+    logits: float32 [B, T, V], the processed logits (`process_logits`: logit bias, min_tokens, penalties).
+    probs: `target_probs(logits)` (temperature, min-p, top-k, top-p; one-hot for greedy rows), what acceptance
+    and sampling use. logprobs: the raw log-softmax (nothing processed), what results report (vLLM's
     `raw_logprobs`) and relaxed acceptance compares.
     """
 
@@ -48,10 +50,25 @@ class Target:
     logprobs: jax.Array
 
     @classmethod
-    def from_logits(cls, logits: jax.Array, sampling: SamplingState) -> Target:
+    def from_logits(
+        cls,
+        logits: jax.Array,
+        metadata: SamplingMetadata,
+        drafts: jax.Array | None = None,
+        token_bitmask: jax.Array | None = None,
+    ) -> Target:
+        """The targets of raw `logits` [B, T, V] at positions L .. L + T - 1, preceded by the committed tokens
+        (`metadata`) and `drafts[:, :t]` (int32 [B, T - 1], the verify window's; None for T = 1); tokens a
+        grammar forbids at position t (`token_bitmask`, int32 [B, T, ceil(V / 32)], structured output) at -inf."""
         raw = logits.astype(jnp.float32)
-        biased = apply_logit_bias(raw, sampling)
-        return cls(logits=biased, probs=target_probs(biased, sampling), logprobs=jax.nn.log_softmax(raw, axis=-1))
+        processed = process_logits(raw, metadata, drafts)
+        if token_bitmask is not None:
+            processed = apply_token_bitmask(processed, token_bitmask)
+        return cls(
+            logits=processed,
+            probs=target_probs(processed, metadata.sampling),
+            logprobs=jax.nn.log_softmax(raw, axis=-1),
+        )
 
     def logprobs_at(self, tokens: jax.Array) -> jax.Array:
         """Raw log-probability of `tokens` (int32 [B, T]) under output t: float32 [B, T]."""

@@ -28,7 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache, PageLayout, init_cache, write_at
-from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingState, apply_logit_bias, sample_from, target_probs
+from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingMetadata, process_logits, sample_from, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.indexing import take_rows
 from mtp_jax.model import Transformer
@@ -96,15 +96,28 @@ def init_draft_state(
 
 
 def _pick_draft(
-    speculative: SpeculativeConfig, logits: jax.Array, sampling: SamplingState, positions: jax.Array
+    speculative: SpeculativeConfig,
+    logits: jax.Array,
+    metadata: SamplingMetadata,
+    positions: jax.Array,
+    ahead: jax.Array | None = None,
+    j: int | jax.Array = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """A draft token per row from MTP logits [B, V] for `positions`, and q ([B, V], or [B, 0] if greedy); the
-    rows' logit bias applies as to the target (drafts the target could not take would only be rejected)."""
-    logits = apply_logit_bias(logits, sampling)
+    """A draft token per row from MTP logits [B, V] for `positions` (draft j of the chain, after `ahead[:, :j]`,
+    int32 [B, A]), and q ([B, V], or [B, 0] if greedy). The logits are processed as the target's are (logit
+    bias, min_tokens, penalties, the chain's earlier drafts counted): drafts the target could not take would
+    only be rejected."""
+    logits = process_logits(logits[:, None], metadata, ahead, j)[:, 0]
+    sampling = metadata.sampling
     if speculative.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
         return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
     q = target_probs(logits, sampling)
     return sample_from(q, logits, sampling, positions, STREAM_DRAFT), q
+
+
+def _so_far(drafts: list[jax.Array]) -> jax.Array | None:
+    """The drafts an unrolled chain made so far (each int32 [B]) as int32 [B, j], None before the first."""
+    return jnp.stack(drafts, axis=1) if drafts else None
 
 
 def _window(hidden: jax.Array, start: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,7 +135,7 @@ def _tokens_at(tokens: jax.Array, positions: jax.Array) -> jax.Array:
 def draft_oracle(
     model: Transformer,
     speculative: SpeculativeConfig,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -138,7 +151,7 @@ def draft_oracle(
 def draft_eagle(
     model: Transformer,
     speculative: SpeculativeConfig,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -152,14 +165,14 @@ def draft_eagle(
     logits, chained, cache = module(
         hidden, _tokens_at(tokens, window + 1), window, state.caches[0], logits_at=last, **call
     )
-    token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths)
+    token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths)
     drafts = jnp.zeros((token.shape[0], k_max), token.dtype).at[:, 0].set(token)  # [B, K]
     probs = jnp.zeros((q.shape[0], k_max, q.shape[1]), q.dtype).at[:, 0].set(q)  # [B, K, V] or [B, K, 0]
 
     def chain(j, carry):  # draft j: one more pass at position L - 2 + j, chaining the module's own hidden
         drafts, probs, token, chained, cache = carry
         logits, chained, cache = module(chained, token[:, None], (lengths - 2 + j)[:, None], cache, **call)
-        token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths + j)
+        token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, drafts, j)
         return drafts.at[:, j].set(token), probs.at[:, j].set(q), token, chained, cache
 
     # a loop, not K - 1 unrolled copies of the module: compile time stays flat in K
@@ -171,7 +184,7 @@ def draft_eagle(
 def draft_vanilla(
     model: Transformer,
     speculative: SpeculativeConfig,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -193,7 +206,7 @@ def draft_vanilla(
             embed=model.embed,
             head=model.head,
         )
-        token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths + j)
+        token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         tokens = write_at(tokens, token[:, None], (lengths + j)[:, None])  # the next module reads it
         drafts.append(token)
         probs.append(q)
@@ -204,7 +217,7 @@ def draft_vanilla(
 def draft_parallel(
     model: Transformer,
     speculative: SpeculativeConfig,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -218,7 +231,7 @@ def draft_parallel(
         logits, _, cache = model.mtp[j](
             hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=model.head
         )  # (the heads read no tokens)
-        token, q = _pick_draft(speculative, logits[:, 0], sampling, lengths + j)
+        token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         drafts.append(token)
         probs.append(q)
         caches.append(cache)
@@ -238,7 +251,7 @@ DRAFTERS: dict[str, Drafter] = {
 def draft(
     model: Transformer,
     speculative: SpeculativeConfig | None,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -261,13 +274,13 @@ def draft(
     """
     if speculative is None:
         return state
-    return DRAFTERS[speculative.method](model, speculative, sampling, tokens, state, hidden, start, lengths)
+    return DRAFTERS[speculative.method](model, speculative, metadata, tokens, state, hidden, start, lengths)
 
 
 def fill_caches(
     model: Transformer,
     speculative: SpeculativeConfig | None,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     hidden: jax.Array,
@@ -304,7 +317,7 @@ def _last_hidden(h0: jax.Array, first: jax.Array, lengths: jax.Array, width: int
 def draft_after_prefill(
     model: Transformer,
     speculative: SpeculativeConfig | None,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     h0: jax.Array,
@@ -326,7 +339,7 @@ def draft_after_prefill(
     elif width:  # chunked vanilla: run over the kept window too (needs C >= K - 1: see `serving`)
         h0 = jnp.concatenate([state.hidden_window, h0.astype(state.hidden_window.dtype)], axis=1)
         start = start - width
-    state = draft(model, speculative, sampling, tokens, state, h0, start, lengths)
+    state = draft(model, speculative, metadata, tokens, state, h0, start, lengths)
     if width:
         state = state.replace(hidden_window=_last_hidden(h0, start, lengths, width).astype(state.hidden_window.dtype))
     return state
@@ -335,7 +348,7 @@ def draft_after_prefill(
 def draft_after_verify(
     model: Transformer,
     speculative: SpeculativeConfig | None,
-    sampling: SamplingState,
+    metadata: SamplingMetadata,
     tokens: jax.Array,
     state: DraftState,
     h0: jax.Array,
@@ -355,8 +368,8 @@ def draft_after_verify(
     width = state.hidden_window.shape[1]
     new_lengths = lengths + num_committed
     if not width:
-        return run(model, speculative, sampling, tokens, state, h0, lengths - 1, new_lengths)
+        return run(model, speculative, metadata, tokens, state, h0, lengths - 1, new_lengths)
     joined = jnp.concatenate([state.hidden_window, h0.astype(state.hidden_window.dtype)], axis=1)  # [B, W+k+1, E]
     window = _last_hidden(joined, lengths - 1 - width, new_lengths, width)
-    state = run(model, speculative, sampling, tokens, state, window, new_lengths - 1 - width, new_lengths)
+    state = run(model, speculative, metadata, tokens, state, window, new_lengths - 1 - width, new_lengths)
     return state.replace(hidden_window=window)

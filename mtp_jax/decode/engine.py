@@ -141,13 +141,15 @@ class DecodeEngine:
         *,
         draft_next: bool = True,
         top_logprobs: bool = True,
+        token_bitmask: jax.Array | None = None,
     ) -> tuple[DecodeState, StepOutput]:
         """One decode step and what each row committed (`step_with_output`; a paged state with its rows'
         `block_table`, int32 [B, W]); `num_drafts`: verify only the first k of the K drafts (0 .. K, one
         program each); `draft_next=False` (with k = 0): a plain step that only writes the MTP caches, its
         drafts stale until a step that drafts; `top_logprobs=False`: the state's top logprobs are not updated
-        (a state built with max_logprobs = 0 has none either way). Raises ValueError for k outside 0 .. K or for
-        draft_next=False with k != 0."""
+        (a state built with max_logprobs = 0 has none either way); `token_bitmask` (int32 [B, K+1, ceil(V / 32)]):
+        the tokens a grammar allows at each verify position (structured output; None: all, a program of its own).
+        Raises ValueError for k outside 0 .. K or for draft_next=False with k != 0."""
         k_max = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         if num_drafts is not None and (not is_integer(num_drafts) or not 0 <= num_drafts <= k_max):
             raise ValueError(f"num_drafts must be an int in 0 .. {k_max} (K), got {num_drafts!r}")
@@ -164,6 +166,7 @@ class DecodeEngine:
             num_drafts=num_drafts,
             draft_next=draft_next,
             top_logprobs=bool(top_logprobs) and state.top_logprobs.shape[-1] > 0,
+            token_bitmask=token_bitmask,
         )
 
     def prefill_rows(
@@ -173,12 +176,15 @@ class DecodeEngine:
         padded_prompts: jax.Array,
         start: jax.Array,
         block_table: jax.Array,
+        token_bitmask: jax.Array | None = None,
         *,
         final: bool,
     ) -> tuple[DecodeState, DecodeState]:
-        """A chunk of the paged row state `rows` prefilled into `state`'s page pools (`prefill_rows`); both
-        states are donated and returned."""
-        return self._call(_prefill_rows_jit, state, rows, padded_prompts, start, block_table, final=final)
+        """A chunk of the paged row state `rows` prefilled into `state`'s page pools (`prefill_rows`; a final
+        chunk's token masked by `token_bitmask[:, 0]`, int32 [R, 1, W]); both states are donated and returned."""
+        return self._call(
+            _prefill_rows_jit, state, rows, padded_prompts, start, block_table, token_bitmask, final=final
+        )
 
     def insert(self, state: DecodeState, rows: DecodeState, slot: int) -> DecodeState:
         """Row 0 of `rows` into row `slot` of `state` (`insert_row`; `rows` is not donated)."""

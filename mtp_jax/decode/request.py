@@ -125,6 +125,14 @@ def _stop_ids(stop_tokens, vocab_size: int) -> list[int]:
     return stop
 
 
+def check_min_tokens(sampling: SamplingParams, max_new_tokens: int) -> None:
+    """Raises ValueError when `sampling.min_tokens` exceeds the row's `max_new_tokens` (as vLLM does)."""
+    if sampling.min_tokens > max_new_tokens:
+        raise ValueError(
+            f"min_tokens={sampling.min_tokens} must be at most max_tokens (max_new_tokens)={max_new_tokens}"
+        )
+
+
 def check_request(
     config: ModelConfig,
     prompts: Sequence[Sequence[int]],

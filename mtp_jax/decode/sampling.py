@@ -1,12 +1,13 @@
-"""Per-row sampling: temperature, top-k, top-p (nucleus), greedy; reproducible per-row seeds.
+"""Per-row sampling: logit bias, penalties, min_tokens, temperature, min-p, top-k, top-p (nucleus), greedy;
+reproducible per-row seeds.
 
-One function, `target_probs`, turns logits into the distribution a row samples from. The plain
-sampler draws from it and the speculative acceptance uses the very same function for its target p,
-which is what makes rejection sampling lossless (`docs/MTP_SPEC.md`, "Acceptance").
-
-Order, as in Hugging Face's and vLLM's samplers: the logit bias (`apply_logit_bias`, added to the raw
-logits before anything else), temperature, then top-k, then top-p. Greedy rows (temperature 0) get a
-one-hot distribution at the argmax (lowest index on ties).
+Two functions turn a row's raw logits into the distribution it samples from: `process_logits` (what the
+row's history changes: the logit bias, `min_tokens`, the repetition, frequency and presence penalties; vLLM's
+logits processors and penalties, in its order) and `target_probs` (temperature, min-p, top-k, top-p). The
+plain sampler draws from them and the speculative acceptance uses the very same functions for its target p,
+the history of verify position j including the drafts before it, which is what makes rejection sampling
+lossless (`docs/MTP_SPEC.md`, "Acceptance"). Greedy rows (temperature 0) get a one-hot distribution at the
+argmax of the processed logits (lowest index on ties).
 Randomness: row b's draw for the token at absolute position i uses
 `fold_in(fold_in(key(seed_b), i), stream)`, so a row's output does not depend on which other rows
 share its batch; the streams below separate the independent draws at one position.
@@ -29,6 +30,7 @@ MAX_SEED = 2**32 - 1  # seeds are uint32 on device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
 MAX_LOGIT_BIAS = 300  # entries of one row's logit bias, as OpenAI's API
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI's API
+PENALTY_RANGE = 2.0  # |presence_penalty|, |frequency_penalty| at most this, as OpenAI's API
 STREAM_TARGET = 0  # the committed token drawn from the target (plain sampling, residual, bonus)
 STREAM_ACCEPT = 1  # the acceptance uniforms u_j
 STREAM_DRAFT = 3  # draft tokens sampled from the MTP distribution
@@ -46,6 +48,14 @@ class SamplingParams:
     logit_bias: token id -> a number in [-100, 100] added to its raw logit before everything else (greedy
       rows too; OpenAI's `logit_bias`, at most 300 entries); stored as sorted (id, bias) pairs. Token ids
       are checked against the vocabulary where the model is known (`check_request`).
+    min_tokens: the row's stop tokens (EOS included) are forbidden until it has generated this many tokens
+      (vLLM's; at most `max_new_tokens`, checked with the request).
+    repetition_penalty: > 0, 1 = off (CTRL, Keskar et al. 2019, as vLLM and Hugging Face): the logit of
+      every token in the prompt or the output so far is divided by it where positive, multiplied where not.
+    frequency_penalty, presence_penalty: in [-2, 2], 0 = off (OpenAI's): each token's logit is lowered by
+      frequency_penalty x its count in the output so far, and by presence_penalty if that count is > 0.
+    min_p: in [0, 1], 0 = off (vLLM's): after temperature, tokens less likely than min_p x the most likely
+      one's probability are dropped (greedy rows: no effect).
 
     Python or NumPy numbers are accepted; a bool is not a number here. Raises TypeError for a
     value of the wrong type and ValueError for one out of range, naming the field.
@@ -56,6 +66,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self):
         bias = self.logit_bias
@@ -70,10 +85,10 @@ class SamplingParams:
             if not is_real(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p"):
             if not is_real(getattr(self, name)):
                 raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
-        for name in ("top_k", "seed"):
+        for name in ("top_k", "seed", "min_tokens"):
             if not is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         if not (np.isfinite(self.temperature) and self.temperature >= 0):
@@ -84,10 +99,26 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        if not 0 <= self.min_tokens <= 2**31 - 1:
+            raise ValueError(f"min_tokens must be an int >= 0 (0 = off), got {self.min_tokens!r}")
+        if not (np.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= np.finfo(np.float32).max):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the row's history (repetition, frequency or presence)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 @struct.dataclass
@@ -100,6 +131,11 @@ class SamplingState:
     seed: jax.Array  # uint32
     bias_tokens: jax.Array  # int32 [B, MAX_LOGIT_BIAS]: the logit bias's token ids, -1 = unused
     bias_values: jax.Array  # float32 [B, MAX_LOGIT_BIAS]
+    min_tokens: jax.Array  # int32, 0 = off
+    repetition_penalty: jax.Array  # float32, 1 = off
+    frequency_penalty: jax.Array  # float32, 0 = off
+    presence_penalty: jax.Array  # float32, 0 = off
+    min_p: jax.Array  # float32, 0 = off
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> SamplingState:
@@ -117,6 +153,11 @@ class SamplingState:
                     seed=np.asarray([p.seed for p in params], np.uint32),
                     bias_tokens=tokens,
                     bias_values=values,
+                    min_tokens=np.asarray([p.min_tokens for p in params], np.int32),
+                    **{
+                        name: np.asarray([getattr(p, name) for p in params], np.float32)
+                        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")
+                    },
                 )
             )
         )
@@ -146,19 +187,112 @@ def _filter_top_k_top_p(scaled: jax.Array, sampling: SamplingState) -> jax.Array
     return jnp.where(scaled >= pth, scaled, -jnp.inf)
 
 
-def apply_logit_bias(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
-    """`logits` (float32) with each row's logit bias added at every position. Built per row (vmap: a batch
-    sharded over devices scatters locally) and always (a condition on any row's bias would be one more
-    collective per step on a mesh; the add is small beside the head's matmul)."""
-    logits = logits.astype(jnp.float32)
-    batch, vocab = logits.shape[0], logits.shape[-1]
-    ids = jnp.where(sampling.bias_tokens >= 0, sampling.bias_tokens, vocab)  # unused: past the end, dropped
+@struct.dataclass
+class SamplingMetadata:
+    """The rows' sampling parameters and what their logits processing reads of their history (vLLM's name):
+    built once per step (`build`), advanced past the tokens the step commits (`after`), read by
+    `process_logits` at every verify and draft position."""
 
-    def row(ids, values):
-        return jnp.zeros((vocab,), jnp.float32).at[ids].add(values, mode="drop")
+    sampling: SamplingState
+    bias: jax.Array  # float32 [B, V]: the logit bias, dense
+    stop_mask: jax.Array  # bool [B, V]: the row's stop tokens (what min_tokens forbids)
+    prompt_mask: jax.Array  # bool [B, V]: tokens in the prompt (all False when no row is penalized)
+    output_bin_counts: jax.Array  # int32 [B, V]: each token's count in the output so far (likewise)
+    num_generated: jax.Array  # int32 [B]: output tokens so far
 
-    bias = jax.vmap(row)(ids, sampling.bias_values)  # [B, V]
-    return logits + bias.reshape(batch, *([1] * (logits.ndim - 2)), vocab)
+    @classmethod
+    def build(
+        cls,
+        sampling: SamplingState,
+        vocab_size: int,
+        tokens: Int[Array, "B S"] | None = None,
+        output_start: Int[Array, " B"] | None = None,
+        lengths: Int[Array, " B"] | None = None,
+        stop_tokens: Int[Array, "B M"] | None = None,
+    ) -> SamplingMetadata:
+        """The metadata of rows whose committed tokens are `tokens[b, :lengths[b]]`, the output from
+        `output_start[b]` on, with `stop_tokens` (-1 = unused). Without `tokens`: rows with no history.
+        Built per row (vmap: a batch sharded over devices scatters locally); the prompt mask and output
+        counts only when some row is penalized (`lax.cond`: they cost a scatter of all S positions)."""
+        batch = sampling.temperature.shape[0]
+
+        def scatter(ids, values, dtype):  # [B, N] ids (out of range: dropped) -> [B, V]
+            row = lambda i, v: jnp.zeros((vocab_size,), dtype).at[i].add(v.astype(dtype), mode="drop")  # noqa: E731
+            return jax.vmap(row)(jnp.where(ids >= 0, ids, vocab_size), values)
+
+        bias = scatter(sampling.bias_tokens, sampling.bias_values, jnp.float32)
+        stop_mask = jnp.zeros((batch, vocab_size), bool)
+        if stop_tokens is not None:
+            stop_mask = scatter(stop_tokens, jnp.ones(stop_tokens.shape, jnp.int32), jnp.int32) > 0
+        prompt_mask, counts = jnp.zeros((batch, vocab_size), bool), jnp.zeros((batch, vocab_size), jnp.int32)
+        num_generated = jnp.zeros((batch,), jnp.int32)
+        if tokens is not None:
+            num_generated = jnp.maximum(lengths - output_start, 0)
+
+            def history(_):
+                position = jnp.arange(tokens.shape[1])[None, :]
+                in_prompt = (position < output_start[:, None]).astype(jnp.int32)
+                in_output = ((position >= output_start[:, None]) & (position < lengths[:, None])).astype(jnp.int32)
+                return scatter(tokens, in_prompt, jnp.int32) > 0, scatter(tokens, in_output, jnp.int32)
+
+            prompt_mask, counts = jax.lax.cond(any_penalized(sampling), history, lambda _: (prompt_mask, counts), None)
+        return cls(sampling, bias, stop_mask, prompt_mask, counts, num_generated)
+
+    def after(self, tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num: Int[Array, " B"], width: int):
+        """The metadata once `num[b]` <= `width` (static) more tokens are committed, at positions
+        `lengths[b]` .. of `tokens`."""
+        index = jnp.arange(width)[None, :]
+        new = jnp.take_along_axis(tokens, jnp.minimum(lengths[:, None] + index, tokens.shape[1] - 1), axis=1)
+        vocab = self.output_bin_counts.shape[1]
+        ids = jnp.where(index < num[:, None], new, vocab)  # past the committed: dropped
+        counts = jax.vmap(lambda c, i: c.at[i].add(1, mode="drop"))(self.output_bin_counts, ids)
+        return self.replace(output_bin_counts=counts, num_generated=self.num_generated + num)
+
+
+def any_penalized(sampling: SamplingState) -> jax.Array:
+    """True (a bool scalar) when some row has a repetition, frequency or presence penalty."""
+    return jnp.any(
+        (sampling.repetition_penalty != 1) | (sampling.frequency_penalty != 0) | (sampling.presence_penalty != 0)
+    )
+
+
+def process_logits(
+    logits: Float[Array, "B T V"],
+    metadata: SamplingMetadata,
+    ahead: Int[Array, "B A"] | None = None,
+    start: int | jax.Array = 0,
+) -> Float[Array, "B T V"]:
+    """The raw `logits` (of T consecutive positions) after what the rows' history changes, in vLLM's order:
+    the logit bias added; the stop tokens at -inf where fewer than `min_tokens` tokens precede; then the
+    repetition penalty (prompt and output tokens), the frequency and presence penalties (output tokens).
+
+    Position t's history is the metadata's (the committed tokens) plus `ahead[:, :start + t]` (int32
+    [B, A], tokens not yet committed that precede it: the verify window's drafts, start = 0, or the drafts
+    an MTP chain made before its j-th, start = j, traced or not). The penalties run only when some row is
+    penalized (`lax.cond`). Returns float32 [B, T, V]."""
+    m, sampling = metadata, metadata.sampling
+    logits = logits.astype(jnp.float32) + m.bias[:, None, :]
+    num_ahead = start + jnp.arange(logits.shape[1])  # [T]: tokens of `ahead` before each position
+    early = (m.num_generated[:, None] + num_ahead[None, :]) < sampling.min_tokens[:, None]  # [B, T]
+    logits = jnp.where(early[..., None] & m.stop_mask[:, None, :], -jnp.inf, logits)
+
+    def penalize(logits):
+        counts = jnp.broadcast_to(m.output_bin_counts[:, None, :], logits.shape)
+        if ahead is not None and ahead.shape[1]:  # counts after the first i tokens ahead, i = 0 .. A
+            seen = jnp.cumsum(jax.nn.one_hot(ahead, logits.shape[-1], dtype=jnp.int32), axis=1)
+            seen = jnp.pad(seen, ((0, 0), (1, 0), (0, 0)))  # [B, A + 1, V]
+            counts = counts + jnp.take(seen, jnp.clip(num_ahead, 0, ahead.shape[1]), axis=1)
+        present = counts > 0
+        repetition = sampling.repetition_penalty[:, None, None]
+        repeated = jnp.where(logits > 0, logits / repetition, logits * repetition)
+        logits = jnp.where(present | m.prompt_mask[:, None, :], repeated, logits)
+        return (
+            logits
+            - sampling.frequency_penalty[:, None, None] * counts
+            - sampling.presence_penalty[:, None, None] * present
+        )
+
+    return jax.lax.cond(any_penalized(sampling), penalize, lambda x: x, logits)
 
 
 def all_greedy(sampling: SamplingState) -> jax.Array:
@@ -169,7 +303,8 @@ def all_greedy(sampling: SamplingState) -> jax.Array:
 def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
     """The distribution each row samples from: float32 probabilities, same shape as `logits`.
 
-    Temperature, then top-k, then top-p; greedy rows (temperature 0) are one-hot at the argmax.
+    Temperature, then min-p, then top-k, then top-p (vLLM's order); greedy rows (temperature 0) are one-hot
+    at the argmax. `logits` are the processed ones (`process_logits`).
     The logits are shifted by their row max before the division, so any temperature > 0, however
     small, gives a distribution (as it tends to 0: uniform over the tied maxima).
     Tokens outside the top-k / top-p set have probability exactly 0. The sort that top-k / top-p
@@ -187,6 +322,8 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
         # The divisor is at least float32's smallest normal number, which no device flushes to zero.
         shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
         scaled = shifted / jnp.where(greedy, 1.0, jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny))
+        # min-p: the most likely token's scaled logit is 0, so p_i >= min_p * p_max is scaled_i >= log(min_p).
+        scaled = jnp.where(scaled >= jnp.log(_expand(sampling.min_p, ndim)), scaled, -jnp.inf)
         filtering = jnp.any(sampling.top_k > 0) | jnp.any(sampling.top_p < 1)
         scaled = jax.lax.cond(filtering, _filter_top_k_top_p, lambda x, _: x, scaled, sampling)
         return jnp.where(greedy, one_hot, jax.nn.softmax(scaled, axis=-1))

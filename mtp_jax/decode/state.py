@@ -24,7 +24,7 @@ from mtp_jax.config import MAX_STOP_TOKENS
 from mtp_jax.decode.acceptance import initial_phase
 from mtp_jax.decode.drafters import DraftState, init_draft_state
 from mtp_jax.decode.metrics import SpeculativeCounters, SpeculativeMetrics
-from mtp_jax.decode.request import check_request
+from mtp_jax.decode.request import check_min_tokens, check_request
 from mtp_jax.decode.sampling import SamplingParams, SamplingState
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import Transformer
@@ -41,6 +41,7 @@ class DecodeState:
     tokens: jax.Array  # int32 [B, S]: committed tokens, prompt first
     lengths: jax.Array  # int32 [B]: L_b, committed tokens per row
     prompt_lengths: jax.Array  # int32 [B]
+    output_start: jax.Array  # int32 [B]: where the output begins (< prompt_lengths: a resumed row, `init_state`)
     max_new_tokens: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
     cache: tuple[KVCache, ...]  # the main model's cache (`Transformer.init_cache`), positions 0 .. lengths - 2
@@ -109,11 +110,15 @@ def init_state(
     oracle_tokens: np.ndarray | None = None,
     pages: PageLayout | None = None,
     max_logprobs: int = 0,
+    num_generated: Sequence[int] | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     """Checks the request and builds the initial state and the padded prompt array int32 [B, P]; with `pages`
     its attention caches (main and MTP) are paged (`mtp_jax.cache.PagedCache`; the serving engine's); with
     `max_logprobs` N > 0 every call also keeps the N most likely tokens at the positions it committed
     (`DecodeState.top_logprobs`, vLLM's `max_logprobs`; ValueError unless 0 <= N <= vocab size).
+    `num_generated[b]`: the last tokens of prompt b that are output the row generated before (a request
+    resumed after a preemption): the penalties count them as output and `min_tokens` as generated
+    (ValueError unless in 0 .. len(prompt) - 1).
 
     The request's arguments are `generate`'s (checked by `mtp_jax.decode.request.check_request`, which
     lists the TypeError / ValueError raised); `speculative` is checked against the model
@@ -137,6 +142,13 @@ def init_state(
     )
     prompts, capacity, batch = request.prompts, request.max_length, len(request.prompts)
     prompt_lengths = np.asarray([len(p) for p in prompts], np.int32)
+    generated = np.zeros(batch, np.int32) if num_generated is None else np.asarray(num_generated)
+    if generated.shape != (batch,) or not np.issubdtype(generated.dtype, np.integer):
+        raise ValueError(f"num_generated must be one int per prompt ({batch}), got {num_generated!r}")
+    if np.any(generated < 0) or np.any(generated >= prompt_lengths):
+        raise ValueError(f"num_generated must be in 0 .. len(prompt) - 1 per prompt, got {generated.tolist()}")
+    for params, new, done in zip(request.sampling, request.max_new_tokens, generated.tolist(), strict=True):
+        check_min_tokens(params, new + done)
     bucket = min(-(-int(prompt_lengths.max()) // PROMPT_BUCKET) * PROMPT_BUCKET, capacity)
     padded = np.zeros((batch, bucket), np.int32)
     tokens = np.zeros((batch, capacity), np.int32)
@@ -151,6 +163,7 @@ def init_state(
         tokens=tokens,
         lengths=prompt_lengths,
         prompt_lengths=prompt_lengths.copy(),
+        output_start=(prompt_lengths - generated).astype(np.int32),
         max_new_tokens=np.asarray(request.max_new_tokens, np.int32),
         done=np.zeros((batch,), bool),
         stop_tokens=np.asarray([stop] * batch, np.int32),

@@ -30,6 +30,7 @@ from flax import struct
 from mtp_jax.cache import KVCache, bind_pages, settle, share_pools, without_pools, write_at
 from mtp_jax.decode.acceptance import Target, accept, update_phase
 from mtp_jax.decode.drafters import draft_after_prefill, draft_after_verify
+from mtp_jax.decode.sampling import SamplingMetadata
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
 from mtp_jax.layers.indexing import sequence_positions, take_rows
@@ -40,10 +41,15 @@ from mtp_jax.sharding import constrain_tree
 
 @jax.named_scope("verify_forward")  # named scopes: `benchmarks/profile_step.py` groups time by them
 def verify(
-    model: Transformer, state: DecodeState, num_drafts: int | None = None
+    model: Transformer,
+    state: DecodeState,
+    metadata: SamplingMetadata,
+    num_drafts: int | None = None,
+    token_bitmask: jax.Array | None = None,
 ) -> tuple[Target, jax.Array, tuple[KVCache, ...]]:
     """The main model over `[t_{L-1}, d_1 .. d_k]` at positions L-1 .. L-1+k (int32 [B, k+1]), k = `num_drafts`
-    (static, default all K drafts).
+    (static, default all K drafts); target j's logits are processed with the history `metadata` and d_1 .. d_j,
+    and masked by `token_bitmask[:, j]` (int32 [B, >= k+1, W], structured output; None: no mask).
 
     Returns the K+1 targets, h^0 [B, K+1, E] for the drafter (`mtp.initial_hidden`; the final norm
     runs once for it and the logits) and the main cache with the K+1 entries written (a finished
@@ -54,7 +60,8 @@ def verify(
     positions = sequence_positions(*window.shape, state.lengths - 1)
     _, hidden, cache = model(window, positions, state.cache, with_logits=False, keep_candidates=True)
     normed = model.norm(hidden)
-    target = Target.from_logits(model.head(normed), state.sampling)
+    mask = None if token_bitmask is None else token_bitmask[:, : window.shape[1]]
+    target = Target.from_logits(model.head(normed), metadata, window[:, 1:], mask)
     return target, initial_hidden(model, hidden, normed), cache
 
 
@@ -139,11 +146,13 @@ def prefill(
     state: DecodeState,
     padded_prompts: jax.Array,
     start: jax.Array | None = None,
+    token_bitmask: jax.Array | None = None,
     *,
     final: bool = True,
 ) -> DecodeState:
     """Prompts int32 [B, C] (right-padded) through the main model, the first token committed (as a
-    step with no drafts commits it), the first drafts made. Not a step: the metrics count none.
+    step with no drafts commits it; masked by `token_bitmask[:, 0]`, int32 [B, >= 1, W], if given), the
+    first drafts made. Not a step: the metrics count none.
 
     Chunked prefill (`mtp_jax.serving`): `start` (int32 [B]) puts the chunk at positions start ..
     start + C - 1 of prompts already prefilled before `start`. A `final` chunk holds each prompt's
@@ -159,7 +168,8 @@ def prefill(
         logits, hidden, cache = model(
             padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1 - offset, advance=advance
         )
-        target = Target.from_logits(logits, state.sampling)  # [B, 1, V]: the target at position L
+        mask = None if token_bitmask is None else token_bitmask[:, :1]
+        target = Target.from_logits(logits, sampling_metadata(model, state), None, mask)  # [B, 1, V]: at position L
         state = commit_first_token(speculative, state.replace(cache=cache), target)
         lengths = state.lengths
     else:
@@ -168,7 +178,14 @@ def prefill(
         lengths = offset + padded_prompts.shape[1] + 1  # as if the chunk's next token were committed too
     state = state.replace(
         draft=draft_after_prefill(
-            model, speculative, state.sampling, state.tokens, state.draft, initial_hidden(model, hidden), lengths, start
+            model,
+            speculative,
+            sampling_metadata(model, state),
+            state.tokens,
+            state.draft,
+            initial_hidden(model, hidden),
+            lengths,
+            start,
         )
     )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
@@ -181,6 +198,7 @@ def decode_step(
     num_drafts: int | None = None,
     draft_next: bool = True,
     top_logprobs: bool = True,
+    token_bitmask: jax.Array | None = None,
 ) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing).
 
@@ -190,11 +208,13 @@ def decode_step(
     only): the MTP modules only write their caches (`drafters.fill_caches`), no draft head, no chain; the
     drafts left in the state are stale, so a step that drafts must come before the next one that verifies.
     `top_logprobs=False` (static): `DecodeState.top_logprobs` is left as it was (stale; serving skips the
-    top-N when no running request asked for it)."""
+    top-N when no running request asked for it). `token_bitmask` (int32 [B, K+1, ceil(V / 32)]): the tokens a
+    grammar allows at each verify position (structured output; `verify`), None: all."""
     if not draft_next and num_drafts != 0:
         raise ValueError(f"draft_next=False needs num_drafts=0 (stale drafts cannot be verified), got {num_drafts!r}")
     k = state.draft.tokens.shape[1] if num_drafts is None else num_drafts
-    target, h0, cache = verify(model, state, k)  # h0: [B, k+1, E] at positions L-1 .. L-1+k
+    history = sampling_metadata(model, state)
+    target, h0, cache = verify(model, state, history, k, token_bitmask)  # h0: [B, k+1, E] at L-1 .. L-1+k
     before = state
     state, num, num_accepted = accept_and_commit(
         speculative,
@@ -208,10 +228,30 @@ def decode_step(
     state = state.replace(metrics=state.metrics.count_step(~before.done, jnp.minimum(num_accepted, num), k))
     state = state.replace(
         draft=draft_after_verify(
-            model, speculative, state.sampling, state.tokens, state.draft, h0, before.lengths, num, drafts=draft_next
+            model,
+            speculative,
+            history.after(state.tokens, before.lengths, num, k + 1),
+            state.tokens,
+            state.draft,
+            h0,
+            before.lengths,
+            num,
+            drafts=draft_next,
         )
     )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
+
+
+def sampling_metadata(model: Transformer, state: DecodeState) -> SamplingMetadata:
+    """The rows' `SamplingMetadata` at a step boundary: their parameters, stop tokens and committed tokens."""
+    return SamplingMetadata.build(
+        state.sampling,
+        model.config.vocab_size,
+        state.tokens,
+        state.output_start,
+        state.lengths,
+        state.stop_tokens,
+    )
 
 
 def run(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
@@ -234,6 +274,7 @@ class StepOutput:
     done: jax.Array  # bool [B], after the step
     top_logprobs: jax.Array  # float32 [B, K+1, N]: the N most likely tokens at each committed position
     top_tokens: jax.Array  # int32 [B, K+1, N] (`DecodeState.top_logprobs`; N = 0 unless asked for)
+    drafts: jax.Array  # int32 [B, K]: the drafts the next step verifies (stale after `draft_next=False`)
 
 
 def step_with_output(
@@ -244,13 +285,16 @@ def step_with_output(
     num_drafts: int | None = None,
     draft_next: bool = True,
     top_logprobs: bool = True,
+    token_bitmask: jax.Array | None = None,
 ) -> tuple[DecodeState, StepOutput]:
     """`decode_step` (verifying `num_drafts` drafts; drafting the next unless `draft_next` is False), and what
     it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
 
     A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
     must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
-    stepped = decode_step(model, speculative, with_pages(state, block_table), num_drafts, draft_next, top_logprobs)
+    stepped = decode_step(
+        model, speculative, with_pages(state, block_table), num_drafts, draft_next, top_logprobs, token_bitmask
+    )
     new = with_pages(stepped, None)
     positions = jnp.minimum(
         state.lengths[:, None] + jnp.arange(state.draft.tokens.shape[1] + 1)[None, :], state.tokens.shape[1] - 1
@@ -263,6 +307,7 @@ def step_with_output(
         done=new.done,
         top_logprobs=new.top_logprobs,
         top_tokens=new.top_tokens,
+        drafts=new.draft.tokens,
     )
 
 
@@ -290,6 +335,7 @@ def prefill_rows(
     padded_prompts: jax.Array,
     start: jax.Array,
     block_table: jax.Array,
+    token_bitmask: jax.Array | None = None,
     *,
     final: bool,
 ) -> tuple[DecodeState, DecodeState]:
@@ -298,7 +344,7 @@ def prefill_rows(
     engine's prefill, whose KV lands where the row's decode steps read it (no copy at `insert_row`).
     Returns both states (`rows` again without pools)."""
     rows = with_pages(_pools_from(rows, state), block_table)
-    rows = with_pages(prefill(model, speculative, rows, padded_prompts, start, final=final), None)
+    rows = with_pages(prefill(model, speculative, rows, padded_prompts, start, token_bitmask, final=final), None)
     state = _pools_from(state, rows)
     return state, rows.replace(
         cache=without_pools(rows.cache), draft=rows.draft.replace(caches=without_pools(rows.draft.caches))

@@ -18,7 +18,15 @@ dropped:
   sampled with seed + i: choice 0 is the request with n = 1; the prompt's pages are shared through
   the prefix cache where it is on); `logit_bias` (token id -> bias in [-100, 100], at most 300, added to
   the raw logits before temperature and filtering, greedy rows too; under speculation the drafts are
-  drafted and verified with it, so output is as without speculation); `skip_special_tokens` (vLLM's,
+  drafted and verified with it, so output is as without speculation); `presence_penalty`,
+  `frequency_penalty` (OpenAI's, in [-2, 2]), `repetition_penalty` (vLLM's, > 0, 1 = off), `min_tokens`
+  (vLLM's: the stop tokens are forbidden and stop strings unmatched before it), `min_p` (vLLM's, in
+  [0, 1]): `mtp_jax.decode.sampling` (vLLM's order; under speculation each verify position counts the
+  drafts before it, so output is as without speculation); `response_format` (`{"type": "text"}`,
+  `"json_object"`, `"json_schema"` with `json_schema.schema` and `strict`: compact JSON through the
+  llguidance grammar engine, `mtp_jax.serving.grammar`; every verify position masked by the grammar
+  after the drafts before it, so output is as without speculation; a schema it cannot compile is a 400;
+  not with `min_tokens`); `skip_special_tokens` (vLLM's,
   default true; false keeps special tokens other than the stop token in the text),
   `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
   prompt's text first; not with `logprobs`, which would need the prompt's); chat's vLLM fields
@@ -33,10 +41,9 @@ dropped:
   `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
   `parallel_tool_calls` (tools are refused), and `stream_options.include_obfuscation`.
 - Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
-  (clients send defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`, `tools: []`,
-  ...), is accepted; any other value is a 400 naming the field. They are `best_of`, chat's `echo`,
-  `suffix`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
-  `prompt_logprobs`, `response_format`, `tools`, `tool_choice`, `functions`,
+  (clients send defaults: `best_of: 1`, `tools: []`, `tool_choice: "none"`, ...), is
+  accepted; any other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
+  `prompt_logprobs`, `tools`, `tool_choice`, `functions`,
   `function_call`, `truncate_prompt_tokens`, `chat_template`, `reasoning_effort`, `verbosity`,
   `modalities`, `audio`, `prediction`, `web_search_options`.
   Refused where they are parsed: content parts that are not text, more than 128 choices in all
@@ -112,13 +119,7 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "best_of": Unsupported("best-of-n candidates", (1,)),
     "echo": Unsupported("echoing the last message (chat)", (False,)),
     "suffix": Unsupported("insertion (a suffix)", ("",)),
-    "presence_penalty": Unsupported("presence penalties", (0,)),
-    "frequency_penalty": Unsupported("frequency penalties", (0,)),
-    "repetition_penalty": Unsupported("repetition penalties", (1,)),
-    "min_p": Unsupported("min-p sampling", (0,)),
-    "min_tokens": Unsupported("a minimum output length", (0,)),
     "prompt_logprobs": Unsupported("prompt logprobs"),
-    "response_format": Unsupported("structured output (JSON mode, JSON schemas)", ({"type": "text"},)),
     "tools": Unsupported("function calling", ([],)),
     "tool_choice": Unsupported("function calling", ("none", "auto")),
     "functions": Unsupported("function calling", ([],)),
@@ -365,6 +366,12 @@ class _Sampled(BaseModel):
     skip_special_tokens: StrictBool | None = True
     include_stop_str_in_output: StrictBool | None = False
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -453,6 +460,11 @@ class _Sampled(BaseModel):
             top_k=0 if top_k == -1 else top_k,
             seed=secrets.randbits(32) if self.seed is None else _choice_seed(self.seed, choice),
             logit_bias={token: float(v) for token, v in (self.logit_bias or {}).items()},
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
         )
         return dict(
             max_tokens=self.resolved_max_tokens(),
@@ -463,6 +475,7 @@ class _Sampled(BaseModel):
             logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            response_format=self.response_format,
         )
 
     @property

@@ -9,9 +9,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.decode.request import check_request
+from mtp_jax.decode.request import check_min_tokens, check_request
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.text import TextStream
+from mtp_jax.serving.grammar import GrammarMatcher
 from mtp_jax.serving.outputs import RequestMetrics, RequestOutput
 from mtp_jax.validation import is_integer
 
@@ -46,6 +47,8 @@ class ServedRequest:
     pages_final: int = 0  # leading positions already offered to the prefix cache
     num_logprobs: int = 0  # most likely tokens reported per output token (OpenAI's top_logprobs)
     include_stop_str_in_output: bool = False  # a matched stop string ends the text after it, not before
+    grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+    drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # its row's next drafts
 
     @property
     def length(self) -> int:
@@ -81,7 +84,7 @@ class ServedRequest:
         checked = check_request(
             config,
             [prompt],
-            max_new_tokens=1 if max_tokens is None else max_tokens,
+            max_new_tokens=2**31 - 1 if max_tokens is None else max_tokens,  # (None: min_tokens checked below)
             sampling=sampling,
             max_length=max_length,
             stop_tokens=eos + list(stop_token_ids),
@@ -89,6 +92,7 @@ class ServedRequest:
         prompt = checked.prompts[0]
         room = max_length - len(prompt)
         max_tokens = room if max_tokens is None else checked.max_new_tokens[0]
+        check_min_tokens(checked.sampling[0], max_tokens)
         if max_tokens > room:
             raise ValueError(
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens and a slot "
@@ -145,13 +149,15 @@ class ServedRequest:
         for token in tokens:
             taken += 1
             self.token_ids.append(token)
+            if self.grammar is not None and self.grammar.accept([token]) != 1 and not self.grammar.is_terminated:
+                raise RuntimeError(f"token {token} breaks the request's grammar: its masks were not applied")
             if token in stop_ids:
                 self.finish_reason, self.stop_reason = "stop", (None if token in self.eos_ids else token)
                 break
             if self.text is not None:
                 searched = max(0, len(self.text.text) - longest + 1)
                 self.text.push([token])
-                if self.stop:
+                if self.stop and len(self.token_ids) > self.sampling.min_tokens:  # (vLLM's: not before min_tokens)
                     hits = [(i, s) for s in self.stop if (i := self.text.text.find(s, searched)) >= 0]
                     if hits:
                         self.text_end, self.stop_reason = min(hits)

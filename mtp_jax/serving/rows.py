@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from mtp_jax.cache import PageLayout
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.engine import compiled_counts as decode_compiled_counts
+from mtp_jax.decode.grammar_mask import bitmask_width
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
@@ -66,6 +67,11 @@ class DeviceRows:
         self.drafts_stale = False  # after a plain step that drafted nothing (`step(..., draft_next=False)`)
         self.oracle = speculative is not None and speculative.method == "oracle"
         self.max_logprobs = max_logprobs
+        self.bitmask_width = bitmask_width(model.config.vocab_size)
+        # Every step and final prefill chunk takes a token bitmask (one program whether or not a row has a
+        # grammar); these all-allowed ones stay on the device for the steps in which no row has one.
+        self._allow_all_step = self._on_mesh(np.full((max_batch, self.k_max + 1, self.bitmask_width), -1, np.int32))
+        self._allow_all_prefill = self._on_mesh(np.full((self.staging_rows, 1, self.bitmask_width), -1, np.int32))
         state, _ = self.decode.init_state(
             [[0]] * max_batch,
             max_new_tokens=1,
@@ -84,7 +90,8 @@ class DeviceRows:
         return {name: counts[name] for name in JITTED}
 
     def staging(self, prompt: list[int], max_new: int, request: ServedRequest | None = None) -> DecodeState:
-        """A staging row state for `prompt` (and `request`'s sampling, stops and oracle tokens), without pools."""
+        """A staging row state for `prompt` (and `request`'s sampling, stops and oracle tokens; after a preemption
+        the prompt ends with what the request had received, its output for the penalties), without pools."""
         dummies = self.staging_rows - 1  # rows for the other data-parallel devices, never read
         oracle = None
         if self.oracle:  # fixed shape [rows, S]: no recompiles
@@ -100,6 +107,7 @@ class DeviceRows:
             oracle_tokens=oracle,
             pages=PageLayout(self.num_pages, self.paging.page_size, pools=False),
             max_logprobs=self.max_logprobs,
+            num_generated=[0 if request is None else len(request.token_ids)] + [0] * dummies,
         )
         return self._placed(state)
 
@@ -107,7 +115,8 @@ class DeviceRows:
         self, rows: DecodeState, request: ServedRequest, prompt: list[int], start: int, *, final: bool
     ) -> DecodeState:
         """The chunk of `prompt` at `start` (C tokens, the last one right-padded) prefilled from the staging
-        state `rows` into `request`'s pages; returns the new staging state."""
+        state `rows` into `request`'s pages (a final chunk's token masked by the request's grammar, if any);
+        returns the new staging state."""
         size = self.prefill_chunk
         chunk = np.zeros((self.staging_rows, size), np.int32)
         part = prompt[start : start + size]
@@ -115,18 +124,29 @@ class DeviceRows:
         starts = np.zeros(self.staging_rows, np.int32)
         starts[0] = start
         table = self.table([request] + [None] * (self.staging_rows - 1), self.paging.prefill_width(start))
+        mask = self._allow_all_prefill
+        if final and request.grammar is not None:
+            host = np.full((self.staging_rows, 1, self.bitmask_width), -1, np.int32)
+            request.grammar.fill_mask(host[0, 0])
+            mask = self._on_mesh(host)
         self.state, rows = self.decode.prefill_rows(
-            self.state, rows, self._on_mesh(chunk), self._on_mesh(starts), table, final=final
+            self.state, rows, self._on_mesh(chunk), self._on_mesh(starts), table, mask, final=final
         )
         return rows
 
-    def first_token(self, rows: DecodeState, position: int) -> tuple[int, float, np.ndarray, np.ndarray]:
-        """The token a final prefill committed at `position`, its logprob and the `max_logprobs` most likely
-        tokens there (raw logprobs float32 [N], ids int32 [N])."""
-        token, logprob, values, ids = to_host(
-            (rows.tokens[0, position], rows.logprobs[0, position], rows.top_logprobs[0, 0], rows.top_tokens[0, 0])
+    def first_token(self, rows: DecodeState, position: int) -> tuple[int, float, np.ndarray, np.ndarray, np.ndarray]:
+        """The token a final prefill committed at `position`, its logprob, the `max_logprobs` most likely
+        tokens there (raw logprobs float32 [N], ids int32 [N]) and the row's first drafts (int32 [K])."""
+        token, logprob, values, ids, drafts = to_host(
+            (
+                rows.tokens[0, position],
+                rows.logprobs[0, position],
+                rows.top_logprobs[0, 0],
+                rows.top_tokens[0, 0],
+                rows.draft.tokens[0],
+            )
         )
-        return int(token), float(logprob), values, ids
+        return int(token), float(logprob), values, ids, drafts
 
     @property
     def plain_steps_skip_drafts(self) -> bool:
@@ -147,17 +167,26 @@ class DeviceRows:
         pages per row and verifying `num_drafts` drafts, drafting the next ones unless `draft_next` is False
         (then `drafts_stale` until a step drafts again: `DecodeEngine.step_with_output`); returns what each
         row committed, on the host; its top logprobs only with `top_logprobs` (a program of its own, for steps
-        in which a running request asked for them). Raises ValueError for drafts to verify while stale."""
+        in which a running request asked for them). A request with a grammar (`ServedRequest.grammar`) has its
+        rows's tokens masked at each verify position given its drafts (`GrammarMatcher.fill_masks`). Raises
+        ValueError for drafts to verify while stale."""
         if num_drafts and self.drafts_stale:
             raise ValueError("the drafts are stale after a step that drafted none: a step must draft first")
-        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs)
+        mask = self._allow_all_step
+        constrained = [(b, r) for b, r in enumerate(slots) if r is not None and r.grammar is not None]
+        if constrained:
+            host = np.full((self.max_batch, self.k_max + 1, self.bitmask_width), -1, np.int32)
+            for b, r in constrained:
+                r.grammar.fill_masks(r.drafts[:num_drafts], host[b, : num_drafts + 1])
+            mask = self._on_mesh(host)
+        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs, mask)
         self.drafts_stale = not draft_next
         return to_host(out)  # (a StepOutput of numpy arrays)
 
-    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool = True, top_logprobs: bool = False):
+    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool, top_logprobs: bool, mask: jnp.ndarray):
         k = None if num_drafts == self.k_max and draft_next else num_drafts  # all K: the one program of a fixed K
         return self.decode.step_with_output(
-            self.state, table, num_drafts=k, draft_next=draft_next, top_logprobs=top_logprobs
+            self.state, table, num_drafts=k, draft_next=draft_next, top_logprobs=top_logprobs, token_bitmask=mask
         )
 
     def insert(self, rows: DecodeState, slot: int) -> None:
@@ -185,15 +214,17 @@ class DeviceRows:
             plain = [(0, False)] if self.plain_steps_skip_drafts else []
             tops = (False, True) if self.max_logprobs else (False,)
             for (k, draft_next), top in itertools.product([(k, True) for k in self.variants] + plain, tops):
-                self.state, _ = self._step(self.table([None] * self.max_batch, width), k, draft_next, top)
+                table = self.table([None] * self.max_batch, width)
+                self.state, _ = self._step(table, k, draft_next, top, self._allow_all_step)
                 self.release([0])  # (slot 0 is free: nothing changes)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads
             for final, fresh in itertools.product((False, True), (True, False)):
                 rows = self.staging([0], 1) if fresh else rows
                 self.state, rows = self.decode.prefill_rows(
-                    self.state, rows, chunk, starts, self.table(free, width), final=final
-                )
+                    self.state, rows, chunk, starts, self.table(free, width), self._allow_all_prefill,
+                    final=final,
+                )  # fmt: skip
 
     def table(self, owners: Sequence[ServedRequest | None], width: int) -> jnp.ndarray:
         """`RowPages.table` on the device (rows over the batch axes on a mesh)."""

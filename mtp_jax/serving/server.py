@@ -68,6 +68,12 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 160k-token prompt as token ids (~7 by
 # The parameter an engine / SamplingParams message is about, first match wins.
 _PARAM_PATTERNS = (
     (r"\blogit_bias\b", "logit_bias"),
+    (r"^min_tokens\b", "min_tokens"),
+    (r"^response_format\b", "response_format"),
+    (r"^repetition_penalty\b", "repetition_penalty"),
+    (r"^frequency_penalty\b", "frequency_penalty"),
+    (r"^presence_penalty\b", "presence_penalty"),
+    (r"^min_p\b", "min_p"),
     (r"\bmax_new_tokens\b|\bmax_tokens\b", "max_tokens"),
     (r"\bprompt\b", "prompt"),
     (r"^temperature\b", "temperature"),
