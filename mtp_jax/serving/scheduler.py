@@ -303,8 +303,9 @@ class ServingEngine:
         try:
             compiled = self._grammars.compile(response_format)
         except ValueError as error:
-            message = str(error)
-            raise ValueError(message if message.startswith("response_format") else f"response_format: {message}") from None
+            message = str(error)  # (named for the server's 400)
+            named = message if message.startswith("response_format") else f"response_format: {message}"
+            raise ValueError(named) from None
         if compiled is not None and sampling.min_tokens:
             raise ValueError(
                 "min_tokens cannot be combined with a response_format: once its grammar is complete only the EOS "
