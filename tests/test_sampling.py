@@ -184,8 +184,10 @@ def test_penalty_and_min_p_fields_are_checked():
     for bad, message in (
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
         (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be in \[1e-6, 1e6\]"),
+        (dict(repetition_penalty=1e-40), "repetition_penalty"),  # (1e-40 overflowed logits to inf)
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
         (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
         (dict(min_tokens=-1), "min_tokens must be an int >= 0"),
     ):

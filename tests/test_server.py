@@ -641,7 +641,7 @@ def test_penalties_min_p_and_min_tokens_change_the_output_as_generate_does(serve
     for field, value, message in (
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("frequency_penalty", -3.0, "[-2, 2]"),
-        ("repetition_penalty", 0.0, "> 0"),
+        ("repetition_penalty", 0.0, "[1e-6, 1e6]"),
         ("min_p", 1.5, "[0, 1]"),
         ("min_tokens", 9, "at most max_tokens"),
         ("min_tokens", -1, ">= 0"),

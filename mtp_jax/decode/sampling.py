@@ -31,6 +31,7 @@ MAX_TOP_K = 2**31 - 1  # top_k is int32 on device
 MAX_LOGIT_BIAS = 300  # entries of one row's logit bias, as OpenAI's API
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI's API
 PENALTY_RANGE = 2.0  # |presence_penalty|, |frequency_penalty| at most this, as OpenAI's API
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # vLLM takes any > 0; 1e-40 would send logits to inf (NaN after softmax)
 STREAM_TARGET = 0  # the committed token drawn from the target (plain sampling, residual, bonus)
 STREAM_ACCEPT = 1  # the acceptance uniforms u_j
 STREAM_DRAFT = 3  # draft tokens sampled from the MTP distribution
@@ -50,7 +51,7 @@ class SamplingParams:
       are checked against the vocabulary where the model is known (`check_request`).
     min_tokens: the row's stop tokens (EOS included) are forbidden until it has generated this many tokens
       (vLLM's; at most `max_new_tokens`, checked with the request).
-    repetition_penalty: > 0, 1 = off (CTRL, Keskar et al. 2019, as vLLM and Hugging Face): the logit of
+    repetition_penalty: in [1e-6, 1e6], 1 = off (CTRL, Keskar et al. 2019, as vLLM and Hugging Face): the logit of
       every token in the prompt or the output so far is divided by it where positive, multiplied where not.
     frequency_penalty, presence_penalty: in [-2, 2], 0 = off (OpenAI's): each token's logit is lowered by
       frequency_penalty x its count in the output so far, and by presence_penalty if that count is > 0.
@@ -101,9 +102,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
         if not 0 <= self.min_tokens <= 2**31 - 1:
             raise ValueError(f"min_tokens must be an int >= 0 (0 = off), got {self.min_tokens!r}")
-        if not (np.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= np.finfo(np.float32).max):
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be in [1e-6, 1e6] (1 = off; float32 logits divided by less overflow), "
+                f"got {self.repetition_penalty!r}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:

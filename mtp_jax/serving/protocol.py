@@ -19,7 +19,7 @@ dropped:
   the prefix cache where it is on); `logit_bias` (token id -> bias in [-100, 100], at most 300, added to
   the raw logits before temperature and filtering, greedy rows too; under speculation the drafts are
   drafted and verified with it, so output is as without speculation); `presence_penalty`,
-  `frequency_penalty` (OpenAI's, in [-2, 2]), `repetition_penalty` (vLLM's, > 0, 1 = off), `min_tokens`
+  `frequency_penalty` (OpenAI's, in [-2, 2]), `repetition_penalty` (vLLM's, in [1e-6, 1e6], 1 = off), `min_tokens`
   (vLLM's: the stop tokens are forbidden and stop strings unmatched before it), `min_p` (vLLM's, in
   [0, 1]): `mtp_jax.decode.sampling` (vLLM's order; under speculation each verify position counts the
   drafts before it, so output is as without speculation); `response_format` (`{"type": "text"}`,
