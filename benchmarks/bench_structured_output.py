@@ -32,12 +32,17 @@ from mtp_jax.serving.grammar import GrammarMatcher  # noqa: E402
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "kind": {"enum": ["function", "class", "module"]},
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["function", "class", "module", "script"]},
         "args": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3},
         "ok": {"type": "boolean"},
         "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        "inner": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": -999, "maximum": 999}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "kind", "args", "ok", "score", "inner"],
     "additionalProperties": False,

@@ -316,3 +316,23 @@ def test_apply_token_bitmask_matches_numpy(vocab):
     np.testing.assert_array_equal(unpack_bitmask(bitmask, vocab), allowed)  # host and device agree
     with pytest.raises(ValueError):
         apply_token_bitmask(jnp.asarray(logits), jnp.asarray(bitmask[..., :-1]))
+
+
+def test_propose_keeps_the_valid_drafts_then_the_forced_tokens(tokenizer):
+    """`propose` (compact JSON, as the serving engine compiles): the drafts the grammar accepts stay; from the
+    first it rejects, the tokens it forces there (after '{' the key '"name"' is forced: the schema's first
+    required property, in order) replace them, as many as fit; the rest stay; the matcher is unchanged."""
+    grammar = GrammarCompiler(tokenizer, V, [EOS], any_whitespace=False).compile(_response_format(SCHEMA))
+    document_ids = tokenizer.encode(json.dumps(json.loads(DOCUMENT), separators=(",", ":"))).ids
+    bad = tokenizer.encode("%").ids[0]
+    matcher = grammar.matcher()
+    before = _mask(matcher)
+    proposed = matcher.propose([document_ids[0], bad, bad, bad, bad, bad])  # '{' valid, then garbage
+    assert proposed[0] == document_ids[0] and proposed[4:] == [bad, bad]
+    assert tokenizer.decode(proposed[:4]) == '{"name":' and grammar.matcher().accept(proposed[:4]) == 4
+    np.testing.assert_array_equal(_mask(matcher), before)
+    assert matcher.num_tokens == 0
+    assert matcher.propose(document_ids[:4]) == document_ids[:4]  # valid drafts: unchanged
+    free = grammar.matcher()
+    free.accept(tokenizer.encode('{"name": "').ids)  # inside a string nothing is forced
+    assert free.propose([bad, bad]) == [bad, bad]

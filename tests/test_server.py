@@ -691,6 +691,27 @@ def test_response_format_json_schema_and_json_object(served):
         assert raised.value.param == param and message in raised.value.body["message"], raised.value.body
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_ids(served):
+    """truncate_prompt_tokens k (vLLM's): the completion of a prompt cut to its last k ids, text or ids, and
+    chat; echo returns the prompt used; -1 keeps what fits; 0 is a 400 naming the field."""
+    ids = ids_of(served, PROMPT)
+    cut = complete(served, ids[-5:], max_tokens=6, temperature=0)
+    for prompt in (PROMPT, ids):
+        out = complete(served, prompt, max_tokens=6, temperature=0, echo=True, extra_body={"truncate_prompt_tokens": 5})
+        assert out.usage.prompt_tokens == 5
+        assert out.choices[0].text == served.tokenizer.decode(ids[-5:]) + cut.choices[0].text
+    whole = complete(served, PROMPT, max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": -1})
+    assert completion_result(whole) == completion_result(complete(served, PROMPT, max_tokens=6, temperature=0))
+    chat_ids = ids_of(served, plain_prompt(CHAT))
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert chat_result(chat)[0] == complete(served, chat_ids[-4:], max_tokens=6, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as raised:
+        complete(served, PROMPT, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+    assert raised.value.param == "truncate_prompt_tokens"
+
+
 # ----------------------------------------------------------------------------------------------
 # Every field honoured or refused; limits before work
 
@@ -704,7 +725,6 @@ ASKING = {
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": {"name": "f"},
-    "truncate_prompt_tokens": 8,
     "chat_template": "{{ messages[0]['content'] }}",
     "reasoning_effort": "low",
     "verbosity": "low",

@@ -87,8 +87,9 @@ def drain(engine: ServingEngine) -> dict[str, list]:
 def test_greedy_structured_output_with_speculation_equals_plain_and_validates(engines):
     """Four constrained greedy requests and one unconstrained in one batch (more requests than slots: some
     wait and enter later), eagle K = 3 and plain: the same tokens; each constrained output is JSON that
-    validates and ends with EOS; the unconstrained one equals `generate` alone; eagle accepted drafts under
-    the grammar (the acceptance counts add up); no step compiled after warm-up."""
+    validates and ends with EOS; the unconstrained one equals `generate` alone; eagle accepts more than one
+    draft a step under the grammar (its forced tokens replace the drafts it rejects; the counts add up); no
+    step compiled after warm-up."""
     model, tokenizer, built, warm = engines
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
     results = {}
@@ -110,7 +111,9 @@ def test_greedy_structured_output_with_speculation_equals_plain_and_validates(en
                 metrics = outputs[i][-1].metrics
                 assert sum(o.num_accepted for o in outputs[i]) == metrics.num_accepted
                 assert metrics.num_accepted <= metrics.num_drafts
-            assert sum(outputs[i][-1].metrics.num_accepted for i in ids) > 0
+            accepted = sum(outputs[i][-1].metrics.num_accepted for i in ids)
+            steps = sum(outputs[i][-1].metrics.num_steps for i in ids)
+            assert accepted / steps > 1.0  # the grammar's forced tokens as drafts (`propose`); without: ~0.1
     assert results["eagle"] == results["plain"]
 
 
@@ -153,3 +156,20 @@ def test_formats_the_engine_cannot_serve_are_refused_by_name(engines):
         model, [prompt], max_new_tokens=8, max_length=S
     ).tokens[0]
     assert np.all(np.asarray(engine.rows.state.done))
+
+
+def test_replaced_drafts_are_verified_with_a_one_hot_q():
+    """`replace_drafts`: tokens replaced where the host proposes one (>= 0), their q one-hot (a deterministic
+    proposal, accepted with probability p(d)); the drafter's drafts and q elsewhere."""
+    import jax.numpy as jnp
+
+    from mtp_jax.decode.drafters import DraftState
+    from mtp_jax.decode.step import replace_drafts
+
+    q = jnp.full((2, 3, 5), 0.2)
+    draft = DraftState(tokens=jnp.asarray([[1, 2, 3], [4, 0, 1]]), probs=q, caches=(), hidden_window=q, oracle_tokens=q)
+    out = replace_drafts(draft, jnp.asarray([[-1, 4, -1], [0, 0, 0]]))
+    np.testing.assert_array_equal(out.tokens, [[1, 4, 3], [0, 0, 0]])
+    np.testing.assert_array_equal(out.probs[0, 1], np.eye(5)[4])
+    np.testing.assert_array_equal(out.probs[0, 0], q[0, 0])
+    np.testing.assert_array_equal(out.probs[1], np.eye(5)[[0, 0, 0]])

@@ -142,13 +142,15 @@ class DecodeEngine:
         draft_next: bool = True,
         top_logprobs: bool = True,
         token_bitmask: jax.Array | None = None,
+        drafts: jax.Array | None = None,
     ) -> tuple[DecodeState, StepOutput]:
         """One decode step and what each row committed (`step_with_output`; a paged state with its rows'
         `block_table`, int32 [B, W]); `num_drafts`: verify only the first k of the K drafts (0 .. K, one
         program each); `draft_next=False` (with k = 0): a plain step that only writes the MTP caches, its
         drafts stale until a step that drafts; `top_logprobs=False`: the state's top logprobs are not updated
         (a state built with max_logprobs = 0 has none either way); `token_bitmask` (int32 [B, K+1, ceil(V / 32)]):
-        the tokens a grammar allows at each verify position (structured output; None: all, a program of its own).
+        the tokens a grammar allows at each verify position (structured output; None: all, a program of its own);
+        `drafts` (int32 [B, K]): drafts proposed by the host where >= 0 (`decode_step`).
         Raises ValueError for k outside 0 .. K or for draft_next=False with k != 0."""
         k_max = 0 if self.speculative is None else self.speculative.num_speculative_tokens
         if num_drafts is not None and (not is_integer(num_drafts) or not 0 <= num_drafts <= k_max):
@@ -167,6 +169,7 @@ class DecodeEngine:
             draft_next=draft_next,
             top_logprobs=bool(top_logprobs) and state.top_logprobs.shape[-1] > 0,
             token_bitmask=token_bitmask,
+            drafts=drafts,
         )
 
     def prefill_rows(

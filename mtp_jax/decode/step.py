@@ -29,7 +29,7 @@ from flax import struct
 
 from mtp_jax.cache import KVCache, bind_pages, settle, share_pools, without_pools, write_at
 from mtp_jax.decode.acceptance import Target, accept, update_phase
-from mtp_jax.decode.drafters import draft_after_prefill, draft_after_verify
+from mtp_jax.decode.drafters import DraftState, draft_after_prefill, draft_after_verify
 from mtp_jax.decode.sampling import SamplingMetadata
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
@@ -199,6 +199,7 @@ def decode_step(
     draft_next: bool = True,
     top_logprobs: bool = True,
     token_bitmask: jax.Array | None = None,
+    drafts: jax.Array | None = None,
 ) -> DecodeState:
     """One verify-accept-commit-draft step for every row (finished rows change nothing).
 
@@ -209,9 +210,13 @@ def decode_step(
     drafts left in the state are stale, so a step that drafts must come before the next one that verifies.
     `top_logprobs=False` (static): `DecodeState.top_logprobs` is left as it was (stale; serving skips the
     top-N when no running request asked for it). `token_bitmask` (int32 [B, K+1, ceil(V / 32)]): the tokens a
-    grammar allows at each verify position (structured output; `verify`), None: all."""
+    grammar allows at each verify position (structured output; `verify`), None: all. `drafts` (int32 [B, K]):
+    drafts the host proposes instead of the drafter's where >= 0 (a grammar's forced tokens), verified as
+    drafts with a one-hot q, a deterministic proposal: lossless."""
     if not draft_next and num_drafts != 0:
         raise ValueError(f"draft_next=False needs num_drafts=0 (stale drafts cannot be verified), got {num_drafts!r}")
+    if drafts is not None:
+        state = state.replace(draft=replace_drafts(state.draft, drafts))
     k = state.draft.tokens.shape[1] if num_drafts is None else num_drafts
     history = sampling_metadata(model, state)
     target, h0, cache = verify(model, state, history, k, token_bitmask)  # h0: [B, k+1, E] at L-1 .. L-1+k
@@ -240,6 +245,15 @@ def decode_step(
         )
     )
     return constrain_tree(state, state.logical_axes())  # on a mesh: the state keeps its placement
+
+
+def replace_drafts(draft: DraftState, drafts: jax.Array) -> DraftState:
+    """`draft` with its tokens replaced where `drafts` (int32 [B, K]) is >= 0, their q one-hot (sampled drafts)."""
+    replaced = drafts >= 0
+    probs = draft.probs
+    if probs.shape[-1]:
+        probs = jnp.where(replaced[..., None], jax.nn.one_hot(drafts, probs.shape[-1], dtype=probs.dtype), probs)
+    return draft.replace(tokens=jnp.where(replaced, drafts, draft.tokens), probs=probs)
 
 
 def sampling_metadata(model: Transformer, state: DecodeState) -> SamplingMetadata:
@@ -286,6 +300,7 @@ def step_with_output(
     draft_next: bool = True,
     top_logprobs: bool = True,
     token_bitmask: jax.Array | None = None,
+    drafts: jax.Array | None = None,
 ) -> tuple[DecodeState, StepOutput]:
     """`decode_step` (verifying `num_drafts` drafts; drafting the next unless `draft_next` is False), and what
     it committed (`StepOutput`), gathered on device so the host reads [B, K+1].
@@ -293,7 +308,7 @@ def step_with_output(
     A paged state (`mtp_jax.cache.PagedCache`) runs with `block_table` (int32 [B, W]) bound: every running row
     must own pages for positions up to L + K (W pages of P positions: what the attention reads)."""
     stepped = decode_step(
-        model, speculative, with_pages(state, block_table), num_drafts, draft_next, top_logprobs, token_bitmask
+        model, speculative, with_pages(state, block_table), num_drafts, draft_next, top_logprobs, token_bitmask, drafts
     )
     new = with_pages(stepped, None)
     positions = jnp.minimum(

@@ -404,6 +404,24 @@ class GrammarMatcher:
         self.rollback(advanced)
         return advanced
 
+    def propose(self, drafts: Sequence[int]) -> list[int]:
+        """Drafts for the next verify pass: the longest prefix of `drafts` the grammar accepts, then the tokens
+        it forces after that prefix (llguidance's fast-forward tokens: JSON keys, punctuation) in place of
+        the drafts there, as many as fit; the rest unchanged (rejected at verification anyway). A drafter
+        that does not see the grammar mostly proposes text it forbids; forced tokens are verified like any
+        draft (a deterministic proposal: lossless). The matcher is unchanged afterwards."""
+        drafts = [int(t) for t in drafts]
+        advanced = 0
+        for token in drafts:
+            if not self._advance(token):
+                break
+            advanced += 1
+        if advanced < len(drafts) and not self._ended:
+            forced = list(self._matcher.compute_ff_tokens())[: len(drafts) - advanced]
+            drafts[advanced : advanced + len(forced)] = forced
+        self.rollback(advanced)
+        return drafts
+
     def _advance(self, token: int) -> bool:
         """`accept((token,)) == 1`, without the list handling (the speculative loop's step)."""
         if token in self._stops:

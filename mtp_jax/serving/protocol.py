@@ -26,7 +26,8 @@ dropped:
   `"json_object"`, `"json_schema"` with `json_schema.schema` and `strict`: compact JSON through the
   llguidance grammar engine, `mtp_jax.serving.grammar`; every verify position masked by the grammar
   after the drafts before it, so output is as without speculation; a schema it cannot compile is a 400;
-  not with `min_tokens`); `skip_special_tokens` (vLLM's,
+  not with `min_tokens`); `truncate_prompt_tokens` (vLLM's: the tokenized prompt keeps its last k ids,
+  -1: as many as a slot holds; the limits below apply to the prompt as sent); `skip_special_tokens` (vLLM's,
   default true; false keeps special tokens other than the stop token in the text),
   `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
   prompt's text first; not with `logprobs`, which would need the prompt's); chat's vLLM fields
@@ -44,7 +45,7 @@ dropped:
   (clients send defaults: `best_of: 1`, `tools: []`, `tool_choice: "none"`, ...), is
   accepted; any other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
   `prompt_logprobs`, `tools`, `tool_choice`, `functions`,
-  `function_call`, `truncate_prompt_tokens`, `chat_template`, `reasoning_effort`, `verbosity`,
+  `function_call`, `chat_template`, `reasoning_effort`, `verbosity`,
   `modalities`, `audio`, `prediction`, `web_search_options`.
   Refused where they are parsed: content parts that are not text, more than 128 choices in all
   (prompts x n).
@@ -124,7 +125,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "tool_choice": Unsupported("function calling", ("none", "auto")),
     "functions": Unsupported("function calling", ([],)),
     "function_call": Unsupported("function calling", ("none", "auto")),
-    "truncate_prompt_tokens": Unsupported("prompt truncation"),
     "chat_template": Unsupported("a chat template per request"),
     "reasoning_effort": Unsupported("reasoning settings"),
     "verbosity": Unsupported("verbosity settings"),
@@ -372,6 +372,22 @@ class _Sampled(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     response_format: dict[str, Any] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, value):
+        if value is not None and value != -1 and value < 1:
+            raise ValueError(f"must be >= 1 (keep the prompt's last k tokens) or -1 (as many as fit), got {value}")
+        return value
+
+    def truncated(self, prompt: list[int], max_length: int) -> list[int]:
+        """`prompt` (token ids) cut to its last `truncate_prompt_tokens` ids (vLLM's; -1: the last max_length - 1,
+        what a slot holds with one token out)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        return prompt[-(max_length - 1 if k == -1 else k) :]
 
     @field_validator("logit_bias")
     @classmethod

@@ -71,6 +71,7 @@ class DeviceRows:
         # Every step and final prefill chunk takes a token bitmask (one program whether or not a row has a
         # grammar); these all-allowed ones stay on the device for the steps in which no row has one.
         self._allow_all_step = self._on_mesh(np.full((max_batch, self.k_max + 1, self.bitmask_width), -1, np.int32))
+        self._own_drafts = self._on_mesh(np.full((max_batch, self.k_max), -1, np.int32))  # none proposed
         self._allow_all_prefill = self._on_mesh(np.full((self.staging_rows, 1, self.bitmask_width), -1, np.int32))
         state, _ = self.decode.init_state(
             [[0]] * max_batch,
@@ -168,25 +169,34 @@ class DeviceRows:
         (then `drafts_stale` until a step drafts again: `DecodeEngine.step_with_output`); returns what each
         row committed, on the host; its top logprobs only with `top_logprobs` (a program of its own, for steps
         in which a running request asked for them). A request with a grammar (`ServedRequest.grammar`) has its
-        rows's tokens masked at each verify position given its drafts (`GrammarMatcher.fill_masks`). Raises
+        row's drafts replaced by the tokens its grammar forces after their valid prefix (`GrammarMatcher.propose`)
+        and its tokens masked at each verify position given them (`GrammarMatcher.fill_masks`). Raises
         ValueError for drafts to verify while stale."""
         if num_drafts and self.drafts_stale:
             raise ValueError("the drafts are stale after a step that drafted none: a step must draft first")
-        mask = self._allow_all_step
+        mask, drafts = self._allow_all_step, self._own_drafts
         constrained = [(b, r) for b, r in enumerate(slots) if r is not None and r.grammar is not None]
         if constrained:
             host = np.full((self.max_batch, self.k_max + 1, self.bitmask_width), -1, np.int32)
+            proposed = np.full((self.max_batch, self.k_max), -1, np.int32)
             for b, r in constrained:
-                r.grammar.fill_masks(r.drafts[:num_drafts], host[b, : num_drafts + 1])
-            mask = self._on_mesh(host)
-        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs, mask)
+                proposed[b, :num_drafts] = r.grammar.propose(r.drafts[:num_drafts])
+                r.grammar.fill_masks(proposed[b, :num_drafts], host[b, : num_drafts + 1])
+            mask, drafts = self._on_mesh(host), self._on_mesh(proposed)
+        self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs, mask, drafts)
         self.drafts_stale = not draft_next
         return to_host(out)  # (a StepOutput of numpy arrays)
 
-    def _step(self, table: jnp.ndarray, num_drafts: int, draft_next: bool, top_logprobs: bool, mask: jnp.ndarray):
+    def _step(self, table, num_drafts: int, draft_next: bool, top_logprobs: bool, mask=None, drafts=None):
         k = None if num_drafts == self.k_max and draft_next else num_drafts  # all K: the one program of a fixed K
         return self.decode.step_with_output(
-            self.state, table, num_drafts=k, draft_next=draft_next, top_logprobs=top_logprobs, token_bitmask=mask
+            self.state,
+            table,
+            num_drafts=k,
+            draft_next=draft_next,
+            top_logprobs=top_logprobs,
+            token_bitmask=self._allow_all_step if mask is None else mask,
+            drafts=None if not self.k_max else self._own_drafts if drafts is None else drafts,  # (K = 0: none)
         )
 
     def insert(self, rows: DecodeState, slot: int) -> None:
@@ -215,7 +225,7 @@ class DeviceRows:
             tops = (False, True) if self.max_logprobs else (False,)
             for (k, draft_next), top in itertools.product([(k, True) for k in self.variants] + plain, tops):
                 table = self.table([None] * self.max_batch, width)
-                self.state, _ = self._step(table, k, draft_next, top, self._allow_all_step)
+                self.state, _ = self._step(table, k, draft_next, top)
                 self.release([0])  # (slot 0 is free: nothing changes)
             if width < self.paging.prefill_width(0):
                 continue  # narrower than any prefill chunk reads

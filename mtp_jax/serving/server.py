@@ -292,12 +292,20 @@ class _OpenAIServer:
         body = protocol.parse_request(CompletionRequest, raw, self.limits)
         self._check_model(body.model)
         body.check_choices()
-        return body, [self._encode(p) if isinstance(p, str) else p for p in body.prompt]
+        return body, [
+            body.truncated(self._encode(p) if isinstance(p, str) else p, self.limits.max_length) for p in body.prompt
+        ]
 
     def _echoes(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Per choice, its prompt's text when the request asks for it back (`echo`), else ""."""
         texts = [
-            (p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
+            (
+                p
+                if isinstance(p, str) and body.truncate_prompt_tokens is None
+                else self.tokenizer.decode(ids, skip_special_tokens=False)
+            )
+            if body.echo
+            else ""
             for p, ids in zip(body.prompt, prompts, strict=True)
         ]
         return [text for text in texts for _ in range(body.num_choices)]
@@ -391,7 +399,7 @@ class _OpenAIServer:
             raise RequestError(str(error), error.param) from None
         except ValueError as error:
             raise RequestError(f"messages: {error}", "messages") from None
-        return body, self._encode(text, self.chat_template.add_special_tokens)
+        return body, body.truncated(self._encode(text, self.chat_template.add_special_tokens), self.limits.max_length)
 
     def _chat_logprobs(self, body: ChatCompletionRequest, token_ids, logprobs, top) -> dict | None:
         if not body.logprobs or not token_ids:
