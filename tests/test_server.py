@@ -23,6 +23,8 @@ import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import jax.numpy as jnp
+import numpy as np
 import openai  # the official client, a test dependency (pyproject's `test` extra)
 import pytest
 import uvicorn
@@ -499,7 +501,7 @@ def test_client_gone_mid_stream_or_mid_request_frees_the_slot(served):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 0, "stream": True}, 400, "echo"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a", [7, 1.5]]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 129}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 3, "n": 50}, 400, "n"),
@@ -712,6 +714,47 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_ids(served):
     assert raised.value.param == "truncate_prompt_tokens"
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(served):
+    """prompt_logprobs n (vLLM's): null, then per prompt token its raw logprob, rank and the n most likely
+    tokens, equal to a log-softmax of the model's logits over the prompt; chat puts them on the response;
+    echo with logprobs n leads the logprobs object with the prompt's tokens (the first null) and then the
+    output's, as without echo; neither is streamed (a 400 naming the field)."""
+    ids = ids_of(served, PROMPT)
+    logits = np.asarray(served.model.forward_full(jnp.asarray([ids]))[0][0, :-1], np.float64)
+    top = logits.max(-1, keepdims=True)
+    reference = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))  # [P - 1, V]
+    chosen = reference[np.arange(len(ids) - 1), ids[1:]]
+    out = complete(served, PROMPT, max_tokens=4, temperature=0, extra_body={"prompt_logprobs": 2})
+    listed = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for j, position in enumerate(listed[1:]):
+        best = np.argsort(-reference[j])[:2]
+        assert {int(k) for k in position} == {ids[j + 1], *best.tolist()}
+        entry = position[str(ids[j + 1])]
+        assert abs(entry["logprob"] - chosen[j]) < 1e-4 and entry["rank"] == 1 + np.sum(reference[j] > chosen[j])
+        assert entry["decoded_token"] == served.tokenizer.decode([ids[j + 1]])
+        assert position[str(best[0])]["rank"] == 1
+    plain = complete(served, PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    echoed = complete(served, PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    lp = echoed.choices[0].logprobs
+    assert lp.tokens == [served.tokenizer.decode([t]) for t in ids] + plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], chosen, atol=1e-4)
+    assert lp.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset[len(ids)] == len(PROMPT) and echoed.choices[0].text == PROMPT + plain.choices[0].text
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    for body, param in (({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 1}, "echo")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            complete(served, PROMPT, max_tokens=2, stream=True, extra_body=body)
+        assert raised.value.param == param
+    with pytest.raises(openai.BadRequestError) as raised:
+        complete(served, PROMPT, max_tokens=2, extra_body={"prompt_logprobs": MAX_LOGPROBS + 1})
+    assert raised.value.param == "prompt_logprobs"
+
+
 # ----------------------------------------------------------------------------------------------
 # Every field honoured or refused; limits before work
 
@@ -720,7 +763,6 @@ ASKING = {
     "best_of": 3,
     "echo": True,
     "suffix": "\n",
-    "prompt_logprobs": 0,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],

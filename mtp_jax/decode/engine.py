@@ -26,6 +26,7 @@ from mtp_jax.decode.step import (
     insert_row,
     prefill,
     prefill_rows,
+    prompt_logprobs,
     release_rows,
     run,
     step_with_output,
@@ -53,6 +54,10 @@ _run_jit = _jit_with_model(run)
 _step_with_output_jit = _jit_with_model(step_with_output, "num_drafts", "draft_next", "top_logprobs")
 _prefill_rows_jit = _jit_with_model(prefill_rows, "final", donate=("state", "rows"))
 _insert_jit = jax.jit(insert_row, donate_argnames=("state",))
+_prompt_logprobs_jit = jax.jit(
+    lambda graph, params, tokens, num: prompt_logprobs(graph.merge(params), tokens, num),
+    static_argnames=("graph", "num"),
+)
 _release_jit = jax.jit(release_rows, donate_argnames=("state",))
 
 
@@ -198,6 +203,11 @@ class DecodeEngine:
         """`state` with `rows` (bool [B]) done (`release_rows`)."""
         with on_mesh(self.mesh):
             return _release_jit(state, jnp.asarray(rows, bool))
+
+    def prompt_logprobs(self, tokens: jax.Array, num: int) -> tuple[jax.Array, ...]:
+        """`prompt_logprobs` of `tokens` (int32 [1, T]) with the `num` most likely tokens per position."""
+        with on_mesh(self.mesh):
+            return _prompt_logprobs_jit(self._graph, self._params, tokens, num)
 
     def lower_run(self, state: DecodeState) -> jax.stages.Lowered:
         """`run` lowered for this state's shapes (`.compile().as_text()` is the HLO a profile reads)."""

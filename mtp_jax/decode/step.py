@@ -268,6 +268,18 @@ def sampling_metadata(model: Transformer, state: DecodeState) -> SamplingMetadat
     )
 
 
+def prompt_logprobs(model: Transformer, tokens: jax.Array, num: int) -> tuple[jax.Array, ...]:
+    """Each token of `tokens` (int32 [1, T]) after the first: its raw logprob given the tokens before it
+    (float32 [T - 1]), its rank there (int32 [T - 1], 1 = the most likely) and the `num` (static) most likely
+    tokens there (int32 ids and float32 logprobs [T - 1, num]); one forward from position 0, no cache kept."""
+    logits = model.forward_full(tokens)[0][0, :-1].astype(jnp.float32)  # [T - 1, V]: predicting tokens 1 ..
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num)
+    return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs
+
+
 def run(model: Transformer, speculative: SpeculativeConfig | None, state: DecodeState) -> DecodeState:
     """`decode_step` until every row is done, as one `lax.while_loop` (traceable: jit it, or pmap it)."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_step(model, speculative, s), state)

@@ -30,7 +30,10 @@ dropped:
   -1: as many as a slot holds; the limits below apply to the prompt as sent); `skip_special_tokens` (vLLM's,
   default true; false keeps special tokens other than the stop token in the text),
   `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
-  prompt's text first; not with `logprobs`, which would need the prompt's); chat's vLLM fields
+  prompt's text first; with `logprobs`, the prompt's tokens lead the logprobs object, the first with null
+  logprobs, as OpenAI's legacy API); `prompt_logprobs` n (vLLM's: each choice's list, null then per prompt
+  token {token id: {logprob, rank, decoded_token}} for it and the n most likely; chat: on the response;
+  `mtp_jax.serving.scoring`: one more forward of the prompt; not streamed); chat's vLLM fields
   `add_generation_prompt` (default true: the prompt ends with the assistant's header),
   `continue_final_message` (default false: the prompt ends inside the final message, a prefill;
   needs `add_generation_prompt: false`) and `chat_template_kwargs` (more chat template variables,
@@ -44,7 +47,7 @@ dropped:
 - Not implemented (`NOT_IMPLEMENTED`, the one list): null, or the value that asks for nothing
   (clients send defaults: `best_of: 1`, `tools: []`, `tool_choice: "none"`, ...), is
   accepted; any other value is a 400 naming the field. They are `best_of`, chat's `echo`, `suffix`,
-  `prompt_logprobs`, `tools`, `tool_choice`, `functions`,
+  `tools`, `tool_choice`, `functions`,
   `function_call`, `chat_template`, `reasoning_effort`, `verbosity`,
   `modalities`, `audio`, `prediction`, `web_search_options`.
   Refused where they are parsed: content parts that are not text, more than 128 choices in all
@@ -120,7 +123,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "best_of": Unsupported("best-of-n candidates", (1,)),
     "echo": Unsupported("echoing the last message (chat)", (False,)),
     "suffix": Unsupported("insertion (a suffix)", ("",)),
-    "prompt_logprobs": Unsupported("prompt logprobs"),
     "tools": Unsupported("function calling", ([],)),
     "tool_choice": Unsupported("function calling", ("none", "auto")),
     "functions": Unsupported("function calling", ([],)),
@@ -373,6 +375,22 @@ class _Sampled(BaseModel):
     min_tokens: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value, info):
+        return (_limits(info) or PromptLimits(2, 0)).check_logprobs(value)
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The most likely tokens reported per prompt token, None for no prompt logprobs (`prompt_logprobs`)."""
+        return self.prompt_logprobs
+
+    def check_streamed_prompt_logprobs(self) -> None:
+        """Raises RequestError: prompt logprobs are not streamed."""
+        if self.stream and self.num_prompt_logprobs() is not None:
+            field = "prompt_logprobs" if self.prompt_logprobs is not None else "echo"
+            raise RequestError(f"{field}: prompt logprobs are not streamed; send stream: false", field)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -532,12 +550,11 @@ class CompletionRequest(_Sampled):
     def _logprobs(cls, value, info):
         return (_limits(info) or PromptLimits(2, 0)).check_logprobs(value)
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value, info):
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported (it needs the prompt's logprobs)")
-        return value
+    def num_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, else with `echo` and `logprobs` n the echoed prompt's n most likely tokens."""
+        if self.prompt_logprobs is not None or not (self.echo and self.logprobs is not None):
+            return self.prompt_logprobs
+        return self.logprobs
 
 
 def _one_prompt(prompt, limits: PromptLimits | None, what: str) -> str | list[int]:

@@ -1,7 +1,8 @@
 """The OpenAI API's response bodies for `/v1/completions` and `/v1/chat/completions`, as plain dicts: whole
 responses (`completion_response`, `chat_response`, one `*_choice` per choice of n), streamed chunks (the same
 `text_completion` shape; `chat_chunk`, `usage_chunk`), `usage`, and the logprobs objects of both endpoints
-(`completion_logprobs`, `chat_logprobs`). Requests: `mtp_jax.serving.protocol`.
+(`completion_logprobs`, `chat_logprobs`; an echoed prompt's, `echoed_logprobs`; vLLM's `prompt_logprobs`).
+Requests: `mtp_jax.serving.protocol`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import time
 
 from tokenizers import Tokenizer
+
+from mtp_jax.serving.scoring import PromptLogprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -40,6 +43,47 @@ def completion_logprobs(
         tops = [{text: lp for text, (_, lp) in zip(token_strings(tokenizer, [i for i, _ in pairs]), pairs, strict=True)}
                 for pairs in top]  # fmt: skip
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt: list[int], scores: PromptLogprobs, num: int) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict of token id ->
+    {logprob, rank, decoded_token} holding it and the `num` most likely tokens there."""
+
+    def entry(token: int, logprob: float, rank: int) -> dict:
+        return {
+            "logprob": float(logprob),
+            "rank": int(rank),
+            "decoded_token": tokenizer.decode([int(token)], skip_special_tokens=False),
+        }
+
+    out: list = [None]
+    for j, token in enumerate(prompt[1:]):
+        ids, values = scores.top_ids[j, :num], scores.top_logprobs[j, :num]
+        position = {str(int(i)): entry(i, v, r + 1) for r, (i, v) in enumerate(zip(ids, values, strict=True))}
+        position[str(int(token))] = entry(token, scores.logprobs[j], scores.ranks[j])
+        out.append(position)
+    return out
+
+
+def echoed_logprobs(tokenizer: Tokenizer, prompt: list[int], scores: PromptLogprobs, num: int) -> dict:
+    """The legacy completions `logprobs` object of an echoed prompt (OpenAI's `echo` with `logprobs` n): the
+    first token's logprob and top logprobs null, the rest as `completion_logprobs`, text offsets from 0."""
+    top = [
+        list(zip(scores.top_ids[j, :num].tolist(), scores.top_logprobs[j, :num].tolist(), strict=True))
+        for j in range(len(prompt) - 1)
+    ]
+    body = completion_logprobs(tokenizer, prompt, [None, *scores.logprobs.tolist()], 0, [[], *top] if num else None)
+    if body["top_logprobs"] is not None:
+        body["top_logprobs"][0] = None
+    return body
+
+
+def joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two legacy `logprobs` objects one after the other (the second's text offsets already follow the first)."""
+    if first is None or second is None:
+        return second if first is None else first
+    tops = None if first["top_logprobs"] is None else first["top_logprobs"] + (second["top_logprobs"] or [])
+    return {key: tops if key == "top_logprobs" else first[key] + second[key] for key in first}
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], top: list | None = None) -> dict:
@@ -74,16 +118,24 @@ def _envelope(kind: str, request_id: str, model: str, created: int | None) -> di
 
 
 def completion_choice(
-    index: int, text: str, finish_reason: str | None, stop_reason: str | int | None, logprobs: dict | None = None
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    logprobs: dict | None = None,
+    prompt_logprobs_: list | None = None,
 ) -> dict:
-    """One choice of a `text_completion` object (or of a streamed chunk)."""
-    return {
+    """One choice of a `text_completion` object (or of a streamed chunk); `prompt_logprobs` only when asked."""
+    choice = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if prompt_logprobs_ is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_
+    return choice
 
 
 def completion_response(
@@ -107,10 +159,19 @@ def chat_choice(
 
 
 def chat_response(
-    request_id: str, model: str, choices: list[dict], usage_: dict, *, created: int | None = None
+    request_id: str,
+    model: str,
+    choices: list[dict],
+    usage_: dict,
+    *,
+    created: int | None = None,
+    prompt_logprobs_: list | None = None,
 ) -> dict:
-    """A `chat.completion` object."""
-    return {**_envelope("chat.completion", request_id, model, created), "choices": choices, "usage": usage_}
+    """A `chat.completion` object (vLLM's `prompt_logprobs` on it when asked)."""
+    response = {**_envelope("chat.completion", request_id, model, created), "choices": choices, "usage": usage_}
+    if prompt_logprobs_ is not None:
+        response["prompt_logprobs"] = prompt_logprobs_
+    return response
 
 
 def chat_chunk(

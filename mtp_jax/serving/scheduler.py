@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tokenizers import Tokenizer
 
+from mtp_jax.decode.request import check_request
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState
@@ -59,6 +60,7 @@ from mtp_jax.serving.pages import PageAllocator
 from mtp_jax.serving.paging import RowPages, prefix_caching_default
 from mtp_jax.serving.requests import ServedRequest
 from mtp_jax.serving.rows import DeviceRows
+from mtp_jax.serving.scoring import PromptLogprobs, PromptScorer
 from mtp_jax.serving.speculation import SpeculationPolicy
 from mtp_jax.validation import is_integer
 
@@ -197,6 +199,7 @@ class ServingEngine:
         self._counter = itertools.count()
         self._admissions = itertools.count()  # admission order: the newest request is preempted first
         self._grammars: GrammarCompiler | None = None  # structured output's compiler (`_grammar`)
+        self._scorer: PromptScorer | None = None  # prompt logprobs (`prompt_logprobs`)
 
     # ------------------------------------------------------------------------------------------
     # Requests in
@@ -290,6 +293,15 @@ class ServingEngine:
                 return False
             self._aborts.add(request_id)
             return True
+
+    def prompt_logprobs(self, prompt: Sequence[int]) -> PromptLogprobs:
+        """Each prompt token's raw logprob given the tokens before it, its rank and the `max_logprobs` most likely
+        tokens there (`mtp_jax.serving.scoring`: one more forward of the prompt, outside the step). Any thread.
+        Raises ValueError for a prompt that is not 1 .. max_length - 1 token ids of the vocabulary."""
+        prompt = check_request(self.model.config, [prompt], max_new_tokens=1, max_length=self.max_length).prompts[0]
+        if self._scorer is None:
+            self._scorer = PromptScorer(self.rows.decode, self.max_logprobs)
+        return self._scorer.score(prompt)
 
     def _grammar(self, response_format: Mapping, sampling: SamplingParams) -> GrammarMatcher | None:
         """A matcher of `response_format`'s grammar (None for plain text); its compiler is built on first use

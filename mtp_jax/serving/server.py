@@ -62,6 +62,7 @@ from mtp_jax.serving.protocol import (
     short_json,
 )
 from mtp_jax.serving.scheduler import QueueFull
+from mtp_jax.serving.scoring import PromptLogprobs
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 160k-token prompt as token ids (~7 bytes each) or text, with room
 
@@ -292,6 +293,7 @@ class _OpenAIServer:
         body = protocol.parse_request(CompletionRequest, raw, self.limits)
         self._check_model(body.model)
         body.check_choices()
+        body.check_streamed_prompt_logprobs()
         return body, [
             body.truncated(self._encode(p) if isinstance(p, str) else p, self.limits.max_length) for p in body.prompt
         ]
@@ -310,6 +312,13 @@ class _OpenAIServer:
         ]
         return [text for text in texts for _ in range(body.num_choices)]
 
+    def _prompt_scores(self, body, prompts: list[list[int]]) -> list[PromptLogprobs] | None:
+        """Each prompt's logprobs when the request asks for them (`num_prompt_logprobs`; a worker thread's job:
+        one more forward of each prompt), else None."""
+        if body.num_prompt_logprobs() is None:
+            return None
+        return [self.engine.engine.prompt_logprobs(ids) for ids in prompts]
+
     def _completion_logprobs(self, body: CompletionRequest, token_ids, logprobs, top, offset: int) -> dict | None:
         if body.logprobs is None:
             return None
@@ -320,6 +329,7 @@ class _OpenAIServer:
         try:
             raw = await read_body(request, self.max_request_bytes)
             body, prompts = await asyncio.to_thread(self.completion_prompt, raw)
+            scores = await asyncio.to_thread(self._prompt_scores, body, prompts)
             streams = self._submit(body, prompts, request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error)
@@ -332,16 +342,24 @@ class _OpenAIServer:
             return refusal(error)
         if done is None:
             return Response(status_code=499)  # nobody reads it
-        choices = [
-            responses.completion_choice(
-                i,
-                echoes[i] + "".join(c.text),
-                c.last.finish_reason,
-                c.last.stop_reason,
-                self._completion_logprobs(body, c.token_ids, c.logprobs, c.top_logprobs, 0),
+        choices = []
+        for i, c in enumerate(done):
+            prompt, score = prompts[i // body.num_choices], scores and scores[i // body.num_choices]
+            logprobs = self._completion_logprobs(body, c.token_ids, c.logprobs, c.top_logprobs, len(echoes[i]))
+            if body.echo and logprobs is not None:
+                echoed = responses.echoed_logprobs(self.tokenizer, prompt, score, body.logprobs)
+                logprobs = responses.joined_logprobs(echoed, logprobs)
+            asked = body.prompt_logprobs
+            choices.append(
+                responses.completion_choice(
+                    i,
+                    echoes[i] + "".join(c.text),
+                    c.last.finish_reason,
+                    c.last.stop_reason,
+                    logprobs,
+                    None if asked is None else responses.prompt_logprobs(self.tokenizer, prompt, score, asked),
+                )
             )
-            for i, c in enumerate(done)
-        ]
         usage = _usage([c.last for c in done], body.num_choices)
         return JSONResponse(responses.completion_response(request_id, self.model_name, choices, usage, created=created))
 
@@ -392,6 +410,7 @@ class _OpenAIServer:
         self._check_model(body.model)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
         arguments = body.chat_template_arguments()
+        body.check_streamed_prompt_logprobs()
         try:
             text = self.chat_template.render(messages, **arguments)
             self.limits.check_text(text, "the rendered prompt")
@@ -411,6 +430,7 @@ class _OpenAIServer:
         try:
             raw = await read_body(request, self.max_request_bytes)
             body, prompt = await asyncio.to_thread(self.chat_prompt, raw)
+            scores = await asyncio.to_thread(self._prompt_scores, body, [prompt])
             streams = self._submit(body, [prompt], request_id)
         except (RequestError, QueueFull, EngineError, ValueError, TypeError) as error:
             return refusal(error, prompt_param="messages")
@@ -433,7 +453,13 @@ class _OpenAIServer:
             for i, c in enumerate(done)
         ]
         usage = _usage([c.last for c in done], body.num_choices)
-        return JSONResponse(responses.chat_response(request_id, self.model_name, choices, usage, created=created))
+        asked = body.prompt_logprobs
+        prompt_logprobs = None if asked is None else responses.prompt_logprobs(self.tokenizer, prompt, scores[0], asked)
+        return JSONResponse(
+            responses.chat_response(
+                request_id, self.model_name, choices, usage, created=created, prompt_logprobs_=prompt_logprobs
+            )
+        )
 
     async def _chat_events(
         self, body: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
