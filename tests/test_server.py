@@ -680,13 +680,20 @@ def test_response_format_json_schema_and_json_object(served):
     obj = complete(served, PROMPT, max_tokens=4, temperature=0, extra_body={"response_format": {"type": "json_object"}})
     assert obj.choices[0].text.startswith("{") and not free.startswith("{")
     tiny = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+    before = metric_values(served)
     assert complete(served, PROMPT, max_tokens=8, temperature=0, extra_body={"response_format": tiny}).choices[
         0
     ].text in ("true", "false")
+    choice = complete(served, PROMPT, max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    after = metric_values(served)  # structured requests count as any other: two more that stopped
+    stopped = ("vllm:request_success_total", (("engine", "0"), ("finished_reason", "stop"), ("model_name", MODEL)))
+    assert after[stopped] - before.get(stopped, 0) == 2
     for body, param, message in (
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format", ""),
         ({"response_format": {"type": "yaml"}}, "response_format", "must be one of"),
         ({"response_format": fmt, "min_tokens": 2}, "min_tokens", "cannot be combined"),
+        ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ):
         with pytest.raises(openai.BadRequestError) as raised:
             complete(served, PROMPT, max_tokens=8, extra_body=body)
@@ -1199,6 +1206,17 @@ def test_chat_template_fields_through_the_server(served):
 # The other endpoints
 
 
+def metric_values(served) -> dict:
+    """The server's /metrics samples: (name, sorted labels) -> value."""
+    status, text, _ = request(served.url, "GET", "/metrics")
+    assert status == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def test_models_health_and_metrics(served):
     assert [m.id for m in served.client.models.list().data] == [MODEL]
     status, payload, _ = request(served.url, "GET", "/v1/models")
@@ -1208,13 +1226,8 @@ def test_models_health_and_metrics(served):
     assert request(served.url, "GET", "/nowhere")[0] == 404
 
     complete(served, PROMPT, max_tokens=5, temperature=0)
-    status, text, kind = request(served.url, "GET", "/metrics")
-    assert status == 200 and kind.startswith("text/plain")
-    values = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    assert request(served.url, "GET", "/metrics")[2].startswith("text/plain")
+    values = metric_values(served)
     labels = (("engine", "0"), ("model_name", MODEL))
     assert values["vllm:request_success_total", tuple(sorted(labels + (("finished_reason", "length"),)))] >= 1
     assert values["vllm:spec_decode_num_drafts_total", labels] >= 1

@@ -10,6 +10,7 @@ looping on newlines, and the schema bounds its strings.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ def test_formats_the_engine_cannot_serve_are_refused_by_name(engines):
     for response_format, message in bad:
         with pytest.raises(ValueError, match=message):
             engine.add_request(prompt, max_tokens=8, response_format=response_format)
-    with pytest.raises(ValueError, match="min_tokens cannot be combined with a response_format"):
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with response_format"):
         engine.add_request(prompt, max_tokens=8, response_format=FORMAT, sampling=SamplingParams(min_tokens=2))
     assert engine.num_waiting == 0 and not engine.has_unfinished()
     text = engine.add_request(prompt, max_tokens=8, response_format={"type": "text"})  # no grammar: plain text
@@ -173,3 +174,41 @@ def test_replaced_drafts_are_verified_with_a_one_hot_q():
     np.testing.assert_array_equal(out.probs[0, 1], np.eye(5)[4])
     np.testing.assert_array_equal(out.probs[0, 0], q[0, 0])
     np.testing.assert_array_equal(out.probs[1], np.eye(5)[[0, 0, 0]])
+
+
+def test_structured_outputs_regex_choice_and_grammar(engines):
+    """vLLM's `structured_outputs` under eagle: a regex's full match, one of the choices, a Lark grammar's
+    sentence, a JSON schema given as text; more than one kind, or with response_format, is refused by name."""
+    _, tokenizer, built, _ = engines
+    engine = built["eagle"]
+    prompt = tokenizer.encode(TEXTS[0]).ids
+    constraints = {
+        "regex": {"regex": "[a-z]{2,5}_[0-9]{2}"},
+        "choice": {"choice": ["yes", "no", "maybe"]},
+        "grammar": {"grammar": 'start: "x = " NUM ";"\nNUM: /[0-9]{1,3}/'},
+        "json": {
+            "json": json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"a": {"type": "boolean"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            )
+        },
+    }
+    ids = {name: engine.add_request(prompt, max_tokens=24, structured_outputs=c) for name, c in constraints.items()}
+    outputs = drain(engine)
+    texts = {name: "".join(o.text for o in outputs[i]) for name, i in ids.items()}
+    assert re.fullmatch("[a-z]{2,5}_[0-9]{2}", texts["regex"]), texts
+    assert texts["choice"] in ("yes", "no", "maybe") and re.fullmatch(r"x = [0-9]{1,3};", texts["grammar"]), texts
+    assert isinstance(json.loads(texts["json"])["a"], bool)
+    for bad, message in (
+        ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+        ({"xml": "a"}, "unknown: xml"),
+        ({"regex": "("}, "structured_outputs: invalid regex"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, max_tokens=4, structured_outputs=bad)
+    with pytest.raises(ValueError, match="structured_outputs cannot be combined with response_format"):
+        engine.add_request(prompt, max_tokens=4, structured_outputs={"regex": "a"}, response_format=FORMAT)

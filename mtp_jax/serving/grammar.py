@@ -87,6 +87,7 @@ import tokenizers
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "bitmask_width", "unpack_bitmask"]
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's `structured_outputs`
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -212,6 +213,35 @@ class GrammarCompiler:
                 raise ValueError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
             return self.compile_json_schema(spec["schema"], strict=bool(strict))
         raise ValueError(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}")
+
+    def compile_structured_outputs(self, spec: Mapping) -> CompiledGrammar:
+        """Compiles vLLM's `structured_outputs`: exactly one of `json` (a JSON schema, as an object or its JSON
+        text), `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF) or `json_object: true`.
+
+        Raises ValueError (for a 400) naming `structured_outputs` for anything else, or when the constraint
+        does not compile."""
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"structured_outputs must be an object, got {type(spec).__name__}")
+        given = {key: value for key, value in spec.items() if value is not None and value is not False}
+        unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown or len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else f"; got {len(given)}")
+            )
+        ((kind, value),) = given.items()
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as error:
+                    raise ValueError(f"structured_outputs.json is not JSON: {error}") from None
+            return self.compile_json_schema(value)
+        if kind == "json_object":
+            return self.compile_json_schema({"type": "object"})
+        return {"regex": self.compile_regex, "choice": self.compile_choice, "grammar": self.compile_grammar}[kind](
+            value
+        )
 
     def compile_json_schema(self, schema: Mapping, *, strict: bool = True) -> CompiledGrammar:
         """Output = one JSON value valid against `schema` (a JSON Schema object).

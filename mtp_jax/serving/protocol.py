@@ -26,8 +26,10 @@ dropped:
   `"json_object"`, `"json_schema"` with `json_schema.schema` and `strict`: compact JSON through the
   llguidance grammar engine, `mtp_jax.serving.grammar`; every verify position masked by the grammar
   after the drafts before it, so output is as without speculation; a schema it cannot compile is a 400;
-  not with `min_tokens`); `truncate_prompt_tokens` (vLLM's: the tokenized prompt keeps its last k ids,
-  -1: as many as a slot holds; the limits below apply to the prompt as sent); `skip_special_tokens` (vLLM's,
+  not with `min_tokens`); vLLM's `structured_outputs` (exactly one of `json`, `regex`, `choice`, `grammar`
+  (Lark or GBNF), `json_object`; not with `response_format`); `truncate_prompt_tokens` (vLLM's: the
+  tokenized prompt keeps its last k ids, -1: as many as a slot holds; the limits below apply to the
+  prompt as sent); `skip_special_tokens` (vLLM's,
   default true; false keeps special tokens other than the stop token in the text),
   `include_stop_str_in_output` (vLLM's: the text ends after a matched stop string); completions' `echo` (the
   prompt's text first; with `logprobs`, the prompt's tokens lead the logprobs object, the first with null
@@ -374,6 +376,7 @@ class _Sampled(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
 
@@ -510,6 +513,7 @@ class _Sampled(BaseModel):
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             response_format=self.response_format,
+            structured_outputs=self.structured_outputs,
         )
 
     @property

@@ -219,6 +219,7 @@ class ServingEngine:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         response_format: Mapping | None = None,
+        structured_outputs: Mapping | None = None,
     ) -> str:
         """Queues a request; returns its id. Any thread.
 
@@ -236,7 +237,9 @@ class ServingEngine:
         "json_schema": {"schema": ...}}`; `mtp_jax.serving.grammar`, needs a tokenizer): at every verify
         position the tokens its grammar forbids after the drafts before it are masked, so output with
         speculation is as without, and the output ends when its JSON is complete (the EOS ids are then
-        the only tokens allowed; not with min_tokens, which forbids them).
+        the only tokens allowed; not with min_tokens, which forbids them). structured_outputs: vLLM's
+        (exactly one of `json`, `regex`, `choice`, `grammar`, `json_object`), the same way; not with
+        response_format.
 
         Raises TypeError / ValueError naming the argument (prompt not token ids, prompt + max_tokens
         over max_length or over what `num_pages` hold, too many stop tokens, stop strings without a
@@ -261,8 +264,8 @@ class ServingEngine:
             skip_special_tokens=skip_special_tokens,
             include_stop_str_in_output=include_stop_str_in_output,
         )
-        if response_format is not None:
-            request.grammar = self._grammar(response_format, request.sampling)
+        if response_format is not None or structured_outputs is not None:
+            request.grammar = self._grammar(response_format, structured_outputs, request.sampling)
         need = self.pages.pages_for(self.paging.reach(len(request.prompt) + request.max_tokens))
         if need > self.num_pages:
             raise ValueError(
@@ -303,25 +306,32 @@ class ServingEngine:
             self._scorer = PromptScorer(self.rows.decode, self.max_logprobs)
         return self._scorer.score(prompt)
 
-    def _grammar(self, response_format: Mapping, sampling: SamplingParams) -> GrammarMatcher | None:
-        """A matcher of `response_format`'s grammar (None for plain text); its compiler is built on first use
-        (~20 ms for a 4k vocabulary, ~0.4 s for 32k) and caches the grammars it compiles."""
+    def _grammar(
+        self, response_format: Mapping | None, structured_outputs: Mapping | None, sampling: SamplingParams
+    ) -> GrammarMatcher | None:
+        """A matcher of the request's grammar (None for plain text); its compiler is built on first use (~20 ms
+        for a 4k vocabulary, ~0.4 s for 32k) and caches the grammars it compiles."""
+        name = "response_format" if structured_outputs is None else "structured_outputs"
+        if response_format is not None and structured_outputs is not None:
+            raise ValueError("structured_outputs cannot be combined with response_format: give one")
         if self.tokenizer is None:
-            raise ValueError("response_format needs a tokenizer (ServingEngine(tokenizer=...))")
+            raise ValueError(f"{name} needs a tokenizer (ServingEngine(tokenizer=...))")
         if self._grammars is None:
             self._grammars = GrammarCompiler(
                 self.tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids, any_whitespace=False
             )
         try:
-            compiled = self._grammars.compile(response_format)
+            if structured_outputs is None:
+                compiled = self._grammars.compile(response_format)
+            else:
+                compiled = self._grammars.compile_structured_outputs(structured_outputs)
         except ValueError as error:
             message = str(error)  # (named for the server's 400)
-            named = message if message.startswith("response_format") else f"response_format: {message}"
-            raise ValueError(named) from None
+            raise ValueError(message if message.startswith(name) else f"{name}: {message}") from None
         if compiled is not None and sampling.min_tokens:
             raise ValueError(
-                "min_tokens cannot be combined with a response_format: once its grammar is complete only the EOS "
-                "ids may follow, which min_tokens forbids"
+                f"min_tokens cannot be combined with {name}: once its grammar is complete only the EOS ids may "
+                "follow, which min_tokens forbids"
             )
         return None if compiled is None else compiled.matcher()
 

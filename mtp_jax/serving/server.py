@@ -71,6 +71,7 @@ _PARAM_PATTERNS = (
     (r"\blogit_bias\b", "logit_bias"),
     (r"^min_tokens\b", "min_tokens"),
     (r"^response_format\b", "response_format"),
+    (r"^structured_outputs\b", "structured_outputs"),
     (r"^repetition_penalty\b", "repetition_penalty"),
     (r"^frequency_penalty\b", "frequency_penalty"),
     (r"^presence_penalty\b", "presence_penalty"),
