@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 import pytest
+from test_serving_engine import drain
 
 from mtp_jax import SamplingParams, SpeculativeConfig, generate, load_pretrained
 from mtp_jax.serving import ServingEngine
@@ -75,14 +76,6 @@ def engines():
         engine.warm_up()
         built[name] = engine
     return model, tokenizer, built, built["eagle"].compiled_counts()  # (the counts are all engines')
-
-
-def drain(engine: ServingEngine) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
 
 
 def test_greedy_structured_output_with_speculation_equals_plain_and_validates(engines):

@@ -201,6 +201,7 @@ class SamplingMetadata:
     prompt_mask: jax.Array  # bool [B, V]: tokens in the prompt (all False when no row is penalized)
     output_bin_counts: jax.Array  # int32 [B, V]: each token's count in the output so far (likewise)
     num_generated: jax.Array  # int32 [B]: output tokens so far
+    penalized: jax.Array  # bool scalar: some row has a penalty (`any_penalized`; on a mesh one all-reduce a step)
 
     @classmethod
     def build(
@@ -227,7 +228,7 @@ class SamplingMetadata:
         if stop_tokens is not None:
             stop_mask = scatter(stop_tokens, jnp.ones(stop_tokens.shape, jnp.int32), jnp.int32) > 0
         prompt_mask, counts = jnp.zeros((batch, vocab_size), bool), jnp.zeros((batch, vocab_size), jnp.int32)
-        num_generated = jnp.zeros((batch,), jnp.int32)
+        num_generated, penalized = jnp.zeros((batch,), jnp.int32), any_penalized(sampling)
         if tokens is not None:
             num_generated = jnp.maximum(lengths - output_start, 0)
 
@@ -237,8 +238,8 @@ class SamplingMetadata:
                 in_output = ((position >= output_start[:, None]) & (position < lengths[:, None])).astype(jnp.int32)
                 return scatter(tokens, in_prompt, jnp.int32) > 0, scatter(tokens, in_output, jnp.int32)
 
-            prompt_mask, counts = jax.lax.cond(any_penalized(sampling), history, lambda _: (prompt_mask, counts), None)
-        return cls(sampling, bias, stop_mask, prompt_mask, counts, num_generated)
+            prompt_mask, counts = jax.lax.cond(penalized, history, lambda _: (prompt_mask, counts), None)
+        return cls(sampling, bias, stop_mask, prompt_mask, counts, num_generated, penalized)
 
     def after(self, tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num: Int[Array, " B"], width: int):
         """The metadata once `num[b]` <= `width` (static) more tokens are committed, at positions
@@ -294,7 +295,7 @@ def process_logits(
             - sampling.presence_penalty[:, None, None] * present
         )
 
-    return jax.lax.cond(any_penalized(sampling), penalize, lambda x: x, logits)
+    return jax.lax.cond(m.penalized, penalize, lambda x: x, logits)
 
 
 def all_greedy(sampling: SamplingState) -> jax.Array:

@@ -329,7 +329,7 @@ def test_a_data_parallel_step_communicates_only_its_row_wide_conditions(gqa, dee
     for model in (gqa, deepseek):  # the cache writes, commits and the MoE's routing and sort stay on each device
         found = _step_collectives(model, "data=8")
         assert all(kind == "all-reduce" and re.search(r"reduce_(and|or)", name) for kind, name in found), found
-        assert len(found) <= 2, found
+        assert len(found) <= 3, found  # all greedy?, any top-k / top-p?, any penalty? (one bool each)
 
 
 def test_the_fused_projections_split_without_moving_data_under_tensor_parallelism(gqa):
