@@ -336,3 +336,24 @@ def test_propose_keeps_the_valid_drafts_then_the_forced_tokens(tokenizer):
     free = grammar.matcher()
     free.accept(tokenizer.encode('{"name": "').ids)  # inside a string nothing is forced
     assert free.propose([bad, bad]) == [bad, bad]
+
+
+def test_propose_fills_the_masks_fill_masks_gives_its_drafts(tokenizer):
+    """`propose(drafts, out)` writes, in the same walk, the masks `fill_masks` gives for the drafts it returns:
+    random drafts (valid, invalid, the stop token) from every position of a compact document."""
+    grammar = GrammarCompiler(tokenizer, V, [EOS], any_whitespace=False).compile(_response_format(SCHEMA))
+    document = tokenizer.encode(json.dumps(json.loads(DOCUMENT), separators=(",", ":"))).ids + [EOS]
+    rng = np.random.default_rng(0)
+    for start in range(len(document)):
+        for k in (0, 1, 3, 5):
+            matcher = grammar.matcher()
+            matcher.accept(document[:start])
+            drafts = [
+                int(rng.integers(0, 4096)) if rng.random() < 0.4 else document[min(start + i, len(document) - 1)]
+                for i in range(k)
+            ]
+            out = np.zeros((k + 1, bitmask_width(V)), np.int32)
+            proposed = matcher.propose(drafts, out)
+            expected = np.zeros_like(out)
+            assert matcher.fill_masks(proposed, expected) >= 0 and matcher.num_tokens == min(start, len(document))
+            np.testing.assert_array_equal(out, expected, err_msg=f"start {start}, drafts {drafts}")

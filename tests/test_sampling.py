@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_acceptance import processed_reference
 
 from mtp_jax.decode.sampling import (
     SamplingMetadata,
@@ -115,19 +116,6 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
     np.testing.assert_array_equal(target_probs(LOGITS, _state(min_p=0.9)), [[0, 1, 0, 0]])  # greedy: unchanged
 
 
-def _processed_reference(logits, prompt, output, params, stop):
-    """vLLM's order in numpy (float64): logit bias, min_tokens, repetition, frequency and presence."""
-    x = np.array(logits, np.float64)
-    for token, value in params.logit_bias:
-        x[token] += value
-    if len(output) < params.min_tokens:
-        x[list(stop)] = -np.inf
-    for token in set(prompt) | set(output):
-        x[token] = x[token] / params.repetition_penalty if x[token] > 0 else x[token] * params.repetition_penalty
-    counts = np.bincount(np.asarray(output, np.int64), minlength=len(x))
-    return x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
-
-
 def test_processed_logits_count_the_committed_output_and_the_tokens_ahead():
     """`process_logits` at T = 4 positions of rows with a prompt, a committed output and 3 tokens ahead
     (drafts), equals the numpy reference
@@ -170,7 +158,7 @@ def test_processed_logits_count_the_committed_output_and_the_tokens_ahead():
             for b, (params, prompt, output) in enumerate(rows):
                 for t in range(4):
                     seen = output + ahead[b, : min(start + t, 3)].tolist()
-                    expected = _processed_reference(logits[b, t], prompt, seen, params, stops[b])
+                    expected = processed_reference(logits[b, t], prompt, seen, params, stops[b])
                     np.testing.assert_allclose(out[b, t], expected, rtol=1e-5, err_msg=f"row {b} position {t}")
         after = metadata.after(jnp.asarray(tokens), jnp.asarray(lengths - 2), jnp.asarray([2, 1, 0]), 4)
         np.testing.assert_array_equal(np.asarray(after.num_generated), np.asarray(metadata.num_generated) + [2, 1, 0])

@@ -39,17 +39,14 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.serving import RequestOutput, ServingEngine
 from mtp_jax.serving.async_engine import AsyncEngine
 from mtp_jax.serving.chat_template import ChatTemplate, ChatTemplateArgumentError, plain_prompt
+from mtp_jax.serving.limits import PromptLimits, RequestError, longest_token_chars, short_json
 from mtp_jax.serving.prometheus import PrometheusMetrics
 from mtp_jax.serving.protocol import (
     IGNORED_FIELDS,
     NOT_IMPLEMENTED,
     ChatCompletionRequest,
     CompletionRequest,
-    PromptLimits,
-    RequestError,
-    longest_token_chars,
     parse_request,
-    short_json,
 )
 from mtp_jax.serving.server import DEFAULT_MAX_REQUEST_BYTES, bind, build_app
 
@@ -1117,7 +1114,9 @@ def test_chat_template_arguments_change_the_rendered_prompt():
 
 def test_chat_template_arguments_render_as_transformers_does():
     """The oracle: transformers' apply_chat_template rendering (the [parity] extra)."""
-    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    chat_template_utils = pytest.importorskip(
+        "transformers.utils.chat_template_utils", reason="the transformers oracle needs the [parity] extra"
+    )
     templates = [THINKING_TEMPLATE, THINKING_TEMPLATE.replace("m['content']", "m['content'] | trim")]
     conversations = [PREFILL, [PREFILL[0], {"role": "assistant", "content": "end"}], PREFILL[:1]]
     cases = [(True, False, {}), (False, False, {}), (False, True, {}), (True, False, {"enable_thinking": False})]

@@ -164,14 +164,17 @@ def prefill(
     positions = sequence_positions(*padded_prompts.shape, offset)  # padding past a prompt is stale from the start
     # Recurrent states absorb each row's prompt tokens only, not the padding after them.
     advance = jnp.clip(state.prompt_lengths - offset, 0, padded_prompts.shape[1])
+    history = sampling_metadata(model, state)
     if final:
         logits, hidden, cache = model(
             padded_prompts, positions, state.cache, logits_at=state.prompt_lengths - 1 - offset, advance=advance
         )
         mask = None if token_bitmask is None else token_bitmask[:, :1]
-        target = Target.from_logits(logits, sampling_metadata(model, state), None, mask)  # [B, 1, V]: at position L
+        target = Target.from_logits(logits, history, None, mask)  # [B, 1, V]: the target at position L
+        before = state.lengths
         state = commit_first_token(speculative, state.replace(cache=cache), target)
         lengths = state.lengths
+        history = history.after(state.tokens, before, lengths - before, 1)
     else:
         _, hidden, cache = model(padded_prompts, positions, state.cache, with_logits=False, advance=advance)
         state = state.replace(cache=cache)
@@ -180,7 +183,7 @@ def prefill(
         draft=draft_after_prefill(
             model,
             speculative,
-            sampling_metadata(model, state),
+            history,
             state.tokens,
             state.draft,
             initial_hidden(model, hidden),

@@ -434,21 +434,33 @@ class GrammarMatcher:
         self.rollback(advanced)
         return advanced
 
-    def propose(self, drafts: Sequence[int]) -> list[int]:
-        """Drafts for the next verify pass: the longest prefix of `drafts` the grammar accepts, then the tokens
-        it forces after that prefix (llguidance's fast-forward tokens: JSON keys, punctuation) in place of
-        the drafts there, as many as fit; the rest unchanged (rejected at verification anyway). A drafter
-        that does not see the grammar mostly proposes text it forbids; forced tokens are verified like any
-        draft (a deterministic proposal: lossless). The matcher is unchanged afterwards."""
+    def propose(self, drafts: Sequence[int], out: np.ndarray | None = None) -> list[int]:
+        """Drafts for the next verify pass, and their masks: the longest prefix of `drafts` the grammar
+        accepts, then the tokens it forces after that prefix (llguidance's fast-forward tokens: JSON keys,
+        punctuation) in place of the drafts there, as many as fit; the rest unchanged (rejected at
+        verification unless valid). A drafter that does not see the grammar mostly proposes text it forbids;
+        forced tokens are verified like any draft (a deterministic proposal: lossless). `out` (int32 [K+1, W],
+        optional) gets what `fill_masks(returned drafts, out)` would write, in the same walk. The matcher is
+        unchanged afterwards."""
         drafts = [int(t) for t in drafts]
-        advanced = 0
-        for token in drafts:
-            if not self._advance(token):
+        if out is None:
+            out = np.empty((len(drafts) + 1, self.grammar.bitmask_width), np.int32)
+        _check_out(out, (len(drafts) + 1, self.grammar.bitmask_width))
+        rows, address = out.reshape(-1, self.grammar.bitmask_width), out.ctypes.data
+        self._fill(rows, address, 0)
+        advanced, forced = 0, False
+        for j in range(len(drafts)):
+            valid = self._advance(drafts[j])
+            if not valid and not forced and not self._ended:  # the first rejected draft: forced tokens from here
+                forced = True
+                tokens = list(self._matcher.compute_ff_tokens())[: len(drafts) - j]
+                drafts[j : j + len(tokens)] = tokens
+                valid = bool(tokens) and self._advance(drafts[j])
+            if not valid:
+                rows[j + 1 :] = self.grammar._all_row
                 break
             advanced += 1
-        if advanced < len(drafts) and not self._ended:
-            forced = list(self._matcher.compute_ff_tokens())[: len(drafts) - advanced]
-            drafts[advanced : advanced + len(forced)] = forced
+            self._fill(rows, address, j + 1)
         self.rollback(advanced)
         return drafts
 

@@ -57,8 +57,8 @@ dropped:
 - Any other field is unknown: a 400 naming it. A message object may carry more keys (`name`,
   `tool_call_id`, ...): the chat template may read them.
 
-Limits, checked before the prompt is tokenized (`PromptLimits`): a token-id prompt of max_length
-ids or more; a text (the completion prompt, the rendered chat prompt) of more characters than
+Limits, checked before the prompt is tokenized (`mtp_jax.serving.limits.PromptLimits`): a token-id
+prompt of max_length ids or more; a text (the completion prompt, the rendered chat prompt) of more characters than
 max_length tokens can hold; `max_tokens` over max_length (refused, not clamped); a stop string
 longer than any output; a `temperature` over float32's largest (the device would divide by inf);
 text that is not Unicode (a lone surrogate in `prompt`, `messages` or `stop`); more than 16
@@ -87,10 +87,15 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from tokenizers import Tokenizer
 
 from mtp_jax.config import MAX_STOP_TOKENS
 from mtp_jax.decode.sampling import MAX_LOGIT_BIAS, SamplingParams
+from mtp_jax.serving.limits import (
+    PromptLimits,
+    RequestError,
+    check_unicode,
+    short_json,
+)
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature is float32 on device
@@ -137,112 +142,6 @@ NOT_IMPLEMENTED: dict[str, Unsupported] = {
     "prediction": Unsupported("predicted outputs"),
     "web_search_options": Unsupported("web search"),
 }
-
-
-def short_json(value, depth: int = 2) -> str:
-    """A JSON value for an error message, in ASCII and at most ~100 characters, whatever the client sent:
-    long strings, lists and objects are cut ("...")."""
-    if isinstance(value, str):
-        text = json.dumps(value[:40]) + ("..." if len(value) > 40 else "")
-    elif isinstance(value, list):
-        items = [short_json(v, depth - 1) for v in value[:3]] if depth > 0 else []
-        text = "[" + ", ".join(items + ["..."] * (len(value) > len(items))) + "]"
-    elif isinstance(value, dict):
-        items = (
-            [f"{short_json(k)}: {short_json(v, depth - 1)}" for k, v in list(value.items())[:3]] if depth > 0 else []
-        )
-        text = "{" + ", ".join(items + ["..."] * (len(value) > len(items))) + "}"
-    else:
-        text = json.dumps(value) if isinstance(value, (bool, float)) or value is None else str(value)
-    return text if len(text) <= 100 else text[:97] + "..."
-
-
-class RequestError(ValueError):
-    """A request the server refuses (400 unless `status` says otherwise), naming the parameter."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    """OpenAI's error JSON."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def longest_token_chars(tokenizer: Tokenizer) -> int:
-    """The most characters of text one token covers: its vocabulary's longest entry (added tokens
-    included). Byte-level vocabularies spell a token one character per byte, and a character is at
-    least one byte, so this bounds byte-level BPE (GPT-2, Llama 3, DeepSeek-V3) and SentencePiece alike."""
-    return max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptLimits:
-    """What one request may hold, checked before its prompt is tokenized.
-
-    max_length: tokens of one request, prompt and output (the engine's): a prompt has fewer.
-    max_chars: characters of prompt text. `for_tokenizer` sets max_length x `longest_token_chars`:
-      longer text cannot fit in max_length tokens. (A tokenizer whose normalizer deletes characters,
-      or that maps a run of unknown characters to one token, could fit more: give it a larger bound.)
-    """
-
-    max_length: int
-    max_chars: int
-    max_logprobs: int = 0  # most likely tokens per output token a request may ask for (the engine's)
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, max_length: int, max_logprobs: int = 0) -> PromptLimits:
-        return cls(
-            max_length=max_length, max_chars=max_length * longest_token_chars(tokenizer), max_logprobs=max_logprobs
-        )
-
-    def check_logprobs(self, value: int | None) -> int | None:
-        """Raises ValueError unless `value` (most likely tokens per output token) is None or in 0 ..
-        `max_logprobs`."""
-        if value is not None and not 0 <= value <= self.max_logprobs:
-            raise ValueError(
-                f"must be in 0 .. {self.max_logprobs} (the most likely tokens this server reports per token: "
-                f"mtp-jax serve --max-logprobs), got {value}"
-            )
-        return value
-
-    def check_ids(self, num_ids: int) -> None:
-        """Raises ValueError for a prompt of `num_ids` token ids that leaves no room for output."""
-        if num_ids >= self.max_length:
-            raise ValueError(
-                f"the prompt has {num_ids} token ids: at most {self.max_length - 1} fit (a request holds "
-                f"max_length={self.max_length} tokens, prompt and output)"
-            )
-
-    def check_text(self, text: str, what: str = "the prompt") -> None:
-        """Raises ValueError for text of more than `max_chars` characters, or that is not Unicode."""
-        if len(text) > self.max_chars:
-            raise ValueError(
-                f"{what} has {len(text)} characters: more than max_length={self.max_length} tokens hold "
-                f"(at most {self.max_chars} characters)"
-            )
-        check_unicode(text, what)
-
-
-def check_unicode(text: str, what: str) -> None:
-    """Raises ValueError when `text` is not valid Unicode (a lone surrogate, from a JSON escape)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"{what} is not valid Unicode: a lone surrogate U+{ord(text[error.start]):04X} at character {error.start}"
-        ) from None
 
 
 def _limits(info: ValidationInfo) -> PromptLimits | None:

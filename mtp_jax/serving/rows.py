@@ -169,8 +169,8 @@ class DeviceRows:
         (then `drafts_stale` until a step drafts again: `DecodeEngine.step_with_output`); returns what each
         row committed, on the host; its top logprobs only with `top_logprobs` (a program of its own, for steps
         in which a running request asked for them). A request with a grammar (`ServedRequest.grammar`) has its
-        row's drafts replaced by the tokens its grammar forces after their valid prefix (`GrammarMatcher.propose`)
-        and its tokens masked at each verify position given them (`GrammarMatcher.fill_masks`). Raises
+        row's drafts replaced by the tokens its grammar forces after their valid prefix and its tokens masked at
+        each verify position given them (`GrammarMatcher.propose`). Raises
         ValueError for drafts to verify while stale."""
         if num_drafts and self.drafts_stale:
             raise ValueError("the drafts are stale after a step that drafted none: a step must draft first")
@@ -180,8 +180,7 @@ class DeviceRows:
             host = np.full((self.max_batch, self.k_max + 1, self.bitmask_width), -1, np.int32)
             proposed = np.full((self.max_batch, self.k_max), -1, np.int32)
             for b, r in constrained:
-                proposed[b, :num_drafts] = r.grammar.propose(r.drafts[:num_drafts])
-                r.grammar.fill_masks(proposed[b, :num_drafts], host[b, : num_drafts + 1])
+                proposed[b, :num_drafts] = r.grammar.propose(r.drafts[:num_drafts], host[b, : num_drafts + 1])
             mask, drafts = self._on_mesh(host), self._on_mesh(proposed)
         self.state, out = self._step(self.table(slots, width), num_drafts, draft_next, top_logprobs, mask, drafts)
         self.drafts_stale = not draft_next

@@ -51,16 +51,10 @@ from tokenizers import Tokenizer
 from mtp_jax.serving import protocol, responses
 from mtp_jax.serving.async_engine import AsyncEngine, EngineError, RequestStream
 from mtp_jax.serving.chat_template import ChatTemplate, ChatTemplateArgumentError
+from mtp_jax.serving.limits import PromptLimits, RequestError, error_body, short_json
 from mtp_jax.serving.outputs import RequestOutput
 from mtp_jax.serving.prometheus import CONTENT_TYPE, PrometheusMetrics
-from mtp_jax.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptLimits,
-    RequestError,
-    error_body,
-    short_json,
-)
+from mtp_jax.serving.protocol import ChatCompletionRequest, CompletionRequest
 from mtp_jax.serving.scheduler import QueueFull
 from mtp_jax.serving.scoring import PromptLogprobs
 
