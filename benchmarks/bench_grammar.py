@@ -34,6 +34,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+from report import cpu_name  # this directory is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TOKENIZER = ROOT / "mtp_jax" / "assets" / "demo" / "tokenizer.json"
@@ -338,7 +339,7 @@ def main() -> None:
     meta = dict(
         benchmark="grammar",
         date=str(date.today()),
-        cpu=_cpu_name(),
+        cpu=cpu_name(),
         cores=os.cpu_count(),
         platform=platform.platform(),
         python=platform.python_version(),
@@ -376,14 +377,6 @@ def train_bpe(size: int, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
     return path
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

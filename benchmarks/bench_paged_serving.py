@@ -50,7 +50,7 @@ from datetime import date
 
 import jax
 import numpy as np
-from report import write_report  # this directory is on sys.path when run as a script
+from report import cpu_name, write_report  # this directory is on sys.path when run as a script
 
 import mtp_jax
 from mtp_jax.serving import ServingEngine
@@ -91,14 +91,6 @@ class TokenStream:
 
 
 PARTS = ("mix", "prefix", "steps", "adaptive")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def build(model, spec, tokenizer, args, *, batch: int, buckets, caching=False, length=None, policy="fixed"):

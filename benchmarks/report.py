@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def write_report(out: str | Path, name: str, meta: dict, rows: list[dict], table: str) -> None:

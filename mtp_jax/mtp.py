@@ -198,8 +198,15 @@ def mtp_forward_full(
     main_hidden: Float[Array, "B T E"],
     tokens: Int[Array, "B T"],
     segment_ids: Int[Array, "B T"] | None = None,
+    *,
+    eagle_steps: int | None = None,
 ) -> list[Float[Array, "B T V"]]:
     """All D depths over whole sequences from position 0, no prior cache (training; the decoding oracle).
+
+    With `eagle_steps` = K: module 1 K times instead, each pass over its own previous pass's hidden
+    states and the tokens one further ahead (MTP Eagle teacher-forced, for simulated acceptance;
+    an approximation of the live chain, whose passes attend to module 1's entries of the committed
+    positions). Raises ValueError for eagle_steps < 1, no MTP module, or parallel heads.
 
     Args:
       model: the main `Transformer`, holding the modules in `model.mtp`.
@@ -213,10 +220,18 @@ def mtp_forward_full(
       t_{i+k} is 0 where i + k >= T: those rows have no label and the loss masks them.
     """
     batch, num = tokens.shape
+    modules = list(model.mtp)
+    if eagle_steps is not None:
+        if eagle_steps < 1 or not modules or model.config.mtp_style != "deepseek":
+            raise ValueError(
+                f"eagle_steps needs a DeepSeek-style MTP module and eagle_steps >= 1, got {eagle_steps} with "
+                f"{len(modules)} modules of style {model.config.mtp_style!r}"
+            )
+        modules = [modules[0]] * eagle_steps
     h0 = initial_hidden(model, main_hidden)
     hidden, all_logits = h0, []
     positions = sequence_positions(batch, num)
-    for k, module in enumerate(model.mtp, start=1):
+    for k, module in enumerate(modules, start=1):
         source = h0 if model.config.mtp_style == "parallel" else hidden
         logits, hidden, _ = module(
             source,

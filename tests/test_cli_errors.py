@@ -351,65 +351,6 @@ def test_resume_of_a_run_json_with_bad_sections_names_the_file(tmp_path, capsys,
         assert "hidden_sizes" in err
 
 
-# ----------------------------------------------------------------------------------------------
-# train of an MLA model: refused before the corpus (packed rows need segment_ids, which MLA lacks)
-
-
-@pytest.fixture(scope="module")
-def mla_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mla") / "model"
-    tokenizer = data.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
-    config = ModelConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        attention_type="mla",
-        q_lora_rank=24,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        ffn_type="moe",
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=1,
-        eos_token_id=0,
-    )  # DeepSeek-V3's layout: MLA with MoE
-    save_pretrained(init_model(config, seed=0), path, tokenizer=tokenizer)
-    return path
-
-
-@pytest.mark.parametrize("flag", ["--init-from", "--model"])  # --model DIR: the same as --init-from DIR
-def test_train_init_from_an_mla_model_is_refused_before_the_corpus(
-    tmp_path, capsys, monkeypatch, mla_dir, no_corpus, flag
-):
-    def no_weights(*args, **kwargs):
-        raise AssertionError("the weights were read before the refusal")
-
-    monkeypatch.setattr("mtp_jax.cli.train.init_from_pretrained", no_weights)
-    begin = time.perf_counter()
-    assert main(["train", str(tmp_path / "run"), flag, str(mla_dir), "--mtp-only", "--no-progress"]) == 2
-    assert time.perf_counter() - begin < 10
-    assert _one_line_error(capsys.readouterr().err, "train") == (
-        f"mtp-jax train: error: {flag} {mla_dir}: the model has attention_type='mla', and training packs "
-        "documents into rows (segment_ids), which MLA does not support yet; train a model with "
-        "attention_type='gqa'\n"
-    )
-    assert not (tmp_path / "run").exists()
-
-
-def test_train_of_an_mla_preset_is_refused_before_the_corpus(tmp_path, capsys, no_corpus):
-    assert main(["train", str(tmp_path / "run"), "--model", "deepseek-v3-small", "--no-progress"]) == 2
-    err = _one_line_error(capsys.readouterr().err, "train")
-    assert err.startswith("mtp-jax train: error: --model deepseek-v3-small: the model has attention_type='mla'")
-    assert not (tmp_path / "run").exists()
-
-
 def test_mtp_only_for_a_model_without_mtp_modules_is_refused_before_the_corpus(tmp_path, capsys, no_corpus):
     plain = tmp_path / "plain"
     tokenizer = data.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)

@@ -190,6 +190,7 @@ def test_train_model_dir_is_init_from_dir(model_dir, tmp_path, capsys, small_cor
     assert by_model["model_config"].num_nextn_predict_layers == (2 if extra else 1)
     assert by_model["train_config"] == by_init_from["train_config"]
     assert by_model["train_config"].mtp_only == bool(extra)
+    assert by_model["init_from"] == by_init_from["init_from"] == str(model_dir)  # recorded for the heads export
     for a, b in zip(_leaves(by_model["model"]), _leaves(by_init_from["model"]), strict=True):
         np.testing.assert_array_equal(a, b)  # the checkpoint's weights (and the same seed for new MTP modules)
 

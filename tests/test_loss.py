@@ -13,7 +13,13 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.mtp import MAIN_PARAMS, MTP_PARAMS, mtp_forward_full
-from mtp_jax.training.loss import compute_loss, label_mask, loss_from_logits
+from mtp_jax.training.loss import (
+    compute_loss,
+    depth_weights,
+    label_mask,
+    loss_from_logits,
+    simulated_acceptance_length,
+)
 
 TINY = ModelConfig(
     vocab_size=32,
@@ -77,7 +83,70 @@ def test_loss_from_logits_matches_hand_computation():
         "mtp_loss_2",
         "mtp_agreement_1",
         "mtp_agreement_2",
+        "mtp_acceptance_1",
+        "mtp_acceptance_2",
     }
+
+
+def test_depth_weights():
+    """1/D by default; FastMTP's beta = 0.6 over three depths is [0.51, 0.31, 0.18]; bad weights are refused."""
+    assert depth_weights(4) == (0.25,) * 4 and depth_weights(0) == depth_weights(0, ()) == ()
+    np.testing.assert_allclose(depth_weights(3, decay=0.6), [1 / 1.96, 0.6 / 1.96, 0.36 / 1.96])
+    np.testing.assert_allclose(depth_weights(3, decay=0.6), [0.51, 0.31, 0.18], atol=0.005)
+    assert depth_weights(2, [2.0, 0.5]) == (2.0, 0.5)  # explicit weights as given
+    for kwargs, match in [
+        (dict(weights=[1.0]), "has 1 weights; the model has 2"),
+        (dict(weights=[1.0, -1.0]), ">= 0"),
+        (dict(weights=[0.0, 0.0]), "not all 0"),
+        (dict(decay=0.0), r"\(0, 1\]"),
+        (dict(decay=1.5), r"\(0, 1\]"),
+        (dict(weights=[1.0, 1.0], decay=0.5), "not both"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            depth_weights(2, **kwargs)
+
+
+def test_per_depth_weights_and_self_targets_match_hand_computation():
+    """Loss = main + lambda * sum_k w_k L_k with explicit weights; with mtp_targets="self" depth k's row i
+    is scored against the main logits' argmax at row i + k (the data's tokens play no part)."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 5, SEGMENTS.shape).astype(np.int32)
+    logits = [rng.normal(0, 2, SEGMENTS.shape + (5,)).astype(np.float32) for _ in range(3)]
+    args = ([jnp.asarray(x) for x in logits], jnp.asarray(tokens), jnp.asarray(SEGMENTS))
+    main = np_token_mean_ce(logits[0], tokens, 1, MASKS[0])
+    data = [np_token_mean_ce(logits[k], tokens, k + 1, MASKS[k]) for k in (1, 2)]
+    loss, metrics = loss_from_logits(*args, mtp_lambda=0.3, mtp_weights=(0.7, 0.2))
+    np.testing.assert_allclose(loss, main + 0.3 * (0.7 * data[0] + 0.2 * data[1]), rtol=1e-6)
+    main_pred = logits[0].argmax(-1)
+    # label t_{i+k+1} := main_pred[i + k]: put it where np_token_mean_ce (shift k + 1) reads it
+    self_labels = np.concatenate([np.zeros((2, 1), np.int64), main_pred], axis=1)[:, :-1]
+    own = [np_token_mean_ce(logits[k], self_labels, k + 1, MASKS[k]) for k in (1, 2)]
+    assert not np.allclose(own, data)
+    loss, metrics = loss_from_logits(*args, mtp_lambda=0.3, mtp_targets="self", mtp_weights=(0.5, 0.5))
+    np.testing.assert_allclose([metrics["mtp_loss_1"], metrics["mtp_loss_2"]], own, rtol=1e-6)
+    np.testing.assert_allclose(loss, main + 0.3 * 0.5 * (own[0] + own[1]), rtol=1e-6)
+    np.testing.assert_allclose(metrics["main_loss"], main, rtol=1e-6)  # the main loss keeps the data's labels
+    with pytest.raises(ValueError, match="mtp_targets"):
+        loss_from_logits(*args, mtp_targets="labels")
+
+
+def test_simulated_acceptance_by_hand():
+    """Acceptance k: depths 1..k all agree with the main argmax k rows ahead, over depth k's labelled rows."""
+    main_pred = np.array([[2, 0, 3, 1, 1, 2]])
+    depth1 = np.array([[0, 3, 0, 1, 0, 0]])  # vs main at i + 1 = [0, 3, 1, 1, 2]: agree at rows 0, 1, 3
+    depth2 = np.array([[3, 0, 1, 0, 0, 0]])  # vs main at i + 2 = [3, 1, 1, 2]: agree at rows 0, 2
+    one_hot = lambda pred: jnp.asarray(np.eye(4)[pred] * 5.0, jnp.float32)  # noqa: E731
+    _, metrics = loss_from_logits(
+        [one_hot(main_pred), one_hot(depth1), one_hot(depth2)],
+        jnp.zeros((1, 6), jnp.int32),
+        jnp.ones((1, 6), jnp.int32),
+    )
+    # depth 1 has rows 0..3 (t_{i+2} <= t_5), depth 2 rows 0..2
+    np.testing.assert_allclose(metrics["mtp_agreement_1"], 3 / 4)
+    np.testing.assert_allclose(metrics["mtp_acceptance_1"], 3 / 4)
+    np.testing.assert_allclose(metrics["mtp_agreement_2"], 2 / 3)
+    np.testing.assert_allclose(metrics["mtp_acceptance_2"], 1 / 3)  # row 2's depth 2 agrees, its depth 1 does not
+    assert simulated_acceptance_length(metrics, 2) == pytest.approx(1 + 3 / 4 + 1 / 3)
 
 
 def test_agreement_by_hand():

@@ -183,7 +183,7 @@ def test_checkpoints_are_the_same_files_and_load_into_either_layout(pair, tmp_pa
 def test_a_train_step_updates_both_layouts_alike():
     """Same weights, same batch: one AdamW step (weight decay on) leaves the same weights in both layouts, so the
     stacked norms are not decayed, and the score-correction bias is frozen, not trained. GLM-shaped (a dense
-    group, a MoE group); MLA has no segment mask, hence no training yet; no MTP module (not scanned)."""
+    group, a MoE group); no MTP module (not scanned)."""
     config = train.TrainConfig(
         batch_size=2, seq_len=16, num_steps=2, warmup_steps=0, learning_rate=1e-2, weight_decay=0.5
     )

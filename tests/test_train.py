@@ -492,3 +492,53 @@ def test_the_score_correction_bias_is_never_trained():
         params, frozen = ({path for path, _ in nnx.to_flat_state(s)} for s in (params, frozen))
         assert biases <= frozen and not biases & params
         assert params == {path for path, _ in nnx.to_flat_state(nnx.state(model, trained))} - biases
+
+
+def test_self_distillation_settings_train_resume_and_are_refused_when_changed(tmp_path, corpus, model_config, capsys):
+    """mtp_targets="self" with explicit per-depth weights: saved in run.json (the weights as an array),
+    restored on resume, a change refused naming the flag; the held-out metrics carry the simulated
+    acceptance and the acceptance lengths it implies; weights for another depth count are refused."""
+    config = TRAIN.replace(mtp_only=True, mtp_targets="self", mtp_depth_weights=(0.7, 0.3))
+    model = init_model(model_config, seed=1)
+    run_dir = tmp_path / "run"
+    train.train(run_dir, corpus, train_config=config, model=model, stop_at_step=3, progress=False, export=False)
+    saved = json.loads((run_dir / "run.json").read_text())["train_config"]
+    assert saved["mtp_depth_weights"] == [0.7, 0.3] and saved["mtp_targets"] == "self"
+    result = train.train(run_dir, corpus, resume=True, progress=False, export=False)
+    assert result.step == TRAIN.num_steps
+    metrics = result.eval_metrics
+    for k in (1, 2):
+        assert 0 <= metrics[f"mtp_acceptance_{k}"] <= metrics[f"mtp_agreement_{k}"] <= 1
+    assert metrics["mtp_acceptance_length_2"] == pytest.approx(
+        1 + metrics["mtp_acceptance_1"] + metrics["mtp_acceptance_2"]
+    )
+    assert metrics["loss"] == pytest.approx(
+        metrics["main_loss"] + 0.1 * (0.7 * metrics["mtp_loss_1"] + 0.3 * metrics["mtp_loss_2"])
+    )
+    args = cli.build_parser().parse_args(["train", str(run_dir), "--resume", "--mtp-depth-weights", "0.5,0.5"])
+    with pytest.raises(ValueError, match=r"--mtp-depth-weights \(saved \(0.7, 0.3\), given \(0.5, 0.5\)\)"):
+        train_cli._resume_config(args, run_dir, json.loads((run_dir / "run.json").read_text()))
+    with pytest.raises(ValueError, match="has 3 weights; the model has 2 MTP depths"):
+        train.train(
+            tmp_path / "other",
+            corpus,
+            model_config=model_config,
+            train_config=TRAIN.replace(mtp_depth_weights=(0.5, 0.3, 0.2)),
+            progress=False,
+        )
+
+
+def test_cli_parses_the_mtp_objective_flags(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "r", "--mtp-depth-weights", "0.5,0.3,0.2", "--mtp-targets", "self"])
+    config = train_cli._train_config_from_args(args)
+    assert config.mtp_depth_weights == (0.5, 0.3, 0.2) and config.mtp_targets == "self"
+    args = parser.parse_args(["train", "r", "--mtp-depth-decay", "0.6"])
+    np.testing.assert_allclose(train_cli._train_config_from_args(args).depth_weights(3), [0.51, 0.31, 0.18], atol=0.005)
+    args = parser.parse_args(["train", "r", "--mtp-depth-decay", "0.6", "--mtp-depth-weights", "1,1"])
+    with pytest.raises(ValueError, match="--mtp-depth-weights or --mtp-depth-decay, not both"):
+        train_cli._train_config_from_args(args)
+    for argv in (["--mtp-depth-weights", "0.5,x"], ["--mtp-depth-decay", "0"], ["--mtp-targets", "labels"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", "r", *argv])
+        assert argv[0] in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Checkpoints: the Hugging Face format (`format`), its tensor names (`names`), reading, writing,
-config.json (`hf_config`), model directories with their tokenizer (`pretrained`) and atomic saves
-(`atomic_dir`). The public names are re-exported here."""
+config.json (`hf_config`), model directories with their tokenizer (`pretrained`), heads-only exports
+over a source checkpoint (`heads_only`) and atomic saves (`atomic_dir`). The public names are re-exported here."""
 
 from mtp_jax.checkpoints.format import (
     CONFIG_FILE,
@@ -10,6 +10,7 @@ from mtp_jax.checkpoints.format import (
     WEIGHTS_FILE,
     CheckpointError,
 )
+from mtp_jax.checkpoints.heads_only import export_mtp_heads
 from mtp_jax.checkpoints.hf_config import MTP_CONVENTION_FIELDS, config_from_hf, config_to_hf
 from mtp_jax.checkpoints.names import FUSED_MODULES, hf_name, hf_names
 from mtp_jax.checkpoints.pretrained import (
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "config_from_hf",
     "config_to_hf",
+    "export_mtp_heads",
     "hf_name",
     "hf_names",
     "hf_tensors",

@@ -59,7 +59,7 @@ from mtp_jax.model import Transformer, abstract_model
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-parameter buffers some exports contain
 
 
-def _read_json(file: Path, shown: Path) -> Any:
+def read_json(file: Path, shown: Path) -> Any:
     """The parsed contents of the JSON file `file`; a CheckpointError naming it (as `shown`) when it is not JSON."""
     data = file.read_bytes()
     try:
@@ -72,7 +72,7 @@ def _read_json(file: Path, shown: Path) -> Any:
 def _read_config(root: Path, shown: Path) -> ModelConfig:
     """The config of checkpoint directory `root` (named `shown` in errors); errors name config.json."""
     file = shown / CONFIG_FILE
-    hf = _read_json(root / CONFIG_FILE, file)
+    hf = read_json(root / CONFIG_FILE, file)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file} must hold a JSON object, got {type(hf).__name__}")
     try:
@@ -115,7 +115,7 @@ def _weight_files(root: Path, shown: Path) -> dict[str, list[str] | None]:
         return {WEIGHTS_FILE: None}
     if not (root / INDEX_FILE).is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {shown}")
-    index = _read_json(root / INDEX_FILE, index_file)
+    index = read_json(root / INDEX_FILE, index_file)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_file} has no weight_map object (tensor name -> shard file name)")
@@ -138,7 +138,7 @@ def _safetensors_errors(file: Path) -> Iterator[None]:
         raise CheckpointError(f"{file} is not a valid safetensors file: {error}") from error
 
 
-def _open_weights(root: Path, shown: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
+def open_weights(root: Path, shown: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
     """File name -> its open safetensors handle (closed with `stack`), for every weights file."""
     handles = {}
     for file, listed in _weight_files(root, shown).items():
@@ -292,7 +292,7 @@ def read_hf_files(
     if dequantize and config.quantization is not None:
         block, config = config.quantization.weight_block_size, config.replace(quantization=None)
     with contextlib.ExitStack() as stack:
-        handles = _open_weights(root, shown, stack)
+        handles = open_weights(root, shown, stack)
         files = {}
         for file in handles:
             files[file] = TensorFile(root / file, shown / file)

@@ -1,6 +1,6 @@
 """Byte-range reads of tensors in a safetensors file: a slice of a tensor reads the bytes it covers, no more.
 
-`safetensors.safe_open` validates each file and lists its tensors (`reading._open_weights`); this module
+`safetensors.safe_open` validates each file and lists its tensors (`reading.open_weights`); this module
 reads the data. It parses the same header (8 bytes little-endian header size N, N bytes of JSON: name ->
 {dtype, shape, data_offsets}, then the data, row-major) and reads with `os.preadv` straight into the
 result's buffer, for two reasons: safetensors' NumPy backend cannot return float8 tensors

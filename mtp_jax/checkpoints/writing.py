@@ -72,7 +72,7 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _save_file(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
+def save_safetensors(tensors: dict[str, np.ndarray], file: Path, metadata: dict[str, str]) -> None:
     """`safetensors.numpy.save_file`, the file then given the mode an ordinary new file gets (0666 less the
     umask, as config.json): safetensors creates it 0600, unreadable to the other users of a shared model."""
     save_file(tensors, file, metadata=metadata)
@@ -96,19 +96,28 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     keyed = []  # ((position of the path or of its layer group's first path, layer within the group, path), ...)
     group_position: dict[tuple, int] = {}
     for position, (param_path, variable) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
-        array = np.asarray(jax.device_get(variable.get_value()))
-        names = hf_names(param_path, config)
-        axes = tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
-        slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
-        parts = [part for one in slices for part in unfuse(param_path, one, config)]  # a slice's HF tensors
+        tensors = param_tensors(param_path, variable.get_value(), config)
         grouped = str(param_path[0]) == "layer_groups"
         where = group_position.setdefault(tuple(param_path[:2]), position) if grouped else position
-        per_layer = len(names) // (array.shape[0] if grouped else 1)
-        for k, ((name, transposed), part) in enumerate(zip(names, parts, strict=True)):
-            tensor = np.ascontiguousarray(part.T if transposed else part)
+        per_layer = len(tensors) // (variable.get_value().shape[0] if grouped else 1)
+        for k, (name, tensor) in enumerate(tensors):
             keyed.append(((where, k // per_layer, position), name, tensor))
     tensors = {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
     return _with_mtp_copies(tensors, config)
+
+
+def param_tensors(param_path: tuple[str | int, ...], value, config) -> list[tuple[str, np.ndarray]]:
+    """The HF tensors [(name, numpy array as the files hold it)] of one parameter (`value`, on device or
+    host, at `param_path` of a model of `config`), in `names.hf_names` order: each slice of its stacked
+    axes (`tensor_axes`) unfused into its HF pieces (`unfuse`, bit-exact), kernels transposed to [out, in]."""
+    array = np.asarray(jax.device_get(value))
+    axes = tensor_axes(param_path)  # stacked layers / experts: one tensor set per slice
+    slices = list(array.reshape(-1, *array.shape[axes:])) if axes else [array]
+    parts = [part for one in slices for part in unfuse(param_path, one, config)]  # a slice's HF tensors
+    return [
+        (name, np.ascontiguousarray(part.T if transposed else part))
+        for (name, transposed), part in zip(hf_names(param_path, config), parts, strict=True)
+    ]
 
 
 def _with_mtp_copies(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
@@ -151,12 +160,12 @@ def write_hf_files(
     shards = _shards({name: t.nbytes for name, t in tensors.items()}, max_shard_size_bytes)
     metadata = {"format": "pt"}  # as save_pretrained writes it (transformers 4.x checks this field)
     if len(shards) == 1:
-        _save_file(tensors, directory / WEIGHTS_FILE, metadata)
+        save_safetensors(tensors, directory / WEIGHTS_FILE, metadata)
     else:
         weight_map = {}
         for i, names in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save_file({name: tensors[name] for name in names}, directory / file, metadata)
+            save_safetensors({name: tensors[name] for name in names}, directory / file, metadata)
             weight_map.update(dict.fromkeys(names, file))
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

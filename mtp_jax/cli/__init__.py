@@ -1,10 +1,11 @@
-"""The `mtp-jax` command line: generate, train, eval, serve (one module per command)."""
+"""The `mtp-jax` command line: generate, train, eval, serve, plan, distill-data (one module per command)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from mtp_jax.cli.distill import add_distill_parser
 from mtp_jax.cli.eval import add_eval_parser
 from mtp_jax.cli.generate import add_generate_parser
 from mtp_jax.cli.plan import add_plan_parser
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(subparsers)
     add_serve_parser(subparsers)
     add_plan_parser(subparsers)
+    add_distill_parser(subparsers)
     return parser
 
 

@@ -161,8 +161,18 @@ def default_data_dir(*, vocab_size: int | None = None, tokenizer_path: str | os.
 
 
 def corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> data.Corpus:
-    """The corpus a run (its run.json dict `run`) was trained on, prepared again (or read from its cache)."""
+    """The corpus a run (its run.json dict `run`) was trained on, prepared again (or read from its cache), or
+    read again from its data directory (`train --data`; `data_dir` where it moved), refused (ValueError) when
+    that directory's content changed since the run started on it."""
     c = run["corpus"]
+    if c.get("source") == "data_dir":
+        corpus = data.load_corpus_dir(data_dir or c["work_dir"])
+        if corpus.metadata["fingerprint"] != c.get("fingerprint"):
+            raise ValueError(
+                f"the data in {corpus.work_dir} changed since the run in {run_dir} started on it (its tokens, "
+                "offsets or tokenizer differ: data_dir_fingerprint); a resume needs the same data, or start a new run"
+            )
+        return corpus
     if c.get("source") != "stdlib":
         raise ValueError(f"the run in {run_dir} was trained on in-memory documents, not the stdlib corpus")
     given = c.get("tokenizer_source") == "given"
@@ -173,3 +183,46 @@ def corpus_of_run(run_dir: pathlib.Path, run: dict, data_dir: str | None) -> dat
         tokenizer_path=run_dir / "tokenizer.json" if given else None,
         verbose=True,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# A data directory as the corpus: `train --data DIR`.
+
+
+def data_corpus(args: argparse.Namespace, tokenizer_path: pathlib.Path | None) -> data.Corpus:
+    """`--data DIR`'s corpus (`data.load_corpus_dir`). Raises ValueError naming the flags for --data next to
+    the stdlib corpus's flags (--vocab-size, --heldout-fraction, --data-dir), and when its tokenizer is not
+    the model's (`tokenizer_path`, the model directory's tokenizer.json; None: a fresh model, any tokenizer)."""
+    given = [
+        f
+        for f, v in (
+            ("--vocab-size", args.vocab_size),
+            ("--heldout-fraction", args.heldout_fraction),
+            ("--data-dir", args.data_dir),
+        )
+        if v is not None
+    ]
+    if given:
+        raise ValueError(
+            f"--data {args.data} brings its own tokenizer and split: {', '.join(given)} (the stdlib corpus's) "
+            "do not apply"
+        )
+    corpus = data.load_corpus_dir(args.data)
+    if tokenizer_path is not None and not data.same_tokenizer(corpus.tokenizer_path, tokenizer_path):
+        raise ValueError(
+            f"--data {args.data}: its tokenizer.json is not the model's ({tokenizer_path}); distill or prepare the "
+            "data with that model's tokenizer"
+        )
+    return corpus
+
+
+def resume_data_dir(args: argparse.Namespace, run: dict) -> str | None:
+    """Where `train --resume` finds the run's corpus: --data DIR for a run trained on a data directory,
+    --data-dir for one on the stdlib corpus (None: where run.json says); ValueError for the other flag."""
+    on_data = run["corpus"].get("source") == "data_dir"
+    wrong = "--data-dir" if on_data and args.data_dir is not None else "--data" if not on_data and args.data else None
+    if wrong:
+        where = run["corpus"].get("work_dir")
+        trained = f"a data directory ({where}; --data DIR names it if it moved)" if on_data else "the stdlib corpus"
+        raise ValueError(f"--resume: {wrong} does not apply: the run was trained on {trained}")
+    return args.data if on_data else args.data_dir

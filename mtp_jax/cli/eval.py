@@ -19,9 +19,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "eval",
         help="held-out loss, bits/byte and per-depth MTP agreement of a model",
         description="Evaluate a model on the held-out split of the Python stdlib corpus: main loss (nats/token), "
-        "bits/byte, and per MTP depth its loss and agreement with the main model's argmax "
-        "(teacher-forced). --model DIR names the model: a saved model directory (config.json, "
-        "safetensors, tokenizer.json). PATH is a run dir (its latest readable checkpoint, or --step) "
+        "bits/byte, and per MTP depth its loss, its agreement with the main model's argmax and the "
+        "simulated acceptance (teacher-forced: drafts 1..k all equal to the main model's greedy tokens) "
+        "with the mean acceptance length it implies, for MTP Vanilla and MTP Eagle. --model DIR names "
+        "the model: a saved model directory (config.json, safetensors, tokenizer.json). PATH is a run "
+        "dir (its latest readable checkpoint, or --step) "
         "or a saved model directory; give PATH or --model. Prints the metrics as JSON.",
     )
     p.add_argument(
@@ -34,6 +36,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=bounded(int, 2), help="tokens per row (default: the run's, else 256)")
     p.add_argument("--max-batches", type=bounded(int, 1), help="evaluate only the first batches")
     p.add_argument("--mtp-lambda", type=bounded(float, 0), default=0.1, help="weight of the MTP loss (default 0.1)")
+    p.add_argument(
+        "--eagle-steps",
+        type=bounded(int, 0),
+        default=3,
+        help="K of the simulated MTP Eagle acceptance (module 1 chained K times; default 3, 0: none)",
+    )
     p.set_defaults(func=run_eval)
     return p
 
@@ -85,6 +93,7 @@ def run_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seq_len=seq_len or 256,
         mtp_lambda=args.mtp_lambda,
+        eagle_steps=args.eagle_steps,
         max_batches=args.max_batches,
     )
     print(json.dumps(result, indent=1))

@@ -1,4 +1,5 @@
-"""`mtp-jax train`: train a model with MTP modules on the Python stdlib corpus (fresh from `--model PRESET`,
+"""`mtp-jax train`: train a model with MTP modules on the Python stdlib corpus, or on a data directory with
+`--data DIR` such as `mtp-jax distill-data`'s output (fresh from `--model PRESET`,
 `--resume`, or from a saved model directory with `--model DIR` (the same as `--init-from DIR`), e.g.
 `--mtp-only` heads on a pretrained model)."""
 
@@ -14,7 +15,14 @@ from tokenizers import Tokenizer
 
 from mtp_jax.checkpoints.hf_config import config_from_hf
 from mtp_jax.checkpoints.pretrained import init_from_pretrained
-from mtp_jax.cli.common import MODEL_HELP, bounded, corpus_of_run, default_data_dir
+from mtp_jax.cli.common import (
+    MODEL_HELP,
+    bounded,
+    corpus_of_run,
+    data_corpus,
+    default_data_dir,
+    resume_data_dir,
+)
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 from mtp_jax.config import FULL_SIZE_PRESETS, PRESETS, ModelConfig
 from mtp_jax.training import data
@@ -23,6 +31,17 @@ from mtp_jax.training.run_dir import RunDirInUseError
 from mtp_jax.training.run_file import read_run_file, saved_model_config, saved_train_config
 from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 from mtp_jax.training.trainer import check_run_dir, train
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    """An argparse `type`: comma-separated numbers, e.g. "0.5,0.3,0.2"."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, e.g. 0.5,0.3,0.2, got {text!r}") from None
+
+
+_float_list.__name__ = "list of numbers"
 
 # (flag, TrainConfig field, argparse type) of `mtp-jax train`'s training settings.
 _TRAIN_FLAGS = (
@@ -35,13 +54,20 @@ _TRAIN_FLAGS = (
     ("--weight-decay", "weight_decay", bounded(float, 0)),
     ("--grad-clip", "grad_clip_norm", bounded(float, 0)),
     ("--mtp-lambda", "mtp_lambda", bounded(float, 0)),
+    ("--mtp-depth-weights", "mtp_depth_weights", _float_list),
+    ("--mtp-depth-decay", "mtp_depth_decay", bounded(float, 0, 1, above=True)),
+    ("--bias-update-speed", "bias_update_speed", bounded(float, 0)),  # MoE: DeepSeek-V3's gamma (0.001)
+    ("--balance-alpha", "balance_alpha", bounded(float, 0)),  # MoE: sequence-wise balance loss (V3: 0.0001)
     ("--seed", "seed", int),
     ("--checkpoint-every", "checkpoint_every", bounded(int, 1)),
     ("--eval-every", "eval_every", bounded(int, 0)),
     ("--eval-batches", "eval_batches", bounded(int, 1)),
     ("--log-every", "log_every", bounded(int, 1)),
 )
-_FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {"mtp_only": "--mtp-only"}
+_FLAG_OF_FIELD = {field: flag for flag, field, _ in _TRAIN_FLAGS} | {
+    "mtp_only": "--mtp-only",
+    "mtp_targets": "--mtp-targets",
+}
 
 TRAINABLE_PRESETS = sorted(set(PRESETS) - FULL_SIZE_PRESETS)  # what --model NAME may train
 
@@ -70,6 +96,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="delete the run in run_dir and start again (only a run dir: one with its run.json)",
     )
     mode.add_argument("--mtp-only", action="store_true", help="freeze the main model, train only the MTP modules")
+    mode.add_argument(
+        "--mtp-targets",
+        choices=("data", "self"),
+        default=None,
+        help="what the MTP depths learn to predict: the data's tokens (default), or the main head's own greedy "
+        "tokens (self-distillation: what a strict-greedy verify accepts)",
+    )
     mode.add_argument(
         "--init-from",
         metavar="DIR",
@@ -101,6 +134,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "--heldout-fraction", type=bounded(float, 0, 1), help=f"default {data.DEFAULT_HELDOUT_FRACTION}"
     )
     corpus.add_argument("--data-dir", help="corpus cache (default: see default_data_dir)")
+    corpus.add_argument(
+        "--data",
+        metavar="DIR",
+        help="train on a data directory instead of the stdlib corpus: `mtp-jax distill-data`'s output (or a "
+        "corpus cache); its tokenizer must be the model's. --resume reads it again and refuses it if it changed",
+    )
     opt = p.add_argument_group("training")
     d = TrainConfig()
     for flag, field, kind in _TRAIN_FLAGS:
@@ -254,18 +293,12 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> None:
     """What `train` would refuse only once the corpus is ready, refused first (ValueError naming `source`,
-    the flag): an MLA model (training packs documents into rows, segment_ids, which MLA attention does
-    not take yet: `mtp_jax.layers.decoder`), and --mtp-only for a model without MTP modules."""
+    the flag): FP8 weights, and --mtp-only for a model without MTP modules."""
     if config.quantization is not None:
         raise ValueError(
             f"{source}: the checkpoint holds FP8 weights (quantization_config), which training does not "
             "update; train from a float checkpoint (dequantize it: load_hf_checkpoint(..., dequantize=True), "
             "then save_hf_checkpoint)"
-        )
-    if config.attention_type == "mla":
-        raise ValueError(
-            f"{source}: the model has attention_type='mla', and training packs documents into rows "
-            "(segment_ids), which MLA does not support yet; train a model with attention_type='gqa'"
         )
     if mtp_only and config.num_nextn_predict_layers == 0:
         raise ValueError(
@@ -292,7 +325,7 @@ def _train_from_args(args: argparse.Namespace):
         run = read_run_file(run_dir)
         train_config = _resume_config(args, run_dir, run, choice)
         _refuse_untrainable(saved_model_config(run_dir, run), train_config.mtp_only, f"--resume: the run in {run_dir}")
-        corpus = corpus_of_run(run_dir, run, args.data_dir)
+        corpus = corpus_of_run(run_dir, run, resume_data_dir(args, run))
         return train(
             run_dir,
             corpus,
@@ -306,6 +339,10 @@ def _train_from_args(args: argparse.Namespace):
     vocab_size = 4096 if args.vocab_size is None else args.vocab_size
     heldout_fraction = data.DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
     model, tokenizer_path, eos_token, base = None, None, data.EOS_TOKEN, None
+    given_data = None  # --data DIR: read and checked against the model's tokenizer before any weights
+    if args.data is not None:
+        directory = pathlib.Path(choice.directory) if choice.directory is not None else None
+        given_data = data_corpus(args, directory / "tokenizer.json" if directory is not None else None)
     if choice.directory is not None:
         source = f"{choice.flag} {choice.directory}"
         tokenizer_path = pathlib.Path(choice.directory) / "tokenizer.json"
@@ -331,15 +368,18 @@ def _train_from_args(args: argparse.Namespace):
         base = PRESETS[choice.preset or "demo"]
         layers = {} if args.mtp_layers is None else {"num_nextn_predict_layers": args.mtp_layers}
         _refuse_untrainable(base.replace(**layers), train_config.mtp_only, f"--model {choice.preset or 'demo'}")
-    data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
-    corpus = data.prepare_corpus(
-        data_dir,
-        vocab_size=vocab_size,
-        heldout_fraction=heldout_fraction,
-        tokenizer_path=tokenizer_path,
-        eos_token=eos_token or data.EOS_TOKEN,
-        verbose=True,
-    )
+    if given_data is not None:
+        corpus = given_data
+    else:
+        data_dir = args.data_dir or default_data_dir(vocab_size=vocab_size, tokenizer_path=tokenizer_path)
+        corpus = data.prepare_corpus(
+            data_dir,
+            vocab_size=vocab_size,
+            heldout_fraction=heldout_fraction,
+            tokenizer_path=tokenizer_path,
+            eos_token=eos_token or data.EOS_TOKEN,
+            verbose=True,
+        )
     if base is not None:
         changes = {"vocab_size": corpus.vocab_size, "eos_token_id": corpus.eos_id}
         if args.mtp_layers is not None:
@@ -362,4 +402,5 @@ def _train_from_args(args: argparse.Namespace):
         progress=not args.no_progress,
         export=not args.no_export,
         mesh=mesh,
+        init_from=choice.directory,
     )

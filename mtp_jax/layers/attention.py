@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import KVCache, PagedCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
@@ -137,6 +137,16 @@ def _per_shard(kernel, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
     )
 
 
+def segment_mask(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
+    """Which key s each query t of a whole packed row may see: `s <= t` and `segment_ids[b, s] ==
+    segment_ids[b, t]` (causal within a document; padding, segment 0, sees padding only). Every query
+    sees at least itself, so no row of the mask is empty. Shared by GQA and MLA (`mtp_jax.layers.mla`)."""
+    t = jnp.arange(segment_ids.shape[1])
+    causal = t[None, :, None] >= t[None, None, :]  # [1, T, T]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+    return causal & same_segment
+
+
 def segment_attention_reference(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B T G D"],
@@ -147,9 +157,8 @@ def segment_attention_reference(
 ) -> Float[Array, "B T H D"]:
     """Causal attention within packed segments, over whole sequences with no cache (training).
 
-    Query t of row b attends key s iff `s <= t` and `segment_ids[b, s] == segment_ids[b, t]`, so
-    documents packed into one row never see each other (padding, segment 0, attends only to
-    padding, which keeps it finite). Every query sees at least itself, so no row is empty.
+    Query t of row b attends the keys `segment_mask` allows (s <= t in its own segment), so
+    documents packed into one row never see each other.
 
     Args:
       q: queries of shape [B, T, H, D].
@@ -160,10 +169,7 @@ def segment_attention_reference(
     Returns:
       [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in float32.
     """
-    t = jnp.arange(q.shape[1])
-    causal = t[None, :, None] >= t[None, None, :]  # [1, T, T]
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
-    return masked_attention(q, k, v, causal & same_segment, scale)
+    return masked_attention(q, k, v, segment_mask(segment_ids), scale)
 
 
 class Attention(nnx.Module):

@@ -27,7 +27,7 @@ from mtp_jax.layers.attention import Attention
 from mtp_jax.layers.ffn import MLP
 from mtp_jax.layers.gated_deltanet import GatedDeltaNet
 from mtp_jax.layers.mla import MLACache, MLAttention
-from mtp_jax.layers.moe import MoE
+from mtp_jax.layers.moe import MoE, RoutingStats
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.sharding import constrain
 
@@ -78,8 +78,8 @@ class DecoderLayer(nnx.Module):
         ignores them (its entries past a row's length are stale anyway).
 
         With `segment_ids` (packed training rows, from an empty cache) tokens see only their own document, in
-        attention and in a Gated DeltaNet's state alike. Raises ValueError for `segment_ids` with MLA, which has
-        no segment mask yet.
+        attention (grouped-query or MLA, in whichever MLA form the row length selects) and in a Gated DeltaNet's
+        state alike.
         """
         h = self.input_layernorm(x)
         if self.recurrent:
@@ -87,9 +87,8 @@ class DecoderLayer(nnx.Module):
                 h, cache, advance=advance, keep_candidates=keep_candidates, segment_ids=segment_ids
             )
         elif self.config.attention_type == "mla":
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packed training rows) are not supported with attention_type='mla'")
-            attn, cache = self.self_attn(h, positions, cache, absorbed=x.shape[1] <= MLA_ABSORBED_MAX_TOKENS)
+            absorbed = x.shape[1] <= MLA_ABSORBED_MAX_TOKENS
+            attn, cache = self.self_attn(h, positions, cache, segment_ids, absorbed=absorbed)
         else:
             attn, cache = self.self_attn(h, positions, cache, segment_ids)
         x = x + attn
@@ -136,6 +135,8 @@ class DecoderStack(nnx.Module):
 
         The stacked cache is the scan's carry: layer i reads slice i and writes it back in place. A recurrent
         stack with `keep_candidates` returns its layers' `RecurrentCandidates`, stacked, as the scan's outputs.
+        Under `nnx.capture(fn, RoutingStats)` the layers' routers' records come out of the scan stacked (one
+        `Routing` with a leading layer axis) and are sown on `layer`'s routers, as an unrolled layer's are.
         """
         graphdef, params = nnx.split(self.layer)
         layer_kwargs = dict(advance=advance, keep_candidates=keep_candidates)
@@ -148,13 +149,31 @@ class DecoderStack(nnx.Module):
             x, candidates = jax.lax.scan(candidates_body, x, (params, cache.layers))
             return x, StackedCache(candidates)
 
+        recording = hasattr(self.layer, "__captures__")  # under `nnx.capture` (training)
+
         def body(carry, inputs):
             x, stacked = carry
             layer_params, i = inputs
             layer_cache = jax.tree.map(lambda c: c[i], stacked)
-            x, layer_cache = nnx.merge(graphdef, layer_params)(x, positions, layer_cache, segment_ids, **layer_kwargs)
+            layer, args = nnx.merge(graphdef, layer_params), (x, positions, layer_cache, segment_ids)
+            if recording:  # this layer's records, as scan outputs (stacked over the layers)
+                (x, layer_cache), routing = nnx.capture(layer, RoutingStats)(*args, **layer_kwargs)
+            else:
+                (x, layer_cache), routing = layer(*args, **layer_kwargs), None
             stacked = jax.tree.map(lambda c, new: c.at[i].set(new), stacked, layer_cache)
-            return (x, stacked), None
+            return (x, stacked), routing
 
-        (x, stacked), _ = jax.lax.scan(body, (x, cache.layers), (params, jnp.arange(self.num_layers)))
+        (x, stacked), routing = jax.lax.scan(body, (x, cache.layers), (params, jnp.arange(self.num_layers)))
+        if recording:
+            _sow_stacked(self.layer, routing)
         return x, StackedCache(stacked)
+
+
+def _sow_stacked(layer: nnx.Module, routing: nnx.State) -> None:
+    """Sows each record of `routing` (what the scan's layers sowed, stacked: every array [n, ...]) on the
+    submodule of the stacked `layer` at its path, each router's calls one `Routing` with a leading layer axis."""
+    for path, records in nnx.to_flat_state(routing):
+        module = layer
+        for name in path[:-1]:
+            module = module[name] if isinstance(name, int) else getattr(module, name)
+        module.sow(RoutingStats, path[-1], records.get_value(), reduce_fn=lambda before, new: before + new)

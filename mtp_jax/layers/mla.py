@@ -18,6 +18,9 @@ Two equal ways to attend (`MLAttention.__call__`'s `absorbed`):
     attention with one KV head (`absorbed_attention`: the latent pool as keys and values, the
     rope-key pool as a second key pool), as FlashMLA computes it.
 
+Training's packed rows (`segment_ids`, from an empty cache) attend, in either form, the new entries
+only, causally within each document (`mtp_jax.layers.attention.segment_mask`, as grouped-query attention).
+
 Weight names are DeepSeek-V3's (`model.layers.N.self_attn.<name>.weight` in its checkpoints and in
 `transformers`' `DeepseekV3Attention`), nnx kernels being those weights transposed ([in, out]).
 Dimension letters: B batch, T new tokens, S cache length, E hidden size, H heads, C kv_lora_rank,
@@ -37,7 +40,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import PagedCache, check_shape, dense_view, write_at
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers.attention import use_paged_kernel
+from mtp_jax.layers.attention import segment_mask, use_paged_kernel
 from mtp_jax.layers.fused import FusedLayout
 from mtp_jax.layers.linear import compute_kernel, linear
 from mtp_jax.layers.norm import RMSNorm
@@ -179,6 +182,7 @@ class MLAttention(nnx.Module):
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],
         cache: MLACache | PagedCache,
+        segment_ids: Int[Array, "B T"] | None = None,
         *,
         absorbed: bool = True,
     ) -> tuple[Float[Array, "B T E"], MLACache | PagedCache]:
@@ -192,13 +196,18 @@ class MLAttention(nnx.Module):
           cache: the layer's `MLACache`, or one in pages (a bound `mtp_jax.cache.PagedCache`, pools
             [N, P, C] and [N, P, R]); entries of row b past positions[b, -1] are stale (never read:
             masked or zeroed before any matmul, so NaN there cannot leak).
+          segment_ids: optional int32 [B, T] document ids of whole packed rows (training: an empty
+            cache, positions 0 .. T-1). Queries then attend the T new entries only, where
+            `mtp_jax.layers.attention.segment_mask` allows (s <= t in the query's own document), in
+            either form; the cache is still written.
           absorbed: True folds W_UK into the query and W_UV after the weighted sum (decode, verify;
             `absorbed_attention`: over pages, the Pallas paged kernel where `config.attention_impl`
             selects it); False decompresses the cache into per-head keys and values (the paper's form).
 
         Returns:
           ([B, T, E] in x's dtype, the cache with the new entries written). Query t of row b sees
-          cache positions s <= positions[b, t]; one that sees nothing gets zeros before o_proj.
+          cache positions s <= positions[b, t] (with `segment_ids`, as above); one that sees nothing gets
+          zeros before o_proj.
           Scores, softmax and the weighted sum in float32 (or wider, if x is); the paged kernel takes
           the absorbed queries in the pools' dtype.
         """
@@ -219,17 +228,26 @@ class MLAttention(nnx.Module):
         cache = cache.write(positions, latent, k_rope)
         acc = jnp.promote_types(x.dtype, jnp.float32)
         q_nope, q_rope = q_nope.astype(acc), q_rope.astype(acc)
+        # The entries attended (latents [B, S, C], rope keys [B, S, R]) and what each query sees [B, T, S].
+        if segment_ids is not None:  # whole packed rows from an empty cache: the T new entries are all there is
+            entries = (latent, k_rope, segment_mask(segment_ids))  # S = T
+        elif not absorbed:  # the dense cache (a paged one: its rows' pages in order), stale entries zeroed
+            entries = _live_entries(dense_view(cache), positions)
+        else:
+            entries = None  # `absorbed_attention` reads the cache itself (pages in place, where it can)
         if absorbed:
             w_uk, w_uv = self._absorbed_weights(acc)  # [C, H, N], [C, H, V]
             q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)  # [B, T, H, C]
             scale, impl = softmax_scale(c), c.attention_impl
-            out_latent = absorbed_attention(q_latent, q_rope, positions, cache, scale=scale, impl=impl)  # [B, T, H, C]
+            if entries is None:
+                out_latent = absorbed_attention(q_latent, q_rope, positions, cache, scale=scale, impl=impl)
+            else:
+                out_latent = _latent_weighted_sum(q_latent, q_rope, *entries, scale=scale)  # [B, T, H, C]
             out = jnp.einsum("bthc,chv->bthv", out_latent.astype(acc), w_uv)  # [B, T, H, V]
         else:
-            view = dense_view(cache)  # a paged cache: its rows' pages in order
-            live_latent, cached_rope, visible = _live_entries(view, positions)  # [B, S, C], [B, S, R], [B, T, S]
+            live_latent, cached_rope, visible = entries
             kv_heads = self.kv_b_proj(live_latent).astype(acc)  # [B, S, H (N + V)]
-            kv_heads = kv_heads.reshape(batch, view.max_length, heads, nope + v_dim)  # [B, S, H, N + V]
+            kv_heads = kv_heads.reshape(batch, live_latent.shape[1], heads, nope + v_dim)  # [B, S, H, N + V]
             k_nope, v = kv_heads[..., :nope], kv_heads[..., nope:]  # [B, S, H, N], [B, S, H, V]
             scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)  # [B, H, T, S]
             scores += jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope.astype(acc))  # [B, H, T, S]
@@ -292,11 +310,26 @@ def absorbed_attention(
                 q, latent_pages, None, table, lengths, k_rope_pages=rope_pages, scale=scale, interpret=interpret
             )  # [B, T, H, C]
     live_latent, cached_rope, visible = _live_entries(dense_view(cache), positions)  # [B, S, C], [B, S, R], [B, T, S]
-    live_latent, cached_rope = live_latent.astype(q_latent.dtype), cached_rope.astype(q_rope.dtype)
-    scores = jnp.einsum("bthc,bsc->bhts", q_latent, live_latent)  # [B, H, T, S]
-    scores += jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope)  # [B, H, T, S]
+    return _latent_weighted_sum(q_latent, q_rope, live_latent, cached_rope, visible, scale=scale)  # [B, T, H, C]
+
+
+def _latent_weighted_sum(
+    q_latent: Float[Array, "B T H C"],
+    q_rope: Float[Array, "B T H R"],
+    latent: Float[Array, "B S C"],
+    k_rope: Float[Array, "B S R"],
+    visible: Bool[Array, "B T S"],
+    *,
+    scale: float,
+) -> Float[Array, "B T H C"]:
+    """Plain-jnp absorbed attention over given entries: softmax_s(scale (q_latent . latent_s + q_rope .
+    k_rope_s)) where `visible` (a query that sees nothing gets zeros), weighting the latents; in the
+    queries' dtype. Entries must be finite (stale ones zeroed: `_live_entries`)."""
+    latent, k_rope = latent.astype(q_latent.dtype), k_rope.astype(q_rope.dtype)
+    scores = jnp.einsum("bthc,bsc->bhts", q_latent, latent)  # [B, H, T, S]
+    scores += jnp.einsum("bthr,bsr->bhts", q_rope, k_rope)  # [B, H, T, S]
     weights = _masked_softmax(scores * scale, visible)  # [B, H, T, S]
-    return jnp.einsum("bhts,bsc->bthc", weights, live_latent)  # [B, T, H, C]
+    return jnp.einsum("bhts,bsc->bthc", weights, latent)  # [B, T, H, C]
 
 
 def _live_entries(

@@ -13,7 +13,10 @@ The bias is the auxiliary-loss-free load-balancing term (§2.1.2, eq. 16): it st
 chosen and never enters the weights `g`. Its update rule (raise the bias of under-loaded experts, lower
 the overloaded, by a fixed step after each training step) is not a gradient, so the bias is a
 `ScoreCorrectionBias`, an `nnx.Param` subclass: checkpoints load and save it with the other parameters
-and an optimizer can leave it out with `nnx.All(nnx.Param, nnx.Not(ScoreCorrectionBias))`.
+and an optimizer can leave it out with `nnx.All(nnx.Param, nnx.Not(ScoreCorrectionBias))`. Training reads
+each router's choices to set it (`mtp_jax.training.balance`): under `nnx.capture(fn, RoutingStats)` a `Router`
+records a `Routing` (its unbiased scores and chosen experts); outside a capture it records nothing and traces
+exactly as without this (decoding never computes any of it).
 
 The routing (`route`) and the semantics match Hugging Face's `DeepseekV3TopkRouter` / `DeepseekV3MoE`;
 GLM-4.5's `Glm4MoeTopkRouter` / `Glm4MoeMoE` compute the same (there `n_group = topk_group = 1` by
@@ -56,7 +59,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
@@ -69,6 +72,35 @@ from mtp_jax.sharding import axis_size, context_spec
 
 class ScoreCorrectionBias(nnx.Param):
     """The router's load-balancing bias `e_score_correction_bias` (selection only; not trained by gradient)."""
+
+
+class RoutingStats(nnx.Intermediate):
+    """What a `Router` sows as "routing" under `nnx.capture(fn, RoutingStats)`: a tuple with one `Routing` per call."""
+
+
+@struct.dataclass
+class Routing:
+    """One router call's choice, as training's load balancing reads it (`mtp_jax.training.balance`).
+
+    `scores` float32 [..., N, R]: the unbiased affinities s (sigmoid of the logits, or softmax: `affinities`);
+    `indices` int32 [..., N, k]: the chosen experts (bias and group limit applied). A scanned layer stack
+    (`DecoderStack`) records its layers' as one `Routing` with a leading layer axis.
+    """
+
+    scores: jax.Array
+    indices: jax.Array
+
+
+def affinities(logits: jax.Array, scoring_func: str = "sigmoid") -> jax.Array:
+    """The router's unbiased token-to-expert affinities s of shape [N, R], float32: sigmoid of the logits
+    [N, R] (DeepSeek-V3, arXiv 2412.19437 eq. 15), or their softmax over R. Raises ValueError for another
+    scoring_func."""
+    logits = logits.astype(jnp.float32)
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)  # [N, R]
+    if scoring_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)  # [N, R]
+    raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
 
 
 def route(
@@ -98,14 +130,8 @@ def route(
 
     Shapes are fixed; `lax.top_k` breaks exact ties toward the lower index.
     """
-    logits = logits.astype(jnp.float32)
     num_tokens, num_experts = logits.shape
-    if scoring_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)  # [N, R]
-    elif scoring_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)  # [N, R]
-    else:
-        raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
+    scores = affinities(logits, scoring_func)  # [N, R]
     choice = scores + bias.astype(jnp.float32)  # [N, R]
     if n_group > 1:
         per_group = num_experts // n_group
@@ -126,7 +152,8 @@ class Router(nnx.Module):
     """DeepSeek-V3's `mlp.gate`: `weight` [R, E] and `e_score_correction_bias` [R], both float32 (the bias with
     sigmoid scoring only: softmax routers, Qwen's, have none).
 
-    `__call__(x [N, E]) -> (indices int32 [N, k], weights float32 [N, k])`, computed in float32.
+    `__call__(x [N, E]) -> (indices int32 [N, k], weights float32 [N, k])`, computed in float32. Under
+    `nnx.capture(fn, RoutingStats)` it also sows a `Routing` (scores and indices) as "routing"; not otherwise.
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -161,9 +188,13 @@ class Router(nnx.Module):
         )
         rows = context_spec(P("batch", None), logits.shape)  # None: no mesh
         if rows is None or rows == P(None, None):
-            return choose(logits, bias)
-        # Row by row, so per device on its rows (GSPMD gathers the rows for lax.top_k otherwise).
-        return jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows), check_vma=False)(logits, bias)
+            indices, weights = choose(logits, bias)
+        else:  # row by row, so per device on its rows (GSPMD gathers the rows for lax.top_k otherwise)
+            shard = jax.shard_map(choose, in_specs=(rows, P(None)), out_specs=(rows, rows), check_vma=False)
+            indices, weights = shard(logits, bias)
+        if hasattr(self, "__captures__"):  # under `nnx.capture` (training): record the choice, as global arrays
+            self.sow(RoutingStats, "routing", Routing(scores=affinities(logits, c.scoring_func), indices=indices))
+        return indices, weights
 
 
 class Experts(nnx.Module):

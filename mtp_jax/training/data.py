@@ -23,7 +23,9 @@ packed documents. Every byte is in the alphabet, so any text round-trips.
 Packing into training rows: `mtp_jax.training.batches` (re-exported here).
 
 Everything `prepare_corpus` builds (tokenizer, token arrays, metadata) is cached in a work dir and
-reused while the documents, vocabulary size, split and tokenizer are unchanged.
+reused while the documents, vocabulary size, split and tokenizer are unchanged. `load_corpus_dir` reads
+such a directory back as it is, or any other with the same files (`mtp-jax distill-data`'s output,
+`mtp_jax.training.distill`), fingerprinted by its content (`mtp-jax train --data DIR`).
 """
 
 from __future__ import annotations
@@ -305,3 +307,102 @@ def prepare_corpus(
         np.save(work_dir / f"{name}_offsets.npy", split.offsets)
     meta_path.write_text(json.dumps(metadata, indent=1))
     return Corpus(tokenizer, train, heldout, eos_id, metadata, work_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data directories: a corpus read back from its files (`mtp-jax train --data DIR`).
+
+SPLITS = ("train", "heldout")
+SPLIT_FILES = tuple(f"{split}_{part}.npy" for split in SPLITS for part in ("tokens", "offsets"))
+PROMPT_LENGTH_FILES = tuple(f"{split}_prompt_lengths.npy" for split in SPLITS)  # distilled data only
+
+
+def same_tokenizer(a: str | pathlib.Path, b: str | pathlib.Path) -> bool:
+    """Whether two tokenizer.json files hold the same tokenizer (compared as `tokenizers` serializes them
+    again, so formatting and key order do not matter). Raises ValueError naming a file it cannot read."""
+
+    def canonical(path) -> str:
+        try:
+            return Tokenizer.from_file(str(path)).to_str()
+        except Exception as error:  # noqa: BLE001  (tokenizers raises its own Exception for a bad file)
+            raise ValueError(f"{path} is not a readable tokenizer.json: {error}") from None
+
+    return canonical(a) == canonical(b)
+
+
+def data_dir_fingerprint(path: str | pathlib.Path) -> str:
+    """SHA-256 (hex) of a data directory's content: tokenizer.json and the split arrays (`SPLIT_FILES`, and
+    `PROMPT_LENGTH_FILES` where present), each file's name and bytes. Any change to a token, an offset, a
+    prompt length or the tokenizer changes it; corpus.json's other metadata does not."""
+    path = pathlib.Path(path)
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", *SPLIT_FILES, *PROMPT_LENGTH_FILES):
+        if (path / name).is_file():
+            with open(path / name, "rb") as f:
+                h.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def _read_split(path: pathlib.Path, split: str, vocab_size: int) -> TokenizedSplit:
+    """`split`'s arrays from `path`, checked: int32 tokens in [0, vocab_size), offsets from 0 to their count."""
+    try:
+        tokens, offsets = (np.load(path / f"{split}_{part}.npy", allow_pickle=False) for part in ("tokens", "offsets"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: cannot read the {split} split: {error}") from None
+    problem = None
+    if tokens.ndim != 1 or tokens.dtype != np.int32:
+        problem = f"{split}_tokens.npy must be 1-D int32, got {tokens.dtype} of shape {tokens.shape}"
+    elif offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) < 2:
+        problem = f"{split}_offsets.npy must be 1-D int64 with at least 2 entries, got {offsets.dtype} {offsets.shape}"
+    elif offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) <= 0):
+        problem = f"{split}_offsets.npy must rise from 0 to {len(tokens)} (the token count), one document per step"
+    elif tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        problem = f"{split}_tokens.npy holds ids outside the tokenizer's [0, {vocab_size})"
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    return TokenizedSplit(tokens=tokens, offsets=offsets)
+
+
+def load_corpus_dir(path: str | pathlib.Path) -> Corpus:
+    """The corpus in a data directory: a finished `mtp-jax distill-data` output (`mtp_jax.training.distill`)
+    or a `prepare_corpus` cache, i.e. tokenizer.json, corpus.json (its "eos_id") and
+    `{train,heldout}_{tokens,offsets}.npy` (each document ends with its EOS; both splits non-empty).
+
+    The returned metadata is corpus.json's with "source" "data_dir" (the file's own source kept as
+    "data_source"), "tokenizer_source" "data_dir" and "fingerprint" `data_dir_fingerprint(path)`, which is
+    what a run started on it records and a resume compares. Raises FileNotFoundError for a missing
+    directory or file (an unfinished distillation has no corpus.json yet) and ValueError for files that do
+    not make a corpus (unreadable, wrong dtypes, offsets that do not cover the tokens, ids outside the
+    vocabulary, an empty split).
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"data directory {path} does not exist")
+    missing = [n for n in ("corpus.json", "tokenizer.json", *SPLIT_FILES) if not (path / n).is_file()]
+    if missing:
+        unfinished = (path / "distill.json").is_file() and "corpus.json" in missing
+        hint = (
+            ": an unfinished `mtp-jax distill-data` output (rerun it with the same arguments to finish it)"
+            if unfinished
+            else " (a data directory holds tokenizer.json, corpus.json and {train,heldout}_{tokens,offsets}.npy)"
+        )
+        raise FileNotFoundError(f"{path} has no {', '.join(missing)}{hint}")
+    try:
+        metadata = json.loads((path / "corpus.json").read_text(encoding="utf-8"))
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as error:  # noqa: BLE001  (JSON, UTF-8 and tokenizers errors alike)
+        raise ValueError(f"{path}: cannot read corpus.json or tokenizer.json: {error}") from None
+    eos_id = metadata.get("eos_id") if isinstance(metadata, dict) else None
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if not isinstance(eos_id, int) or isinstance(eos_id, bool) or not 0 <= eos_id < vocab_size:
+        raise ValueError(f"{path}/corpus.json: eos_id must be a token id of tokenizer.json, got {eos_id!r}")
+    train, heldout = (_read_split(path, split, vocab_size) for split in SPLITS)
+    metadata = {
+        **metadata,
+        "source": "data_dir",
+        "data_source": metadata.get("source"),
+        "tokenizer_source": "data_dir",
+        "fingerprint": data_dir_fingerprint(path),
+        "vocab_size": vocab_size,
+    }
+    return Corpus(tokenizer, train, heldout, eos_id, metadata, path)

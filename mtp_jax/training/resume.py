@@ -30,6 +30,13 @@ def check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpu
         )
     if train_config.mtp_only and model_config.num_nextn_predict_layers == 0:
         raise ValueError("mtp_only needs MTP modules: num_nextn_predict_layers is 0 (set it, or --mtp-layers)")
+    layers = model_config.num_hidden_layers + model_config.num_nextn_predict_layers
+    balancing = [name for name in ("bias_update_speed", "balance_alpha") if getattr(train_config, name)]
+    if balancing and not any(model_config.is_moe_layer(i) for i in range(layers)):
+        raise ValueError(f"{' and '.join(balancing)} balance MoE layers' experts; the model has no MoE layer")
+    if train_config.bias_update_speed and model_config.scoring_func != "sigmoid":
+        raise ValueError("bias_update_speed moves sigmoid routers' e_score_correction_bias; these routers use softmax")
+    train_config.depth_weights(model_config.num_nextn_predict_layers)  # a weight per depth
     if train_config.seq_len > model_config.max_position_embeddings:
         raise ValueError(
             f"seq_len ({train_config.seq_len}) exceeds max_position_embeddings ({model_config.max_position_embeddings})"

@@ -1,6 +1,7 @@
 """A run's checkpoints: the training state as orbax saves and restores it, on one device or a mesh.
 
-A checkpoint holds {"train": TrainState, "frozen": the parameters not trained} and the JSON metadata
+A checkpoint holds {"train": TrainState (with the routers' biases when the step updates them),
+"frozen": the parameters not trained} and the JSON metadata
 {"tokens_per_step", "step"}. Restoring reads every array straight onto its target sharding
 (`abstract_train_state`), whatever mesh the checkpoint was saved from.
 """
@@ -29,7 +30,15 @@ from mtp_jax.training.run_dir import (
     restore_latest,
     save_checkpoint,
 )
-from mtp_jax.training.step import StaticOptimizer, TrainConfig, TrainState, split_model, train_state_shardings
+from mtp_jax.training.step import (
+    StaticOptimizer,
+    TrainConfig,
+    TrainState,
+    merge_model,
+    split_bias,
+    split_model,
+    train_state_shardings,
+)
 
 
 def run_checkpoint_manager(run_dir: pathlib.Path, config: TrainConfig) -> ocp.CheckpointManager:
@@ -64,10 +73,12 @@ def abstract_train_state(
     """
     abstract = nnx.eval_shape(lambda: init_model(model_config, train_config.seed))
     graphdef, params, frozen = split_model(abstract, train_config)
+    bias, frozen = split_bias(frozen, train_config)
     state = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params=params,
         opt_state=jax.eval_shape(StaticOptimizer(train_config).tx.init, params),
+        bias=bias,
     )
     target = {"train": state, "frozen": frozen}
     target = jax.tree.map(
@@ -103,4 +114,4 @@ def load_run(
             restored = restore_checkpoint(manager, run_dir, step, target)
     finally:
         manager.close()
-    return nnx.merge(graphdef, restored["train"].params, restored["frozen"]), run
+    return merge_model(graphdef, restored["train"], restored["frozen"]), run

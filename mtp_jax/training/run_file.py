@@ -30,8 +30,12 @@ def read_run_file(run_dir: pathlib.Path) -> dict:
         if not isinstance(run.get(key), dict):
             raise ValueError(f"{file}: {key!r} must be a JSON object, got {_json_kind(run.get(key))}")
     corpus = run["corpus"]
-    if corpus.get("source") == "stdlib":
-        for key, kinds in (("work_dir", str), ("vocab_size", int), ("heldout_fraction", (int, float))):
+    keys = {
+        "stdlib": (("work_dir", str), ("vocab_size", int), ("heldout_fraction", (int, float))),
+        "data_dir": (("work_dir", str), ("fingerprint", str)),  # `train --data DIR`
+    }
+    if corpus.get("source") in keys:
+        for key, kinds in keys[corpus["source"]]:
             if not isinstance(corpus.get(key), kinds) or isinstance(corpus.get(key), bool):
                 raise ValueError(
                     f"{file}: corpus.{key} must be {_TYPE_NAMES[kinds]}, got {_json_kind(corpus.get(key))}"
@@ -74,12 +78,17 @@ def _fits(value, hint) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: a JSON array of X
+        (item, *_) = typing.get_args(hint)
+        return isinstance(value, list | tuple) and all(_fits(v, item) for v in value)
     return isinstance(value, hint)
 
 
 def _hint_name(hint) -> str:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return " or ".join(_hint_name(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"an array of {_hint_name(typing.get_args(hint)[0])}s"
     return _TYPE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 

@@ -2,7 +2,8 @@
 the state one step updates (`TrainState`) and its placement on a mesh, and the jitted train and eval
 steps. `mtp_jax.training.trainer` runs them in its loop (run dir, checkpoints, resume, logging).
 
-One jitted step takes the trainable parameters and the optimizer state as a donated `TrainState`, the
+One jitted step takes the trainable parameters and the optimizer state (and the MoE routers' biases, when
+the step updates them: `split_bias`) as a donated `TrainState`, the
 rest of the model (`frozen`) as a plain argument, and merges them with the static graph definition
 inside (`nnx.split` outside jit, `nnx.merge` inside, as in flax's `examples/gemma`). On a device mesh
 (`mtp_jax.sharding`) the parameters and the optimizer state are placed by the parameters' logical axes
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import Transformer
-from mtp_jax.mtp import MTP_PARAMS, shift_left
+from mtp_jax.mtp import MTP_PARAMS, mtp_forward_full, shift_left
 from mtp_jax.sharding import (
     constrain_tree,
     named_shardings,
@@ -38,8 +39,17 @@ from mtp_jax.sharding import (
     trim_specs,
 )
 from mtp_jax.training import data
+from mtp_jax.training.balance import update_biases
 from mtp_jax.training.batches import heldout_batches
-from mtp_jax.training.loss import compute_loss, label_mask
+from mtp_jax.training.loss import (
+    MTP_TARGETS,
+    compute_loss,
+    depth_weights,
+    label_mask,
+    loss_from_logits,
+    simulated_acceptance,
+    simulated_acceptance_length,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +61,11 @@ class TrainConfig:
     matrices (kernels, embeddings), not norms or biases. Gradients are clipped to global norm
     `grad_clip_norm` (0: no clipping). `eps` is Adam's epsilon (added to the root of the second
     moment; Kingma & Ba 2015).
+
+    MoE load balancing (DeepSeek-V3, arXiv 2412.19437 §2.1.2; `mtp_jax.training.balance`): after each step
+    every sigmoid router's `e_score_correction_bias` moves by `bias_update_speed` (gamma; V3: 0.001) against
+    its expert's load in that step's batch (with `mtp_only` the MTP modules' routers only, the trained ones);
+    `balance_alpha` (V3: 0.0001) weighs the sequence-wise balance loss added to the objective. 0: off.
     """
 
     batch_size: int = 16
@@ -65,7 +80,12 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip_norm: float = 1.0
     mtp_lambda: float = 0.1
+    mtp_depth_weights: tuple[float, ...] | None = None  # w_k of each depth (`loss.depth_weights`); None: 1/D
+    mtp_depth_decay: float | None = None  # FastMTP's beta: w_k ~ beta^(k-1), normalised (not with weights)
+    mtp_targets: str = "data"  # "self": depth k learns the main head's greedy tokens (self-distillation)
     mtp_only: bool = False  # freeze the main model, train the MTP modules only
+    bias_update_speed: float = 0.0  # gamma of the MoE routers' bias update (`balance.update_bias`); 0: off
+    balance_alpha: float = 0.0  # alpha of the sequence-wise balance loss (`balance.sequence_balance_loss`)
     seed: int = 0  # model initialisation and data order
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
@@ -92,6 +112,16 @@ class TrainConfig:
             raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
+        for name in ("bias_update_speed", "balance_alpha"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.mtp_depth_weights is not None:
+            object.__setattr__(self, "mtp_depth_weights", tuple(float(w) for w in self.mtp_depth_weights))
+            depth_weights(len(self.mtp_depth_weights), self.mtp_depth_weights, self.mtp_depth_decay)
+        elif self.mtp_depth_decay is not None:
+            depth_weights(1, decay=self.mtp_depth_decay)
+        if self.mtp_targets not in MTP_TARGETS:
+            raise ValueError(f"mtp_targets must be one of {MTP_TARGETS}, got {self.mtp_targets!r}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -99,6 +129,11 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    def depth_weights(self, num_depths: int) -> tuple[float, ...]:
+        """w_k for a model with `num_depths` MTP depths (`loss.depth_weights`; ValueError for a
+        `mtp_depth_weights` of another length)."""
+        return depth_weights(num_depths, self.mtp_depth_weights, self.mtp_depth_decay)
 
 
 # The settings a resume may change: the step count (the run continues to the new total) and bookkeeping.
@@ -151,6 +186,12 @@ class StaticOptimizer:
             c.eps,
             c.grad_clip_norm,
             c.mtp_lambda,
+            c.mtp_depth_weights,
+            c.mtp_depth_decay,
+            c.mtp_targets,
+            c.mtp_only,
+            c.bias_update_speed,
+            c.balance_alpha,
         )
 
     def __hash__(self):
@@ -184,16 +225,56 @@ def trainable_filter(config: TrainConfig):
 
 @struct.dataclass
 class TrainState:
-    """What one step updates: `step` (int32 scalar, steps done), trainable `params`, `opt_state`."""
+    """What one step updates: `step` (int32 scalar, steps done), trainable `params`, `opt_state`, and with
+    `bias_update_speed > 0` `bias`: the MoE routers' `ScoreCorrectionBias` leaves the step updates
+    (`split_bias`: taken out of the frozen state; None otherwise, or for a model without them)."""
 
     step: jax.Array
     params: nnx.State
     opt_state: optax.OptState
+    bias: nnx.State | None = None
+
+
+def balanced_filter(config: TrainConfig):
+    """The nnx filter of the routers' biases the step updates (`bias_update_speed > 0`): every
+    `ScoreCorrectionBias`, or with `mtp_only` the MTP modules' only (the main model stays as it is)."""
+    return nnx.All(ScoreCorrectionBias, nnx.PathContains("mtp")) if config.mtp_only else ScoreCorrectionBias
+
+
+def split_bias(frozen: nnx.State, config: TrainConfig) -> tuple[nnx.State | None, nnx.State]:
+    """(`TrainState.bias`, the rest of `frozen`): with `bias_update_speed > 0` the `balanced_filter` leaves of
+    `frozen` (`split_model`'s) and the others; else, or when there are none, (None, frozen)."""
+    if not config.bias_update_speed:
+        return None, frozen
+    bias, rest = nnx.split_state(frozen, balanced_filter(config), ...)
+    return (bias, rest) if jax.tree.leaves(bias) else (None, frozen)
+
+
+def merge_model(graphdef: nnx.GraphDef, state: TrainState, frozen: nnx.State) -> Transformer:
+    """The model of a `TrainState` and the frozen rest (`split_model`, `split_bias`)."""
+    return nnx.merge(graphdef, state.params, frozen, *([] if state.bias is None else [state.bias]))
 
 
 def split_model(model: Transformer, config: TrainConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, trainable params, frozen rest of the state) of `model` for `config`'s mode."""
-    return nnx.split(model, trainable_filter(config), ...)
+    """(graphdef, trainable params, frozen rest of the state) of `model` for `config`'s mode.
+
+    With `mtp_only` the trained MTP parameters are float32 master weights: half-precision ones (bfloat16,
+    float16) are cast up, while the frozen main model stays in its dtype (a bfloat16 trunk keeps half
+    the memory). The layers compute in `ModelConfig.dtype` whatever their weights' dtype. `model` may
+    be abstract (`nnx.eval_shape`: `jax.ShapeDtypeStruct` leaves, cast likewise)."""
+    graphdef, params, frozen = nnx.split(model, trainable_filter(config), ...)
+    if config.mtp_only:
+        params = jax.tree.map(_float32_master, params)
+    return graphdef, params, frozen
+
+
+def _float32_master(x):
+    """A half-precision array (or `jax.ShapeDtypeStruct`) as float32; anything else as it is."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding)
+    return x.astype(jnp.float32)
 
 
 def train_state_logical_axes(state: TrainState) -> TrainState:
@@ -202,7 +283,7 @@ def train_state_logical_axes(state: TrainState) -> TrainState:
     params tree (AdamW's `mu` and `nu`) the params'; every other leaf (the step, optax's counts) P().
 
     On a `fsdp` mesh the moments are therefore sharded exactly as their parameters (ZeRO-3 style);
-    on a `data` mesh everything is replicated.
+    on a `data` mesh everything is replicated. The routers' `bias` (if any): replicated.
     """
     params = param_logical_axes(state.params)
     params_def = jax.tree.structure(state.params)
@@ -211,7 +292,8 @@ def train_state_logical_axes(state: TrainState) -> TrainState:
         return jax.tree.structure(x) == params_def
 
     opt_state = jax.tree.map(lambda x: params if mirrors_params(x) else P(), state.opt_state, is_leaf=mirrors_params)
-    return TrainState(step=P(), params=params, opt_state=opt_state)
+    bias = None if state.bias is None else param_logical_axes(state.bias)
+    return TrainState(step=P(), params=params, opt_state=opt_state, bias=bias)
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
@@ -241,15 +323,34 @@ def _train_step(
     graphdef: nnx.GraphDef,
     optimizer: StaticOptimizer,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    config = optimizer.config
+
+    if config.bias_update_speed and state.bias is None and jax.tree.leaves(split_bias(frozen, config)[0]):
+        raise ValueError("bias_update_speed > 0 needs the routers' biases in TrainState.bias (`split_bias`)")
+
     def loss_fn(params):
+        model = merge_model(graphdef, state.replace(params=params), frozen)
         return compute_loss(
-            nnx.merge(graphdef, params, frozen), tokens, segment_ids, mtp_lambda=optimizer.config.mtp_lambda
+            model,
+            tokens,
+            segment_ids,
+            mtp_lambda=config.mtp_lambda,
+            mtp_weights=config.depth_weights(model.config.num_nextn_predict_layers),
+            mtp_targets=config.mtp_targets,
+            balance_alpha=config.balance_alpha,
+            routing_metrics=True,  # the MoE routers' loads: logged, and the bias update's input
+            mtp_only=config.mtp_only,
         )
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-    state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+    bias = state.bias
+    if bias is not None:  # DeepSeek-V3's auxiliary-loss-free balancing, by this step's loads
+        bias = update_biases(bias, metrics["expert_load"], config.bias_update_speed)
+    state = TrainState(
+        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state, bias=bias
+    )
     # On a mesh (the context's) the new state keeps the placement of the old: no recompile at the next step.
     return constrain_tree(state, train_state_logical_axes(state)), metrics
 
@@ -272,14 +373,17 @@ def train_step(
     same shardings as the old.
 
     Returns the new state and `compute_loss`'s metrics (before the update) plus "grad_norm"
-    (global norm before clipping).
+    (global norm before clipping); for a MoE model also the routers' loads ("expert_load" {router:
+    int32 [R] or [n, R]}, "expert_load_max_over_mean", with balance_alpha > 0 "balance_loss":
+    `balance.routing_terms`), which with `bias_update_speed > 0` moved `state.bias` (DeepSeek-V3's bias
+    update, `balance.update_biases`).
     """
     tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
     with on_mesh(mesh):
         return _train_step(state, frozen, tokens, segment_ids, graphdef=graphdef, optimizer=StaticOptimizer(config))
 
 
-@partial(jax.jit, static_argnames=("graphdef", "mtp_lambda"))
+@partial(jax.jit, static_argnames=("graphdef", "mtp_lambda", "mtp_weights", "mtp_targets", "eagle_steps"))
 def _eval_step(
     params: nnx.State,
     tokens: jax.Array,
@@ -288,14 +392,31 @@ def _eval_step(
     *,
     graphdef: nnx.GraphDef,
     mtp_lambda: float,
+    mtp_weights: tuple[float, ...] | None,
+    mtp_targets: str,
+    eagle_steps: int,
 ) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
-    _, metrics = compute_loss(model, tokens, segment_ids, mtp_lambda=mtp_lambda)
+    logits, hidden = model.forward_full(tokens, segment_ids)
+    mtp_logits = mtp_forward_full(model, hidden, tokens, segment_ids)
+    _, metrics = loss_from_logits(
+        [logits, *mtp_logits],
+        tokens,
+        segment_ids,
+        mtp_lambda=mtp_lambda,
+        mtp_weights=mtp_weights,
+        mtp_targets=mtp_targets,
+    )
+    if eagle_steps:
+        # pass 1 is depth 1 again; the chained passes are module 1's over its own hidden states
+        eagle = [mtp_logits[0], *mtp_forward_full(model, hidden, tokens, segment_ids, eagle_steps=eagle_steps)[1:]]
+        main_pred = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
+        metrics.update(simulated_acceptance(main_pred, eagle, segment_ids, prefix="eagle"))
     counts = {
         "num_tokens": jnp.sum(label_mask(segment_ids, 1)),
         "num_bytes": jnp.sum(jnp.where(label_mask(segment_ids, 1), token_bytes[shift_left(tokens, 1)], 0)),
     }
-    for k in range(1, model.config.num_nextn_predict_layers + 1):
+    for k in range(1, max(model.config.num_nextn_predict_layers, eagle_steps) + 1):
         counts[f"num_tokens_{k}"] = jnp.sum(label_mask(segment_ids, k + 1))
     return {**metrics, **counts}
 
@@ -308,6 +429,9 @@ def evaluate(
     batch_size: int,
     seq_len: int,
     mtp_lambda: float = 0.1,
+    mtp_weights: tuple[float, ...] | None = None,
+    mtp_targets: str = "data",
+    eagle_steps: int | None = None,
     max_batches: int | None = None,
     mesh: Mesh | None = None,
 ) -> dict[str, float]:
@@ -316,13 +440,23 @@ def evaluate(
 
     Returns floats: "main_loss" (nats per predicted token), "bits_per_byte" (the main loss summed
     over predicted tokens, in bits, over the UTF-8 bytes of those tokens; `<|endoftext|>` counts
-    0 bytes), "loss" (main + mtp_lambda * mean MTP loss), per depth k "mtp_loss_{k}" (nats) and
+    0 bytes), "loss" (main + mtp_lambda * sum_k w_k MTP loss_k, `mtp_weights` w, default 1/D), per
+    depth k "mtp_loss_{k}" (nats, against `mtp_targets`: the data's tokens or the main head's own),
     "mtp_agreement_{k}" (fraction of depth k's predictions whose argmax equals the main model's
-    argmax for the same token), "num_tokens" and "num_bytes".
+    argmax for the same token) and "mtp_acceptance_{k}" (simulated acceptance of MTP Vanilla:
+    depths 1..k all agree, `loss.simulated_acceptance`), per K = 1..D "mtp_acceptance_length_{K}"
+    (1 + the sum of the first K acceptances), the same "eagle_*" metrics for MTP Eagle's K =
+    `eagle_steps` chained passes of module 1 (default 3; 0 or a model without a DeepSeek-style
+    module: none), "num_tokens" and "num_bytes".
 
     Raises ValueError if batch_size < 1, seq_len < 2 or max_batches < 1, or batch_size is not a
     multiple of the mesh's data x fsdp.
     """
+    depth_count = model.config.num_nextn_predict_layers
+    if eagle_steps is None:
+        eagle_steps = 3
+    if depth_count == 0 or model.config.mtp_style != "deepseek":
+        eagle_steps = 0
     if batch_size < 1 or seq_len < 2 or (max_batches is not None and max_batches < 1):
         raise ValueError(
             f"need batch_size >= 1, seq_len >= 2 and max_batches >= 1 (or None), got batch_size "
@@ -334,24 +468,45 @@ def evaluate(
         resolve(P("batch"), (batch_size,), mesh)  # raises for a batch the mesh cannot split
         params = place(params, named_shardings(params, param_logical_axes(params), mesh))
         token_bytes = place(token_bytes, NamedSharding(mesh, P()))
+    weights = depth_weights(depth_count, mtp_weights)
     sums: dict[str, float] = {}
-    depths = range(1, model.config.num_nextn_predict_layers + 1)
+    depths = range(1, depth_count + 1)
+    # (metric, the count of rows it is a mean over) for every pooled metric
+    pooled = [("main_loss", "num_tokens")]
+    pooled += [(f"mtp_{name}_{k}", f"num_tokens_{k}") for k in depths for name in ("loss", "agreement", "acceptance")]
+    pooled += [
+        (f"eagle_{name}_{k}", f"num_tokens_{k}")
+        for k in range(1, eagle_steps + 1)
+        for name in ("agreement", "acceptance")
+    ]
+    counts = {"num_tokens", "num_bytes", *(count for _, count in pooled)}
     for tokens, segment_ids in heldout_batches(split, batch_size, seq_len, max_batches=max_batches):
         tokens, segment_ids = place_batch(tokens, segment_ids, mesh)
         with on_mesh(mesh):
-            m = to_host(_eval_step(params, tokens, segment_ids, token_bytes, graphdef=graphdef, mtp_lambda=mtp_lambda))
-        weights = {"main_loss": m["num_tokens"]}
-        weights.update({f"{name}_{k}": m[f"num_tokens_{k}"] for k in depths for name in ("mtp_loss", "mtp_agreement")})
-        for name, weight in weights.items():
-            sums[name] = sums.get(name, 0.0) + float(m[name]) * float(weight)
-        for name in ("num_tokens", "num_bytes", *(f"num_tokens_{k}" for k in depths)):
+            m = to_host(
+                _eval_step(
+                    params,
+                    tokens,
+                    segment_ids,
+                    token_bytes,
+                    graphdef=graphdef,
+                    mtp_lambda=mtp_lambda,
+                    mtp_weights=weights,
+                    mtp_targets=mtp_targets,
+                    eagle_steps=eagle_steps,
+                )
+            )
+        for name, count in pooled:
+            sums[name] = sums.get(name, 0.0) + float(m[name]) * float(m[count])
+        for name in counts:
             sums[name] = sums.get(name, 0.0) + float(m[name])
-    out = {"main_loss": sums["main_loss"] / max(sums["num_tokens"], 1)}
+    out = {name: sums[name] / max(sums[count], 1) for name, count in pooled}
     out["bits_per_byte"] = sums["main_loss"] / math.log(2) / max(sums["num_bytes"], 1)
-    for k in depths:
-        for name in ("mtp_loss", "mtp_agreement"):
-            out[f"{name}_{k}"] = sums[f"{name}_{k}"] / max(sums[f"num_tokens_{k}"], 1)
-    mtp = [out[f"mtp_loss_{k}"] for k in depths]
-    out["loss"] = out["main_loss"] + (mtp_lambda * sum(mtp) / len(mtp) if mtp else 0.0)
+    for prefix, steps in (("mtp", depth_count), ("eagle", eagle_steps)):
+        for k in range(1, steps + 1):
+            out[f"{prefix}_acceptance_length_{k}"] = simulated_acceptance_length(out, k, prefix)
+    out["loss"] = out["main_loss"] + mtp_lambda * sum(
+        w * out[f"mtp_loss_{k}"] for k, w in zip(depths, weights, strict=True)
+    )
     out["num_tokens"], out["num_bytes"] = int(sums["num_tokens"]), int(sums["num_bytes"])
     return out

@@ -7,7 +7,10 @@ around it. On a device mesh (`train(..., mesh=)`, `mtp_jax.sharding`) the step r
 checkpoints restore onto whatever mesh the run continues on.
 
 Two modes (`trainable_filter`; neither trains the MoE routers' `ScoreCorrectionBias`, DeepSeek-V3's
-`e_score_correction_bias`, which a load-balancing rule sets, not a gradient: it travels in `frozen`):
+`e_score_correction_bias`, which a load-balancing rule sets, not a gradient: it travels in `frozen`, or,
+with `bias_update_speed > 0`, in the `TrainState`, which the step moves by that rule after every step
+(`mtp_jax.training.balance`; with `mtp_only` the MTP modules' biases only); checkpoints and the export
+hold it as updated):
   - full training: every other `nnx.Param` is trained;
   - `mtp_only`: the main model is frozen and only the MTP modules (`mtp.MTP_PARAMS`) are trained.
     The main parameters travel in `frozen`, get no gradient and no optimizer state, and come out
@@ -43,6 +46,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +57,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from mtp_jax.checkpoints.heads_only import export_mtp_heads, source_fingerprint
 from mtp_jax.checkpoints.pretrained import init_from_pretrained, save_pretrained  # noqa: F401  (re-exported)
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, init_model
@@ -97,7 +102,9 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
     evaluate,
     learning_rate_schedule,
     make_optimizer,
+    merge_model,
     place_batch,
+    split_bias,
     split_model,
     train_state_logical_axes,  # noqa: F401  (re-exported)
     train_state_shardings,  # noqa: F401  (re-exported)
@@ -108,13 +115,16 @@ from mtp_jax.training.step import (  # re-exported: part of this module's interf
 
 @dataclasses.dataclass
 class TrainResult:
-    """The model after the run, the steps done, whether it stopped early, the last metrics."""
+    """The model after the run, the steps done, whether it stopped early, the last metrics, and for a MoE
+    model the last logged step's per-expert loads: {router: int [R] or, for a scanned stack, [n, R]}
+    (`balance.routing_terms`; tokens routed to each expert; None without MoE layers or steps)."""
 
     model: Transformer
     step: int
     stopped_early: bool
     train_metrics: dict[str, float]
     eval_metrics: dict[str, float] | None
+    expert_load: dict[str, np.ndarray] | None = None
 
 
 def train(
@@ -130,6 +140,7 @@ def train(
     progress: bool = True,
     export: bool = True,
     mesh: Mesh | None = None,
+    init_from: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Trains (or resumes) the run in `run_dir` on `corpus` and returns the model.
 
@@ -162,8 +173,14 @@ def train(
         holding this module's run.json), and there only `RUN_ENTRIES` (other files are kept).
       stop_at_step: stop (and checkpoint) after this step, as an interruption would; resume later.
       progress: show a tqdm bar (loss, tokens/s, ETA).
-      export: after the last step, write `run_dir/export` with `save_pretrained`.
+      export: after the last step, write `run_dir/export` with `save_pretrained` (heads only for an
+        `mtp_only` run from `init_from`, see there).
       mesh: the device mesh to train on; None: one device.
+      init_from: the Hugging Face-format directory `model` was loaded from (a fresh run). run.json
+        records it with its `heads_only.source_fingerprint`, and an `mtp_only` run (resumed ones too)
+        exports with `heads_only.export_mtp_heads` from it: the source's trunk tensors byte for byte,
+        the trained MTP modules in the source's dtypes. If the source is gone or has changed by then,
+        the export falls back to `save_pretrained` with a warning.
 
     Raises:
       FileExistsError: a fresh run in a non-empty run_dir without `overwrite`, or with `overwrite`
@@ -215,6 +232,9 @@ def train(
                     **{k: corpus.metadata.get(k) for k in corpus_keys},
                 },
             }
+            if init_from is not None:
+                source = pathlib.Path(init_from).resolve()
+                run["init_from"] = {"path": str(source), "fingerprint": source_fingerprint(source)}
             if primary:
                 start_run(run_dir, run, corpus.tokenizer_path, overwrite=overwrite)
         _sync("mtp_jax.train: run dir ready")
@@ -231,15 +251,20 @@ def train(
             else:
                 model = model if model is not None else init_model(model_config, train_config.seed)
                 graphdef, params, frozen = split_model(model, train_config)
-                params = jax.tree.map(jnp.copy, params)  # the state is donated: leave the caller's model intact
+                bias, frozen = split_bias(frozen, train_config)  # the routers' biases the step updates, if any
+                # the state is donated: leave the caller's model intact
+                params, bias = jax.tree.map(jnp.copy, (params, bias))
                 state = TrainState(
-                    step=jnp.zeros((), jnp.int32), params=params, opt_state=make_optimizer(train_config).init(params)
+                    step=jnp.zeros((), jnp.int32),
+                    params=params,
+                    opt_state=make_optimizer(train_config).init(params),
+                    bias=bias,
                 )
                 if mesh is not None:
                     placed = place({"train": state, "frozen": frozen}, train_shardings(state, frozen, mesh))
                     state, frozen = placed["train"], placed["frozen"]
             end = train_config.num_steps if stop_at_step is None else min(stop_at_step, train_config.num_steps)
-            state, train_metrics, eval_metrics = _fit(
+            state, train_metrics, eval_metrics, expert_load = _fit(
                 run_dir,
                 corpus,
                 manager,
@@ -254,20 +279,45 @@ def train(
         finally:
             manager.close()
         step = int(to_host(state.step))
-        model = nnx.merge(graphdef, state.params, frozen)
+        model = merge_model(graphdef, state, frozen)
         stopped_early = step < train_config.num_steps
         if not stopped_early:
             eval_metrics = _evaluate_and_log(run_dir, model, corpus, train_config, step, mesh)
             if export:
-                host = (
-                    model if jax.process_count() == 1 else nnx.merge(graphdef, to_host(state.params), to_host(frozen))
-                )
+                weights = state.replace(opt_state=None)  # what the model needs, not the optimizer state
+                host = model if jax.process_count() == 1 else merge_model(graphdef, to_host(weights), to_host(frozen))
                 if primary:
-                    save_pretrained(host, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
+                    _export(host, run_dir, run, train_config)
     _sync("mtp_jax.train: done")  # the lock is released: a next call on any process finds the run dir free
     return TrainResult(
-        model=model, step=step, stopped_early=stopped_early, train_metrics=train_metrics, eval_metrics=eval_metrics
+        model=model,
+        step=step,
+        stopped_early=stopped_early,
+        train_metrics=train_metrics,
+        eval_metrics=eval_metrics,
+        expert_load=expert_load,
     )
+
+
+def _export(model: Transformer, run_dir: pathlib.Path, run: dict, config: TrainConfig) -> None:
+    """run_dir/export: heads only (`export_mtp_heads`) over the run's unchanged `init_from` source for an
+    `mtp_only` run, else `save_pretrained` (with a warning when the source is gone or changed)."""
+    source = run.get("init_from") if config.mtp_only else None
+    if source is not None:
+        path = pathlib.Path(str(source.get("path"))) if isinstance(source, dict) else None
+        try:
+            same = path is not None and source_fingerprint(path) == source.get("fingerprint")
+        except OSError:
+            same = False
+        if same:
+            export_mtp_heads(model, path, run_dir / EXPORT_DIR, overwrite=True)
+            return
+        warnings.warn(
+            f"{path}, the checkpoint this run started from, is gone or has changed since: exporting the whole "
+            "model with save_pretrained (the trunk rewritten from the model, not copied byte for byte)",
+            stacklevel=3,
+        )
+    save_pretrained(model, run_dir / EXPORT_DIR, tokenizer=run_dir / TOKENIZER_FILE, overwrite=True)
 
 
 def _check_mesh(config: TrainConfig, mesh: Mesh | None) -> None:
@@ -320,6 +370,8 @@ def _evaluate_and_log(
         batch_size=config.batch_size,
         seq_len=config.seq_len,
         mtp_lambda=config.mtp_lambda,
+        mtp_weights=config.depth_weights(model.config.num_nextn_predict_layers),
+        mtp_targets=config.mtp_targets,
         max_batches=config.eval_batches,
         mesh=mesh,
     )
@@ -341,8 +393,9 @@ def _fit(
     end: int,
     progress: bool,
     mesh: Mesh | None,
-) -> tuple[TrainState, dict[str, float], dict[str, float] | None]:
-    """The training loop from `state.step` to step `end` (or a stop request): (state, train, eval metrics).
+) -> tuple[TrainState, dict[str, float], dict[str, float] | None, dict[str, np.ndarray] | None]:
+    """The training loop from `state.step` to step `end` (or a stop request): (state, train metrics, eval
+    metrics, the last logged step's expert loads or None), the metrics of the last logged step.
 
     With `mesh`, `state` and `frozen` are on it already; each batch is placed (`place_batch`) and every
     step runs under `jax.set_mesh(mesh)`. Whatever is read back (losses, metrics, the finiteness check)
@@ -356,7 +409,7 @@ def _fit(
     schedule = learning_rate_schedule(config)
     meta = {"tokens_per_step": config.tokens_per_step}
     train_metrics: dict[str, float] = {}
-    eval_metrics = None
+    eval_metrics = expert_load = None
     step = int(to_host(state.step))
     bar = tqdm(total=config.num_steps, initial=step, unit="step", disable=not progress, dynamic_ncols=True)
     with stop_requests() as stop, bar:
@@ -372,7 +425,9 @@ def _fit(
                 what = f"the loss ({loss}) or the gradient norm ({grad_norm}) is"
                 raise non_finite_error(run_dir, manager, step, what)
             if step % config.log_every == 0 or step == end:
-                train_metrics = {k: float(v) for k, v in to_host(metrics).items()}
+                host = to_host(metrics)
+                expert_load = host.pop("expert_load", None)  # MoE: {router: load vector(s)}
+                train_metrics = {k: float(v) for k, v in host.items()}
                 now = time.perf_counter()
                 tokens_per_s = (step - last_step) * config.tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
@@ -385,7 +440,7 @@ def _fit(
                 )
             if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
                 eval_metrics = _evaluate_and_log(
-                    run_dir, nnx.merge(graphdef, state.params, frozen), corpus, config, step, mesh
+                    run_dir, merge_model(graphdef, state, frozen), corpus, config, step, mesh
                 )
                 last_time = time.perf_counter()  # keep evaluation out of tokens/s
             if step % config.checkpoint_every == 0 or step == end or stop.is_set():
@@ -396,4 +451,4 @@ def _fit(
                 save_train_state(manager, state, frozen, meta)
             if stop.is_set():
                 break
-    return state, train_metrics, eval_metrics
+    return state, train_metrics, eval_metrics, expert_load
