@@ -1,10 +1,13 @@
 """Evaluates a finished training run's export and writes it, with a model card, into a model directory.
 
-    python scripts/model_card.py runs/demo --out mtp_jax/assets/demo [--overwrite]
+    python scripts/model_card.py runs/demo [--heads runs/demo-heads] --out mtp_jax/assets/demo [--overwrite]
 
 The card records the training command, corpus (Python version, files, tokens), training time,
-held-out main loss (nats/token and bits/byte) and each MTP depth's loss and top-1 agreement with the
-main model; `mtp-jax eval mtp_jax/assets/demo` reproduces the held-out numbers.
+held-out main loss (nats/token and bits/byte) and each MTP depth's loss, top-1 agreement with the
+main model and simulated acceptance; `mtp-jax eval mtp_jax/assets/demo` reproduces the held-out numbers.
+With --heads, the weights are that run's export (the MTP heads fine-tuned on the model's own
+generations, `mtp-jax distill-data` + `mtp-jax train --mtp-only --mtp-targets self --data`), and the card
+says how they were made.
 """
 
 import argparse
@@ -26,11 +29,12 @@ COMMAND = "bash scripts/build_demo_model.sh"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
+    parser.add_argument("--heads", help="the self-distilled MTP-heads run started from RUN_DIR's export")
     parser.add_argument("--out", required=True)
     parser.add_argument("--overwrite", action="store_true", help="replace the model files in --out")
     args = parser.parse_args()
     run_dir, out = Path(args.run_dir), Path(args.out)
-    export = run_dir / "export"
+    export = Path(args.heads or run_dir) / "export"
     run = json.loads((run_dir / "run.json").read_text())
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     model, tokenizer = load_pretrained(export)
@@ -41,12 +45,16 @@ def main() -> None:
     )
     seq_len = run["train_config"]["seq_len"]
     heldout = evaluate(model, corpus.heldout, data.token_byte_lengths(corpus.tokenizer), batch_size=16, seq_len=seq_len)
-    train_hours = ((export / "config.json").stat().st_mtime - (run_dir / "run.json").stat().st_mtime) / 3600
+    train_hours = _hours(run_dir)
     params = sum(x.size for x in jax.tree.leaves(model))
     c, t, meta = model.config, run["train_config"], corpus.metadata
     steps = max(r["step"] for r in log if r["kind"] == "train")
     depths = range(1, c.num_nextn_predict_layers + 1)
-    rows = "\n".join(f"| {k} | {heldout[f'mtp_loss_{k}']:.3f} | {heldout[f'mtp_agreement_{k}']:.1%} |" for k in depths)
+    rows = "\n".join(
+        f"| {k} | {heldout[f'mtp_loss_{k}']:.3f} | {heldout[f'mtp_agreement_{k}']:.1%} | "
+        f"{heldout[f'mtp_acceptance_{k}']:.1%} | {heldout[f'mtp_acceptance_length_{k}']:.2f} |"
+        for k in depths
+    )
     card = f"""# mtp_jax demo model
 
 A small Llama-style decoder with {c.num_nextn_predict_layers} DeepSeek-V3-style MTP modules, trained from scratch
@@ -73,13 +81,13 @@ tokens), AdamW lr {t["learning_rate"]} (warm-up {t["warmup_steps"]}, cosine to {
 Main model: **{heldout["main_loss"]:.3f} nats/token, {heldout["bits_per_byte"]:.3f} bits/byte** over \
 {int(heldout["num_tokens"]):,} tokens.
 
-| MTP depth k | loss (nats/token, predicting t+k+1) | top-1 agreement with the main model's argmax at the same target |
-|---:|---:|---:|
+| MTP depth k | loss (nats/token, of t+k+1) | agreement with main argmax | simulated acceptance | simulated tau |
+|---:|---:|---:|---:|---:|
 {rows}
 
-Agreement is teacher-forced (each depth sees the true tokens); it approximates the per-position
-acceptance of strict-greedy speculative decoding with MTP Vanilla.
-"""
+Agreement and simulated acceptance are teacher-forced (each depth sees the true tokens); they
+approximate the per-position acceptance of strict-greedy speculative decoding with MTP Vanilla.
+{_heads_section(Path(args.heads)) if args.heads else ""}"""
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         sys.exit(f"{out} is not empty; pass --overwrite to replace the model there")
     out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +106,34 @@ acceptance of strict-greedy speculative decoding with MTP Vanilla.
         + "\n"
     )
     print(card)
+
+
+def _hours(run_dir: Path) -> float:
+    """Wall time of a run, from its run.json to its export."""
+    return ((run_dir / "export" / "config.json").stat().st_mtime - (run_dir / "run.json").stat().st_mtime) / 3600
+
+
+def _heads_section(heads: Path) -> str:
+    """The card's account of the self-distilled heads: the data, the training, the held-out gain."""
+    run = json.loads((heads / "run.json").read_text())
+    t = run["train_config"]
+    distilled = json.loads((Path(run["corpus"]["work_dir"]) / "corpus.json").read_text())
+    d = distilled["settings"]
+    evals = [json.loads(line) for line in (heads / "log.jsonl").read_text().splitlines()]
+    last = [r for r in evals if r["kind"] == "eval"][-1]
+    return f"""
+## Self-distilled MTP heads
+
+The MTP modules were then fine-tuned on the model's own greedy continuations, the trunk frozen (its
+tensors byte-identical): `mtp-jax distill-data` ({d["num_samples"]:,} train + {d["heldout_samples"]}
+held-out samples: {d["prompt_len"]}-token windows of the train files, {d["max_new_tokens"]} greedy tokens each,
+{distilled["num_train_tokens"]:,} tokens), then `mtp-jax train --mtp-only --mtp-targets self --data` for
+{t["num_steps"]} steps of {t["batch_size"]} x {t["seq_len"]} tokens, AdamW lr {t["learning_rate"]} (warm-up
+{t["warmup_steps"]}), {_hours(heads):.2f} hours on 2 CPU cores (see `scripts/build_demo_model.sh`). On the
+held-out samples (the model's own continuations of held-out windows) the simulated mean acceptance length
+at K = 3 is {last["mtp_acceptance_length_3"]:.2f} (MTP Vanilla) and {last["eagle_acceptance_length_3"]:.2f}
+(MTP Eagle); live figures before and after: `benchmarks/bench_self_distill.py`, docs/benchmarks.md.
+"""
 
 
 if __name__ == "__main__":
