@@ -34,7 +34,7 @@ from report import cpu_name  # this directory is on sys.path when run as a scrip
 from mtp_jax.checkpoints.pretrained import load_pretrained
 from mtp_jax.decode.generation import generate
 from mtp_jax.decode.speculative import SpeculativeConfig
-from mtp_jax.mtp import mtp_forward_full
+from mtp_jax.mtp import mtp_eagle_forward_full
 from mtp_jax.training import data
 from mtp_jax.training.loss import simulated_acceptance, simulated_acceptance_length
 
@@ -56,10 +56,9 @@ def simulated(model, prompts: list[list[int]], continuations: list[list[int]], e
         rows = jnp.asarray(rows)
         logits, hidden = model.forward_full(trace, jnp.ones_like(trace))
         main_pred = jnp.argmax(logits, axis=-1)
-        depths = mtp_forward_full(model, hidden, trace, jnp.ones_like(trace))
+        depths, eagle = mtp_eagle_forward_full(model, hidden, trace, jnp.ones_like(trace), eagle_steps=eagle_steps)
         metrics = simulated_acceptance(main_pred, depths, rows, prefix="vanilla")
-        eagle = mtp_forward_full(model, hidden, trace, jnp.ones_like(trace), eagle_steps=eagle_steps)
-        metrics.update(simulated_acceptance(main_pred, [depths[0], *eagle[1:]], rows, prefix="eagle"))
+        metrics.update(simulated_acceptance(main_pred, eagle, rows, prefix="eagle"))
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0.0) + float(value) / len(prompts)
     out = {name: round(value, 4) for name, value in sums.items()}

@@ -98,7 +98,7 @@ class ModelConfig:
     DeepSeek-V3's block-scaled FP8: a float8_e4m3fn kernel plus float32 block scales, dequantized to
     `dtype` inside each forward (`mtp_jax.layers.fp8`); the linears its `quantizes` rule leaves out (the
     head, MTP's `eh_proj`, `modules_to_not_convert`) and every other parameter (embeddings, norms, the
-    MoE router) stay in `param_dtype`.
+    MoE router) stay in `param_dtype`, as do the whole MTP modules with `quantize_mtp=False`.
 
     `scan_layers` defaults to False (unrolled), chosen by `benchmarks/bench_compile.py` (CPU, 2 shared
     cores, fp32, `benchmarks/results/compile_cpu_2026-12-01.json`). Compile time of prefill + an eagle

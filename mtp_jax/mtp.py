@@ -169,7 +169,13 @@ class ParallelMTPHead(_MTPBlock):
 
 
 def make_mtp_modules(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
-    """The D = `config.num_nextn_predict_layers` modules of `config.mtp_style` (empty when D = 0)."""
+    """The D = `config.num_nextn_predict_layers` modules of `config.mtp_style` (empty when D = 0).
+
+    An FP8 model whose `Fp8Config.quantize_mtp` is False gets unquantized modules: every linear and routed
+    expert in `config.weight_dtype` (the modules are built from the config without `quantization`, which
+    they hold as theirs), however the trunk is stored."""
+    if config.quantization is not None and not config.quantization.quantize_mtp:
+        config = config.replace(quantization=None)
     cls = MTPModule if config.mtp_style == "deepseek" else ParallelMTPHead
     return nnx.List([cls(config, rngs, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)])
 
@@ -198,15 +204,8 @@ def mtp_forward_full(
     main_hidden: Float[Array, "B T E"],
     tokens: Int[Array, "B T"],
     segment_ids: Int[Array, "B T"] | None = None,
-    *,
-    eagle_steps: int | None = None,
 ) -> list[Float[Array, "B T V"]]:
     """All D depths over whole sequences from position 0, no prior cache (training; the decoding oracle).
-
-    With `eagle_steps` = K: module 1 K times instead, each pass over its own previous pass's hidden
-    states and the tokens one further ahead (MTP Eagle teacher-forced, for simulated acceptance;
-    an approximation of the live chain, whose passes attend to module 1's entries of the committed
-    positions). Raises ValueError for eagle_steps < 1, no MTP module, or parallel heads.
 
     Args:
       model: the main `Transformer`, holding the modules in `model.mtp`.
@@ -219,20 +218,44 @@ def mtp_forward_full(
       D arrays of logits float32 [B, T, V]; depth k's row i predicts t_{i+k+1}. Its token input
       t_{i+k} is 0 where i + k >= T: those rows have no label and the loss masks them.
     """
+    return mtp_eagle_forward_full(model, main_hidden, tokens, segment_ids, eagle_steps=0)[0]
+
+
+def mtp_eagle_forward_full(
+    model: nnx.Module,
+    main_hidden: Float[Array, "B T E"],
+    tokens: Int[Array, "B T"],
+    segment_ids: Int[Array, "B T"] | None = None,
+    *,
+    eagle_steps: int,
+) -> tuple[list[Float[Array, "B T V"]], list[Float[Array, "B T V"]]]:
+    """`mtp_forward_full`'s D depths, and MTP Eagle's K = `eagle_steps` passes of module 1 teacher-forced.
+
+    Eagle pass k runs module 1 over pass k - 1's hidden states and the tokens k ahead (for simulated
+    acceptance; an approximation of the live chain, whose passes attend to module 1's entries of the
+    committed positions). Pass 1 is depth 1, taken from the depths (not run again): module 1 runs K
+    times in all. Raises ValueError for eagle_steps < 0, or eagle_steps >= 1 without a DeepSeek-style
+    MTP module (none, or parallel heads).
+
+    Args: as `mtp_forward_full`.
+
+    Returns:
+      (depths, eagle): the D depths' logits as `mtp_forward_full` returns them, and K arrays of logits
+      float32 [B, T, V] (none for K = 0), `eagle[0]` being `depths[0]`; pass k's row i predicts
+      t_{i+k+1}, as depth k's.
+    """
     batch, num = tokens.shape
     modules = list(model.mtp)
-    if eagle_steps is not None:
-        if eagle_steps < 1 or not modules or model.config.mtp_style != "deepseek":
-            raise ValueError(
-                f"eagle_steps needs a DeepSeek-style MTP module and eagle_steps >= 1, got {eagle_steps} with "
-                f"{len(modules)} modules of style {model.config.mtp_style!r}"
-            )
-        modules = [modules[0]] * eagle_steps
-    h0 = initial_hidden(model, main_hidden)
-    hidden, all_logits = h0, []
+    parallel = model.config.mtp_style == "parallel"
+    if eagle_steps < 0 or (eagle_steps and (not modules or model.config.mtp_style != "deepseek")):
+        raise ValueError(
+            f"eagle_steps needs a DeepSeek-style MTP module and eagle_steps >= 0, got {eagle_steps} with "
+            f"{len(modules)} modules of style {model.config.mtp_style!r}"
+        )
     positions = sequence_positions(batch, num)
-    for k, module in enumerate(modules, start=1):
-        source = h0 if model.config.mtp_style == "parallel" else hidden
+
+    def run(module: nnx.Module, k: int, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Module `module` as depth (or eagle pass) k over `source`: (logits, the hidden chained onward)."""
         logits, hidden, _ = module(
             source,
             shift_left(tokens, k),
@@ -242,5 +265,16 @@ def mtp_forward_full(
             head=model.head,
             segment_ids=segment_ids,
         )
-        all_logits.append(logits)
-    return all_logits
+        return logits, hidden
+
+    h0 = initial_hidden(model, main_hidden)
+    hidden, depths, first_hidden = h0, [], None
+    for k, module in enumerate(modules, start=1):
+        logits, hidden = run(module, k, h0 if parallel else hidden)
+        depths.append(logits)
+        first_hidden = hidden if k == 1 else first_hidden
+    eagle, hidden = depths[: min(eagle_steps, 1)], first_hidden
+    for k in range(2, eagle_steps + 1):
+        logits, hidden = run(modules[0], k, hidden)
+        eagle.append(logits)
+    return depths, eagle

@@ -38,13 +38,20 @@ class Fp8Config:
       the HF [out, in] weight (DeepSeek-V3: (128, 128)).
     modules_to_not_convert: module names kept unquantized: a linear stays in `param_dtype` when any
       entry is a substring of its name (transformers' rule; names as `quantizes` takes them).
+    quantize_mtp: whether the MTP modules (checkpoint layers `model.layers.{L + k}`) follow this rule
+      too (True, as the files hold them). False keeps them unquantized in float `param_dtype` beside the
+      FP8 trunk (`mtp.make_mtp_modules`): heads-only training (`load_hf_checkpoint(..., dequantize_mtp=True)`)
+      updates float32 master weights there. A load-time choice, not part of config.json's
+      `quantization_config` (`hf_config` neither reads nor writes it; run.json keeps it).
 
-    Raises ValueError naming the field for block sizes that are not two ints >= 1 or entries that are
-    not strings. Lists are accepted and stored as tuples (the config is hashable).
+    Raises ValueError naming the field for block sizes that are not two ints >= 1, entries that are
+    not strings, or a `quantize_mtp` that is not a bool. Lists are accepted and stored as tuples (the
+    config is hashable).
     """
 
     weight_block_size: tuple[int, int] = (128, 128)
     modules_to_not_convert: tuple[str, ...] = ()
+    quantize_mtp: bool = True
 
     def __post_init__(self):
         block = self.weight_block_size
@@ -59,6 +66,8 @@ class Fp8Config:
             if not isinstance(module, str):
                 raise ValueError(f"modules_to_not_convert[{k}] must be a string, got {module!r}")
         object.__setattr__(self, "modules_to_not_convert", tuple(modules))
+        if not isinstance(self.quantize_mtp, bool):
+            raise ValueError(f"quantize_mtp must be a bool, got {self.quantize_mtp!r}")
 
     def quantizes(self, name: str) -> bool:
         """Whether the linear named `name` is stored in FP8: its HF module path inside `model.layers.{i}`

@@ -15,7 +15,9 @@ stored tensors that hold them.
 Dtypes: an MTP tensor the source stores keeps the source's safetensors dtype (float32 master weights
 of training are cast to it; a float weight the source holds in FP8 is block-quantized again,
 `quantization.quantize_fp8_blocks`, with its `weight_scale_inv`); one the source lacks (heads added)
-takes the dtype `save_pretrained` gives that parameter (`abstract_model(model.config)`'s), and in
+takes the dtype `save_pretrained` gives that parameter (`abstract_model(writing.stored_config(model.config))`'s: for a
+model holding its MTP modules unquantized beside an FP8 trunk, `Fp8Config.quantize_mtp` False, FP8 with its
+scales where the trunk's rule quantizes, as the family stores them), and in
 DeepSeek's layout a new MTP layer gets the copies of the embedding and head that the source's MTP layers carry (all of
 them when the source had none, as `save_pretrained` writes). config.json is the source's, byte for byte,
 unless D changed (heads added: `families.mtp_field`'s `num_nextn_predict_layers` or Qwen3.5's
@@ -50,7 +52,7 @@ from mtp_jax.checkpoints.hf_config import MTP_CONVENTION_FIELDS, config_from_hf
 from mtp_jax.checkpoints.names import hf_names, shared_copies
 from mtp_jax.checkpoints.reading import open_weights, read_json
 from mtp_jax.checkpoints.tensor_reads import DTYPES, TensorFile
-from mtp_jax.checkpoints.writing import is_model_file, param_tensors, save_safetensors
+from mtp_jax.checkpoints.writing import is_model_file, param_tensors, save_safetensors, stored_config
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import Transformer, abstract_model
 from mtp_jax.mtp import MTP_PARAMS
@@ -211,7 +213,7 @@ def _write_heads(model: Transformer, root: Path, shown: Path, new: Path) -> None
         views, _ = families.tensor_views(shapes, config)
 
         ours = mtp_tensors(model)
-        new_dtypes = _mtp_dtypes(config)
+        new_dtypes = _mtp_dtypes(stored_config(config))
         source_mtp = set(_mtp_dtypes(source_config)) if source_config.num_nextn_predict_layers else set()
         mtp_names = source_mtp | set(ours)
         mtp_names |= {f"{name}_scale_inv" for name in mtp_names}

@@ -214,7 +214,8 @@ def check_quantized_modules(params: nnx.State, config: ModelConfig) -> None:
 
     The model decides per fused module and per layer-relative name (`Fp8Config.quantizes`), so an entry that
     names one piece of a fused projection ("up_proj"), one routed expert ("experts.3.") or one layer
-    ("layers.2.") has no layout here. No-op without `config.quantization`.
+    ("layers.2.") has no layout here. No-op without `config.quantization`; the MTP modules are left out when
+    `Fp8Config.quantize_mtp` is False (held unquantized whatever the files hold).
 
     Raises:
       ValueError listing the HF modules whose quantization differs, and the entries.
@@ -225,6 +226,8 @@ def check_quantized_modules(params: nnx.State, config: ModelConfig) -> None:
     wrong = []
     for path, variable in nnx.to_flat_state(params):
         if not (str(path[-1]) == "kernel" or (_is_experts(path) and not is_scale(path))):
+            continue
+        if str(path[0]) == "mtp" and not fp8.quantize_mtp:
             continue
         quantized = variable.get_value().dtype == jnp.float8_e4m3fn
         for name, _ in hf_names(path, config):

@@ -46,6 +46,7 @@ def load_pretrained(
     dtype: str | None = None,
     mesh: Mesh | None = None,
     dequantize: bool = False,
+    dequantize_mtp: bool = False,
 ) -> tuple[Transformer, Tokenizer]:
     """The model and its HF `tokenizers.Tokenizer` from a directory (default: the bundled demo model).
 
@@ -55,7 +56,8 @@ def load_pretrained(
     model's weights and compute, default the checkpoint's (`inference_dtype` picks float32 for
     decoding on a CPU). `mesh`: the parameters are read shard by shard straight onto it
     (`load_hf_checkpoint`'s `mesh`). `dequantize`: an FP8 checkpoint's weights dequantized on load
-    instead of kept in FP8 (`load_hf_checkpoint`'s).
+    instead of kept in FP8 (`load_hf_checkpoint`'s); `dequantize_mtp`: its MTP modules only (the trunk
+    kept FP8, `load_hf_checkpoint`'s).
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or tokenizer.json are missing.
@@ -65,7 +67,7 @@ def load_pretrained(
       OSError: `path` was replaced by concurrent saves during each attempt to read it.
     """
     path = Path(DEFAULT_MODEL_DIR if path is None else path)
-    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype, mesh, dequantize))
+    return atomic_dir.read_dir(path, lambda root: _read_pretrained(root, path, dtype, mesh, dequantize, dequantize_mtp))
 
 
 def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = None) -> tuple[str | None, str | None]:
@@ -99,7 +101,7 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
 
 
 def _read_pretrained(
-    root: Path, shown: Path, dtype: str | None, mesh: Mesh | None, dequantize: bool
+    root: Path, shown: Path, dtype: str | None, mesh: Mesh | None, dequantize: bool, dequantize_mtp: bool = False
 ) -> tuple[Transformer, Tokenizer]:
     """`load_pretrained` of the directory `root`, named `shown` in errors; tokenizer.json is read first."""
     if not root.is_dir():
@@ -107,7 +109,9 @@ def _read_pretrained(
     if not (root / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {shown}")
     data = (root / TOKENIZER_FILE).read_bytes()  # before the weights, which take longest
-    model = read_hf_files(root, dtype=dtype, mesh=mesh, dequantize=dequantize, shown=shown)
+    model = read_hf_files(
+        root, dtype=dtype, mesh=mesh, dequantize=dequantize, dequantize_mtp=dequantize_mtp, shown=shown
+    )
     tokenizer = _parse_tokenizer(data, shown / TOKENIZER_FILE)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > model.config.vocab_size:
@@ -162,6 +166,7 @@ def init_from_pretrained(
     seed: int = 0,
     dtype: str | None = None,
     mesh: Mesh | None = None,
+    dequantize_mtp: bool = False,
 ) -> Transformer:
     """A model from a Hugging Face-format directory (`load_hf_checkpoint`) with D MTP modules.
 
@@ -170,8 +175,10 @@ def init_from_pretrained(
     adds MTP heads to an existing model. `dtype` ("float32", "bfloat16") sets the weights' and the
     compute dtype (default: the checkpoint's). `mesh`: the checkpoint's parameters are read shard by
     shard straight onto it (`load_hf_checkpoint`); new MTP modules start on the default device.
+    `dequantize_mtp`: for an FP8 checkpoint, the MTP modules (kept and new) in float `param_dtype` beside
+    the FP8 trunk (`Fp8Config.quantize_mtp=False`; what `mtp_only` training of an FP8 model needs).
     """
-    loaded = load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+    loaded = load_hf_checkpoint(path, dtype=dtype, mesh=mesh, dequantize_mtp=dequantize_mtp)
     d = loaded.config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
     if d == loaded.config.num_nextn_predict_layers:
         return loaded

@@ -186,6 +186,7 @@ def load_hf_checkpoint(
     scan_layers: bool | None = None,
     mesh: Mesh | None = None,
     dequantize: bool = False,
+    dequantize_mtp: bool = False,
 ) -> Transformer:
     """A `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors).
 
@@ -211,6 +212,9 @@ def load_hf_checkpoint(
         once while loading (`float32(weight) * scale`, cast to `dtype`), for a plain model. Linears the
         files keep unquantized (no `weight_scale_inv`, the same module in every layer: e.g. DeepSeek's
         MTP `eh_proj`) load unquantized either way. No effect on an unquantized checkpoint.
+      dequantize_mtp: for an FP8 checkpoint, the MTP modules only dequantized on load (into `param_dtype`,
+        `Fp8Config.quantize_mtp=False`, what heads-only training over a frozen FP8 trunk needs) while the
+        trunk stays FP8. No effect with `dequantize` or on an unquantized checkpoint.
 
     Returns:
       The model; Linear kernels [in, out] are the files' weights [out, in] transposed.
@@ -252,7 +256,13 @@ def load_hf_checkpoint(
     return atomic_dir.read_dir(
         path,
         lambda root: read_hf_files(
-            root, dtype=dtype, scan_layers=scan_layers, mesh=mesh, dequantize=dequantize, shown=path
+            root,
+            dtype=dtype,
+            scan_layers=scan_layers,
+            mesh=mesh,
+            dequantize=dequantize,
+            dequantize_mtp=dequantize_mtp,
+            shown=path,
         ),
     )
 
@@ -264,6 +274,7 @@ def read_hf_files(
     scan_layers: bool | None = None,
     mesh: Mesh | None = None,
     dequantize: bool = False,
+    dequantize_mtp: bool = False,
     shown: str | os.PathLike | None = None,
 ) -> Transformer:
     """The model in `directory`'s checkpoint files, read in place (not pinned against a concurrent save).
@@ -291,6 +302,9 @@ def read_hf_files(
     block = None
     if dequantize and config.quantization is not None:
         block, config = config.quantization.weight_block_size, config.replace(quantization=None)
+    elif dequantize_mtp and config.quantization is not None:
+        block = config.quantization.weight_block_size
+        config = config.replace(quantization=dataclasses.replace(config.quantization, quantize_mtp=False))
     with contextlib.ExitStack() as stack:
         handles = open_weights(root, shown, stack)
         files = {}
@@ -314,7 +328,8 @@ def _read_weights(
 ) -> Transformer:
     """The model of `config` from the weights files (file name -> its `safe_open` handle, which listed
     its tensors, and its `TensorFile`, which reads them), its parameters on `mesh` (None: one device);
-    `block`: the files' FP8 block when their quantized weights are dequantized on load."""
+    `block`: the files' FP8 block when quantized weights are dequantized on load (all of them, or with
+    `Fp8Config.quantize_mtp` False the MTP modules')."""
     where, shapes, dtypes = _scan(handles, shown)
     files = _with_views(files, where, shapes, dtypes, config)
     graphdef, params = _abstract(config)
@@ -335,7 +350,10 @@ def _read_weights(
         dequantized = {
             name: f"{name}_scale_inv"
             for name in layout
-            if name.endswith(".weight") and dtypes.get(name) == "F8_E4M3" and f"{name}_scale_inv" in where
+            if name.endswith(".weight")
+            and layout[name][3] != jnp.float8_e4m3fn  # held unquantized: all, or the MTP modules'
+            and dtypes.get(name) == "F8_E4M3"
+            and f"{name}_scale_inv" in where
         }
 
     present = mtp_layers_present(iter(where), config)

@@ -3,7 +3,10 @@
 FP8 models (`ModelConfig.quantization`) are written in DeepSeek-V3's format: each quantized kernel as
 `<module>.weight` F8_E4M3 [out, in] beside `<module>.weight_scale_inv` F32 [ceil(out/b_out), ceil(in/b_in)]
 (`safetensors.numpy.save_file` writes an `ml_dtypes.float8_e4m3fn` array as F8_E4M3; its NumPy reader
-cannot return one, torch's can). DeepSeek's MTP layers also carry copies of the shared embedding and head
+cannot return one, torch's can). A model holding its MTP modules unquantized beside the FP8 trunk
+(`Fp8Config.quantize_mtp` False, heads-only training) has them block-quantized on write where the trunk's
+rule quantizes (`stored_config`), so the files are the format config.json's `quantization_config` describes.
+DeepSeek's MTP layers also carry copies of the shared embedding and head
 (`names.shared_copies`), written as the official checkpoints hold them. Qwen3.5 and MiMo models
 (`ModelConfig.mtp_layout`) are written in their own layouts (`mtp_jax.checkpoints.families`): the
 text model's `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` names with `mtp.*` (routed experts one tensor per
@@ -15,6 +18,7 @@ directory and swapped in, so a kill at any point leaves the old or the new check
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -35,7 +39,10 @@ from mtp_jax.checkpoints.format import (
 )
 from mtp_jax.checkpoints.hf_config import config_to_hf
 from mtp_jax.checkpoints.names import hf_names, shared_copies, tensor_axes, unfuse
-from mtp_jax.model import Transformer
+from mtp_jax.config import ModelConfig
+from mtp_jax.model import Transformer, abstract_model
+from mtp_jax.mtp import MTP_PARAMS
+from mtp_jax.quantization import quantize_fp8_blocks
 
 _MODEL_FILE_PATTERNS = (
     CONFIG_FILE,
@@ -103,7 +110,37 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
         for k, (name, tensor) in enumerate(tensors):
             keyed.append(((where, k // per_layer, position), name, tensor))
     tensors = {name: tensor for _, name, tensor in sorted(keyed, key=lambda entry: entry[0])}
-    return _with_mtp_copies(tensors, config)
+    return _with_mtp_copies(_quantized_mtp(tensors, config), config)
+
+
+def stored_config(config: ModelConfig) -> ModelConfig:
+    """`config` as the files store its model: with `Fp8Config.quantize_mtp` False (MTP modules held
+    unquantized beside an FP8 trunk) the same config quantizing them too; else `config` itself."""
+    fp8 = config.quantization
+    if fp8 is None or fp8.quantize_mtp:
+        return config
+    return config.replace(quantization=dataclasses.replace(fp8, quantize_mtp=True))
+
+
+def _quantized_mtp(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """`tensors` with the float MTP weights that `stored_config(config)` holds in FP8 block-quantized
+    (`quantize_fp8_blocks`: float8_e4m3fn [out, in], each followed by its float32 `weight_scale_inv`)."""
+    stored = stored_config(config)
+    if stored is config:
+        return tensors
+    fp8_names = {
+        name
+        for path, variable in nnx.to_flat_state(nnx.state(abstract_model(stored), MTP_PARAMS))
+        if variable.get_value().dtype == np.dtype(jax.numpy.float8_e4m3fn)
+        for name, _ in hf_names(path, stored)
+    }
+    out = {}
+    for name, tensor in tensors.items():
+        if name in fp8_names:
+            out[name], out[f"{name}_scale_inv"] = quantize_fp8_blocks(tensor, stored.quantization.weight_block_size)
+        else:
+            out[name] = tensor
+    return out
 
 
 def param_tensors(param_path: tuple[str | int, ...], value, config) -> list[tuple[str, np.ndarray]]:

@@ -202,10 +202,9 @@ def _build_engine(args: argparse.Namespace, mesh):
                 model,
                 speculative,
                 max_batch=args.max_batch,
-                max_length=args.max_length or 1,
                 page_size=args.page_size,
                 kv_cache_memory=args.kv_cache_memory,
-            )  # fmt: skip (max_length: unused with a memory)
+            )  # as many pages as the memory holds: no max length needed
         engine = ServingEngine(
             model,
             speculative,

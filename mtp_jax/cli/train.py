@@ -293,12 +293,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _refuse_untrainable(config: ModelConfig, mtp_only: bool, source: str) -> None:
     """What `train` would refuse only once the corpus is ready, refused first (ValueError naming `source`,
-    the flag): FP8 weights, and --mtp-only for a model without MTP modules."""
-    if config.quantization is not None:
+    the flag): FP8 weights without --mtp-only (with it the FP8 trunk stays frozen and only the MTP modules
+    train), and --mtp-only for a model without MTP modules."""
+    if config.quantization is not None and not mtp_only:
         raise ValueError(
             f"{source}: the checkpoint holds FP8 weights (quantization_config), which training does not "
-            "update; train from a float checkpoint (dequantize it: load_hf_checkpoint(..., dequantize=True), "
-            "then save_hf_checkpoint)"
+            "update; train only its MTP modules over the frozen FP8 trunk with --mtp-only, or train from a "
+            "float checkpoint (dequantize it: load_hf_checkpoint(..., dequantize=True), then save_hf_checkpoint)"
         )
     if mtp_only and config.num_nextn_predict_layers == 0:
         raise ValueError(
@@ -359,9 +360,17 @@ def _train_from_args(args: argparse.Namespace):
             seed=train_config.seed,
             dtype=args.dtype,
             mesh=mesh,
+            dequantize_mtp=train_config.mtp_only,  # an FP8 trunk: float MTP modules, float32 master weights
         )
         model_config = model.config
         _refuse_untrainable(model_config, train_config.mtp_only, source)
+        if model_config.quantization is not None:  # run.json's model_config records it (quantize_mtp false)
+            print(
+                f"{source}: FP8 checkpoint: the trunk stays float8_e4m3fn with its block scales (frozen); the "
+                f"MTP modules load dequantized to {model_config.param_dtype} and train as float32 master weights "
+                "(the export re-quantizes them as the source stores them)",
+                file=sys.stderr,
+            )
         if model_config.eos_token_ids:  # the model's own end-of-text token separates documents
             eos_token = Tokenizer.from_file(str(tokenizer_path)).id_to_token(model_config.eos_token_ids[0])
     else:

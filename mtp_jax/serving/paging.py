@@ -51,20 +51,23 @@ def pool_pages(
     speculative: SpeculativeConfig | None,
     *,
     max_batch: int,
-    max_length: int,
     page_size: int,
+    max_length: int | None = None,
     num_pages: int | None = None,
     kv_cache_memory: int | None = None,
 ) -> int:
     """The pages of a serving engine's pool: `num_pages`, or as many as `kv_cache_memory` bytes hold
     (`page_bytes` each), or by default `max_batch` x ceil(`max_length` / `page_size`) (the memory of dense
-    rows). `model` may be abstract. Raises ValueError for a page_size that is not an int >= 1, when both
-    num_pages and kv_cache_memory are given, or when the memory holds no page."""
+    rows; `max_length` is needed there only). `model` may be abstract. Raises ValueError for a page_size
+    that is not an int >= 1, when both num_pages and kv_cache_memory are given, when neither is and
+    max_length is None, or when the memory holds no page."""
     if not is_integer(page_size) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if num_pages is not None and kv_cache_memory is not None:
         raise ValueError("give num_pages or kv_cache_memory, not both")
     if kv_cache_memory is None:
+        if num_pages is None and max_length is None:
+            raise ValueError("give num_pages, kv_cache_memory or max_length (the pool of dense rows)")
         return max_batch * -(-max_length // page_size) if num_pages is None else num_pages
     per_page = page_bytes(model, speculative, page_size)
     if kv_cache_memory < per_page:

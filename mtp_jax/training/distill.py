@@ -26,7 +26,8 @@ Output directory (`out`):
   {train,heldout}_offsets.npy         int64 [samples + 1]: sample i is tokens[offsets[i]:offsets[i + 1]]
   {train,heldout}_prompt_lengths.npy  int32 [samples]: its first prompt_lengths[i] tokens are the prompt
   corpus.json           written last: eos_id, counts, the settings (`load_corpus_dir` needs it)
-  distill.lock          flock'ed while a process distills into `out` (a second one is refused)
+  distill.lock          flock'ed while a process distills into `out`, holding its process id (a second
+                        one is refused: `run_dir.locked`)
 
 Resume and safety. Every file is written to a temporary name, fsynced and renamed into place (the directory
 fsynced too), and a chunk is recorded in the manifest only once its file is in place, so a kill at any
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import io
 import json
@@ -50,7 +50,6 @@ import os
 import pathlib
 import shutil
 import time
-from collections.abc import Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -66,6 +65,7 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import Transformer
 from mtp_jax.training import data
 from mtp_jax.training.prompts import HELDOUT, TRAIN, PromptSource, corpus_prompts, file_prompts
+from mtp_jax.training.run_dir import locked
 
 FORMAT = 1  # of distill.json and the chunk files
 MANIFEST, LOCK, CHUNKS = "distill.json", "distill.lock", "chunks"
@@ -241,18 +241,10 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-@contextlib.contextmanager
-def _locked(out: pathlib.Path) -> Iterator[None]:
-    """An exclusive `flock` on out/distill.lock for the block (the kernel drops it when the process dies)."""
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"{out} is in use by another distillation ({out / LOCK} is locked)") from None
-        yield
-    finally:
-        os.close(fd)
+def _locked(out: pathlib.Path) -> contextlib.AbstractContextManager[None]:
+    """`run_dir.locked` on out/distill.lock: one distillation at a time (the kernel drops the flock when the
+    process dies); ValueError, naming the holder's process id, when another holds it."""
+    return locked(out, LOCK, what="output directory", user="distillation", error=ValueError)
 
 
 def check_out(out: pathlib.Path) -> None:

@@ -29,6 +29,8 @@ no gradient and stays a useful metric.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -163,10 +165,9 @@ def simulated_acceptance(
     no extra forward).
     """
     out = {}
-    chains = acceptance_chains(main_pred, draft_logits)
-    for k, (logits, chain) in enumerate(zip(draft_logits, chains, strict=True), start=1):
+    agreements = _agreements(main_pred, draft_logits)
+    for k, (agree, chain) in enumerate(zip(agreements, _chained(agreements), strict=True), start=1):
         mask = label_mask(segment_ids, k + 1)
-        agree = jnp.argmax(logits, axis=-1) == shift_left(main_pred, k)
         out[f"{prefix}_agreement_{k}"] = _masked_mean(agree.astype(jnp.float32), mask)
         out[f"{prefix}_acceptance_{k}"] = _masked_mean(chain.astype(jnp.float32), mask)
     return out
@@ -179,12 +180,19 @@ def acceptance_chains(
     i + 1 .. i + k (draft j at row i predicts t_{i+j+1}, which main_pred[i + j] predicts too), i.e. a
     strict-greedy step starting at row i accepts at least k drafts. Unmasked: rows near the end of a
     sequence or document compare against what follows it."""
-    chains, chain = [], None
-    for k, logits in enumerate(draft_logits, start=1):
-        agree = jnp.argmax(logits, axis=-1) == shift_left(main_pred, k)  # draft k at i vs main at i + k
-        chain = agree if chain is None else chain & agree
-        chains.append(chain)
-    return chains
+    return _chained(_agreements(main_pred, draft_logits))
+
+
+def _agreements(
+    main_pred: Int[Array, "B T"], draft_logits: Sequence[Float[Array, "B T V"]]
+) -> list[Bool[Array, "B T"]]:
+    """bool [B, T] per draft k = 1..K: draft k's argmax at row i equals main_pred at row i + k."""
+    return [jnp.argmax(logits, axis=-1) == shift_left(main_pred, k) for k, logits in enumerate(draft_logits, start=1)]
+
+
+def _chained(agreements: Sequence[Bool[Array, "B T"]]) -> list[Bool[Array, "B T"]]:
+    """The running AND of `agreements`: entry k is True where agreements 1..k all are."""
+    return list(itertools.accumulate(agreements, operator.and_))
 
 
 def simulated_acceptance_length(metrics: dict, num_drafts: int, prefix: str = "mtp") -> float:

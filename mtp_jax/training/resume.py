@@ -18,11 +18,23 @@ from mtp_jax.training.step import RESUMABLE_FIELDS, TrainConfig
 
 
 def check_compatible(model_config: ModelConfig, train_config: TrainConfig, corpus: data.Corpus) -> None:
-    """Raises ValueError when the model cannot train on `corpus` with `train_config`."""
-    if model_config.quantization is not None:
+    """Raises ValueError when the model cannot train on `corpus` with `train_config`.
+
+    An FP8 model (`quantization`) trains only with `mtp_only` (its FP8 trunk frozen, in FP8) and its MTP
+    modules unquantized (`Fp8Config.quantize_mtp` False: float32 master weights); ValueError naming FP8
+    otherwise."""
+    fp8 = model_config.quantization
+    if fp8 is not None and not train_config.mtp_only:
         raise ValueError(
             "the model holds FP8 weights (quantization_config), which training does not update: load the "
-            "checkpoint with load_hf_checkpoint(..., dequantize=True) to train it in a float dtype"
+            "checkpoint with load_hf_checkpoint(..., dequantize=True) to train it in a float dtype, or train "
+            "only its MTP modules over the frozen FP8 trunk (mtp_only, --mtp-only)"
+        )
+    if fp8 is not None and fp8.quantize_mtp and model_config.num_nextn_predict_layers:
+        raise ValueError(
+            "mtp_only over an FP8 trunk trains the MTP modules as float32 master weights, and this model holds "
+            "them in FP8: load it with init_from_pretrained(..., dequantize_mtp=True) (or load_hf_checkpoint: "
+            "Fp8Config.quantize_mtp=False)"
         )
     if corpus.vocab_size > model_config.vocab_size:
         raise ValueError(

@@ -42,6 +42,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.quantization import Fp8Config
 
 RUN_FILE = "run.json"
 LOCK_FILE = "train.lock"
@@ -85,8 +86,11 @@ def config_to_dict(config) -> dict:
 
 
 def model_config_from_dict(d: dict) -> ModelConfig:
-    """The `ModelConfig` of run.json's "model_config" dict (`config_to_dict` inverted)."""
+    """The `ModelConfig` of run.json's "model_config" dict (`config_to_dict` inverted; an FP8 model's
+    `quantization` dict back to its `Fp8Config`, `quantize_mtp` included)."""
     d = dict(d, rope_scaling=RopeScaling(**d["rope_scaling"]))
+    if isinstance(d.get("quantization"), dict):
+        d["quantization"] = Fp8Config(**d["quantization"])
     if isinstance(d.get("eos_token_id"), list):
         d["eos_token_id"] = tuple(d["eos_token_id"])
     return ModelConfig(**d)
@@ -159,20 +163,29 @@ def check_run_dir(run_dir: str | os.PathLike, *, resume: bool = False, overwrite
 
 
 @contextlib.contextmanager
-def locked(run_dir: pathlib.Path) -> Iterator[None]:
+def locked(
+    run_dir: pathlib.Path,
+    name: str = LOCK_FILE,
+    *,
+    what: str = "run dir",
+    user: str = "trainer",
+    error: type[Exception] = RunDirInUseError,
+) -> Iterator[None]:
     """Holds an exclusive `fcntl.flock` on run_dir/train.lock for the block (the kernel drops it if we die).
 
-    Raises RunDirInUseError, naming the holder's process id, if another process holds it.
+    Raises RunDirInUseError, naming the holder's process id, if another process holds it. Other directories
+    one process at a time use it too: the lock file `name`, the directory called `what` and the holder a
+    `user` in the message, and `error` raised (e.g. `distill`'s out/distill.lock, a ValueError).
     """
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise RunDirInUseError(
-                f"run dir {run_dir} is in use by another trainer (process {holder} holds "
-                f"{run_dir / LOCK_FILE}); wait for it to end or stop it"
+            raise error(
+                f"{what} {run_dir} is in use by another {user} (process {holder} holds "
+                f"{run_dir / name}); wait for it to end or stop it"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above; the lock is the flock

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.layers.moe import ScoreCorrectionBias
 from mtp_jax.model import Transformer
-from mtp_jax.mtp import MTP_PARAMS, mtp_forward_full, shift_left
+from mtp_jax.mtp import MTP_PARAMS, mtp_eagle_forward_full, shift_left
 from mtp_jax.sharding import (
     constrain_tree,
     named_shardings,
@@ -338,7 +338,10 @@ def _train_step(
             mtp_weights=config.depth_weights(model.config.num_nextn_predict_layers),
             mtp_targets=config.mtp_targets,
             balance_alpha=config.balance_alpha,
-            routing_metrics=True,  # the MoE routers' loads: logged, and the bias update's input
+            # The MoE routers' loads: the bias update's input, and logged. Every step, in one program: only
+            # logging steps would need a second compiled step (or a `lax.cond`, whose predicate XLA:GPU reads
+            # back to the host mid-step) to skip a bincount per MoE layer, noise next to the forward.
+            routing_metrics=True,
             mtp_only=config.mtp_only,
         )
 
@@ -398,7 +401,7 @@ def _eval_step(
 ) -> dict[str, jax.Array]:
     model = nnx.merge(graphdef, params)
     logits, hidden = model.forward_full(tokens, segment_ids)
-    mtp_logits = mtp_forward_full(model, hidden, tokens, segment_ids)
+    mtp_logits, eagle = mtp_eagle_forward_full(model, hidden, tokens, segment_ids, eagle_steps=eagle_steps)
     _, metrics = loss_from_logits(
         [logits, *mtp_logits],
         tokens,
@@ -407,9 +410,7 @@ def _eval_step(
         mtp_weights=mtp_weights,
         mtp_targets=mtp_targets,
     )
-    if eagle_steps:
-        # pass 1 is depth 1 again; the chained passes are module 1's over its own hidden states
-        eagle = [mtp_logits[0], *mtp_forward_full(model, hidden, tokens, segment_ids, eagle_steps=eagle_steps)[1:]]
+    if eagle_steps:  # pass 1 is depth 1; the chained passes are module 1's over its own hidden states
         main_pred = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
         metrics.update(simulated_acceptance(main_pred, eagle, segment_ids, prefix="eagle"))
     counts = {

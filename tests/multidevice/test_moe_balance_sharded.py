@@ -6,24 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_moe_balance import MOE as ONE_DEVICE_MOE  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 from mtp_jax import sharding
-from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model
 from mtp_jax.training import trainer as train
 
-MOE = ModelConfig.from_name(
-    "tiny",
-    vocab_size=64,
-    num_hidden_layers=2,
-    num_nextn_predict_layers=1,
-    ffn_type="moe",
-    moe_intermediate_size=16,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    initializer_range=0.2,  # wide router weights: no near-ties that summation order could flip
-)
+# test_moe_balance's tiny MoE, with wide router weights: no near-ties that summation order could flip
+MOE = ONE_DEVICE_MOE.replace(initializer_range=0.2)
 CONFIG = train.TrainConfig(
     batch_size=8, seq_len=16, num_steps=3, warmup_steps=0, learning_rate=1e-9, bias_update_speed=0.01, balance_alpha=0.1
 )
