@@ -31,6 +31,7 @@ from mtp_jax.decode.step import (
     run,
     step_with_output,
 )
+from mtp_jax.layers import onednn
 from mtp_jax.model import Transformer, static_split
 from mtp_jax.sharding import named_shardings, on_mesh, place, shard_params
 from mtp_jax.validation import is_integer
@@ -104,7 +105,9 @@ class DecodeEngine:
         if speculative is not None:
             speculative.check_model(model, model.config.vocab_size)
         self.model, self.speculative, self.mesh = model, speculative, mesh
-        self._graph, self._params = static_split(model)
+        with onednn.swapped({} if mesh is not None else onednn.pack_params(model)):  # CPU, extension built
+            self._graph, params = static_split(model)
+            self._params = jax.tree.map(lambda x: x, params)  # holds the packed kernels after the swap ends
         if mesh is not None:
             self._params = shard_params(self._params, mesh)
 

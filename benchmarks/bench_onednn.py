@@ -1,0 +1,178 @@
+"""The optional oneDNN matmul (`mtp_jax.layers.onednn`, `pip install ./extensions/onednn`) against XLA:CPU,
+decode step by decode step: what `DecodeEngine` gains when it packs its kernels.
+
+Per model (the bundled demo model, with its trained MTP head; the small and medium presets, random
+weights), dtype (bf16: the weights rounded, `bench_dtype.models`) and batch: engines built with
+`MTP_JAX_ONEDNN=0` (XLA) and `MTP_JAX_ONEDNN=all` (every float32 and bfloat16 Linear through oneDNN; the
+engine's default routes bfloat16 only, the float32 columns show why), plain greedy and eagle K=3, timed
+in the engine's own loop (`DecodeEngine.run`, ms per step = loop time / steps; the prefill timed apart),
+interleaved over --rounds, fastest kept. Greedy tokens of the two paths are compared. eagle's speedup over
+plain is decode time per generated token (acceptance included: random heads accept little, the demo
+model's trained head more).
+
+    python benchmarks/bench_onednn.py [--models demo small medium] [--batch-sizes 1 8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import date
+
+import bench_speculative as bench  # this directory is on sys.path when run as a script
+import jax
+import numpy as np
+from bench_dtype import models
+from bench_onednn_step import agreement
+from report import cpu_name, write_report
+
+import mtp_jax
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.layers import onednn
+
+PATHS = {"xla": "0", "onednn": "all"}
+
+
+def engine_for(model, spec, path: str) -> DecodeEngine:
+    previous = os.environ.get(onednn.ENV)
+    os.environ[onednn.ENV] = PATHS[path]
+    try:
+        return DecodeEngine(model, spec)
+    finally:
+        os.environ.pop(onednn.ENV) if previous is None else os.environ.__setitem__(onednn.ENV, previous)
+
+
+def run_once(engine, prompts, new_tokens: int, capacity: int):
+    """(prefill seconds, seconds per step, seconds per generated token, steps, tokens per row)."""
+    begin = time.perf_counter()
+    state = jax.block_until_ready(bench.prefill_of(engine, prompts, new_tokens, capacity, stop_tokens=[])())
+    prefill = time.perf_counter() - begin
+    begin = time.perf_counter()
+    state = jax.block_until_ready(engine.run(state))
+    seconds = time.perf_counter() - begin
+    steps = int(state.metrics.num_steps.max())
+    tokens, lengths, p = np.asarray(state.tokens), np.asarray(state.lengths), len(prompts[0])
+    rows = [tokens[b, p : int(lengths[b])].tolist() for b in range(len(prompts))]
+    return prefill, seconds / steps, seconds / max(len(r) for r in rows), steps, rows
+
+
+def model_pair(name: str) -> dict:
+    if name != "demo":
+        return models(name)
+    fp32, _ = mtp_jax.load_pretrained()
+    bf16, _ = mtp_jax.load_pretrained(dtype="bfloat16")
+    return {"float32": fp32, "bfloat16": bf16}
+
+
+def run_model(name: str, args) -> list[dict]:
+    pair, rows = model_pair(name), []
+    for dtype in args.dtypes:
+        model = pair[dtype]
+        vocab = model.config.vocab_size
+        capacity = args.prompt_tokens + args.new_tokens + 16
+        for batch in args.batch_sizes:
+            prompts = np.random.default_rng(batch).integers(3, vocab, (batch, args.prompt_tokens)).tolist()
+            eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+            engines = {(m, p): engine_for(model, s, p) for m, s in (("plain", None), ("eagle3", eagle)) for p in PATHS}
+            results = {v: run_once(e, prompts, args.new_tokens, capacity) for v, e in engines.items()}  # compile
+            best = {v: [float("inf")] * 3 for v in engines}
+            for _ in range(args.rounds):
+                for v, e in engines.items():
+                    results[v] = run_once(e, prompts, args.new_tokens, capacity)
+                    best[v] = [min(a, b) for a, b in zip(best[v], results[v][:3], strict=True)]
+            ms = {f"{m} {p}": [x * 1e3 for x in best[(m, p)]] for m, p in engines}  # prefill, step, token
+            tokens = {v: r[4] for v, r in results.items()}
+            row = dict(
+                model=name,
+                dtype=dtype,
+                batch=batch,
+                ms=ms,
+                steps={f"{m} {p}": r[3] for (m, p), r in results.items()},
+                plain_agreement=agreement(tokens[("plain", "xla")], tokens[("plain", "onednn")]),
+                eagle_equals_plain={p: tokens[("eagle3", p)] == tokens[("plain", p)] for p in PATHS},
+                load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+            )
+            rows.append(row)
+            s = {k: v[1] for k, v in ms.items()}
+            print(
+                f"{name} {dtype} b{batch}: plain {s['plain xla']:.1f} -> {s['plain onednn']:.1f} ms/step, "
+                f"eagle3 {s['eagle3 xla']:.1f} -> {s['eagle3 onednn']:.1f}; agreement {row['plain_agreement']:.2f}; "
+                f"load {row['load_average']}",
+                flush=True,
+            )
+            args.on_row(rows)
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"`DecodeEngine` with its Linear kernels packed for oneDNN (`MTP_JAX_ONEDNN=all`) vs XLA:CPU "
+        f"(`MTP_JAX_ONEDNN=0`), on {meta['cpu']} ({meta['cores']} cores, shared), {meta['date']}, jax {meta['jax']}, "
+        f"load average {meta['load_average']} at start, {meta['load_average_end']} at end. ms per decode step "
+        f"in `DecodeEngine.run` ({meta['new_tokens']} new tokens after a {meta['prompt_tokens']}-token prompt; "
+        f"prefill apart), fastest of {meta['rounds']} interleaved rounds. eagle = eagle K=3; `eagle/plain` is "
+        "the step-time ratio, `eagle speedup` the decode time per token of plain over eagle. `agree`: plain "
+        "greedy tokens of the two paths equal up to the first difference.",
+        "",
+        "| model | dtype | batch | plain xla | plain onednn | plain gain | eagle xla | eagle onednn | eagle gain "
+        "| eagle/plain xla | eagle/plain onednn | eagle speedup xla | eagle speedup onednn | prefill xla / onednn "
+        "| agree |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        step = {k: v[1] for k, v in r["ms"].items()}
+        token = {k: v[2] for k, v in r["ms"].items()}
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {step['plain xla']:.1f} | {step['plain onednn']:.1f} "
+            f"| {step['plain xla'] / step['plain onednn']:.2f}x | {step['eagle3 xla']:.1f} "
+            f"| {step['eagle3 onednn']:.1f} | {step['eagle3 xla'] / step['eagle3 onednn']:.2f}x "
+            f"| {step['eagle3 xla'] / step['plain xla']:.2f} | {step['eagle3 onednn'] / step['plain onednn']:.2f} "
+            f"| {token['plain xla'] / token['eagle3 xla']:.2f}x "
+            f"| {token['plain onednn'] / token['eagle3 onednn']:.2f}x "
+            f"| {r['ms']['plain xla'][0]:.0f} / {r['ms']['plain onednn'][0]:.0f} | {r['plain_agreement']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["demo", "small", "medium"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="report name (default onednn_engine_<device>_<date>)")
+    args = parser.parse_args()
+    if onednn._extension() is None:
+        raise SystemExit("bench_onednn: the extension is not installed (pip install ./extensions/onednn)")
+    device = jax.devices()[0].device_kind
+    name = args.name or f"onednn_engine_{device.replace(' ', '_')}_{date.today()}"
+    meta = dict(
+        date=str(date.today()),
+        device=device,
+        cpu=cpu_name(),
+        cores=len(os.sched_getaffinity(0)),
+        jax=jax.__version__,
+        new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens,
+        rounds=args.rounds,
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS", ""),
+        load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+    )
+    done: list[dict] = []
+
+    def on_row(rows):  # write after every cell: partial results survive an interrupted run
+        meta["load_average_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        write_report(args.out, name, meta, done + rows, markdown(meta, done + rows))
+
+    args.on_row = on_row
+    for model in args.models:
+        done += run_model(model, args)
+
+
+if __name__ == "__main__":
+    main()

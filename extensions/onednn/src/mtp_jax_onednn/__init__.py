@@ -1,0 +1,49 @@
+"""oneDNN's matmul over pre-packed weights as XLA FFI CPU handlers, for `mtp_jax.layers.onednn`.
+
+The compiled library holds two handlers (see `src/onednn_matmul.cc`): `MtpOnednnPack` (a weight
+[K, N] -> its packed bytes) and `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]), bf16 or float32.
+This module only loads it; `mtp_jax` registers the targets and decides where to use them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_DTYPE_CODES = {"float32": 0, "bfloat16": 1}
+
+
+def _load() -> ctypes.CDLL:
+    for lib in Path(sys.prefix, "lib").glob("libdnnl.so.3*"):  # onednn-cpu-gomp's library, found before ours
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+        break
+    found = sorted(_HERE.glob("lib_onednn_matmul*.so"))
+    if not found:
+        raise ImportError(f"mtp_jax_onednn: no compiled library in {_HERE}")
+    lib = ctypes.CDLL(str(found[0]))
+    lib.mtp_onednn_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.mtp_onednn_packed_bytes.restype = ctypes.c_int64
+    lib.mtp_onednn_impl.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.mtp_onednn_impl.restype = ctypes.c_int
+    return lib
+
+
+LIB = _load()
+PACK, MATMUL = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul  # XLA FFI handler symbols
+
+
+def packed_bytes(fan_in: int, fan_out: int, dtype: str) -> int:
+    """Size in bytes of a [fan_in, fan_out] weight of `dtype` ("float32" or "bfloat16") once packed."""
+    size = LIB.mtp_onednn_packed_bytes(fan_in, fan_out, _DTYPE_CODES[dtype])
+    if size < 0:
+        raise ValueError(f"oneDNN has no packed matmul layout for [{fan_in}, {fan_out}] {dtype}")
+    return int(size)
+
+
+def implementation(rows: int, fan_in: int, fan_out: int, dtype: str) -> str:
+    """The name of the oneDNN implementation a [rows, fan_in] x packed [fan_in, fan_out] matmul runs."""
+    buf = ctypes.create_string_buffer(256)
+    LIB.mtp_onednn_impl(rows, fan_in, fan_out, _DTYPE_CODES[dtype], buf, len(buf))
+    return buf.value.decode()

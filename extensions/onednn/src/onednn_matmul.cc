@@ -1,0 +1,196 @@
+// mtp_jax_onednn: XLA FFI CPU handlers for a matmul against a weight pre-packed by oneDNN.
+//
+//   MtpOnednnPack(w [K, N]) -> packed [bytes]        the weight reordered, once, into the blocked layout
+//                                                    oneDNN's matmul primitive prefers (format_tag::any)
+//   MtpOnednnMatmul(x [..., K], packed) -> y [..., N] y = x @ w with oneDNN's matmul primitive, the leading
+//                                                    axes flattened into M rows; N is y's last dimension
+//
+// Both for bf16 (fp32 accumulation inside oneDNN, rounded once to bf16) and f32. The packed layout of a
+// (K, N, dtype) is the one oneDNN picks for kLayoutRows rows; every M then uses a primitive created for
+// that fixed layout, so one packed copy serves every row count. The packed bytes are an ordinary XLA
+// buffer owned by the caller (no cache keyed by pointers: a weight that changes must be packed again).
+//
+// Threads: MTP_JAX_ONEDNN_THREADS (default 1) OpenMP threads per call, see UseThreads.
+//
+// C entry points (for ctypes): mtp_onednn_packed_bytes(K, N, dtype) is the packed buffer's size in bytes
+// (dtype 0: f32, 1: bf16), mtp_onednn_impl(M, K, N, dtype, buf, len) writes the name of the
+// implementation oneDNN chose for that matmul into buf.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include <omp.h>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+
+namespace {
+
+constexpr int64_t kLayoutRows = 16;
+
+struct Ctx {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+};
+
+Ctx& ctx() {
+  static Ctx* c = new Ctx();  // never destroyed: no destruction-order issues at exit
+  return *c;
+}
+
+std::mutex g_mu;
+
+// oneDNN's OpenMP threads for the calling (XLA) thread: MTP_JAX_ONEDNN_THREADS, default 1. More threads
+// compete with XLA's own pool for the same cores (OpenMP workers spin after each call); one was as fast
+// or faster on 2 cores (benchmarks/bench_onednn.py). omp_set_num_threads sets the calling thread's value only.
+void UseThreads() {
+  static const int n = [] {
+    const char* s = std::getenv("MTP_JAX_ONEDNN_THREADS");
+    int v = s ? std::atoi(s) : 1;
+    return v > 0 ? v : 1;
+  }();
+  omp_set_num_threads(n);
+}
+
+memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
+  return memory::desc({rows, cols}, dt, memory::format_tag::ab);
+}
+
+// The packed weight layout of (K, N, dt), cached.
+memory::desc PackedDesc(int64_t K, int64_t N, memory::data_type dt) {
+  static std::map<std::tuple<int64_t, int64_t, int>, memory::desc> cache;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto key = std::make_tuple(K, N, static_cast<int>(dt));
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  memory::desc any({K, N}, dt, memory::format_tag::any);
+  dnnl::matmul::primitive_desc pd(ctx().eng, Plain(kLayoutRows, K, dt), any, Plain(kLayoutRows, N, dt));
+  return cache.emplace(key, pd.weights_desc()).first->second;
+}
+
+struct Matmul {
+  dnnl::matmul prim;
+  memory::desc src, wei, dst;
+  std::string impl;
+};
+
+std::shared_ptr<Matmul> GetMatmul(int64_t M, int64_t K, int64_t N, memory::data_type dt) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::shared_ptr<Matmul>> cache;
+  auto key = std::make_tuple(M, K, N, static_cast<int>(dt));
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto m = std::make_shared<Matmul>();
+  m->src = Plain(M, K, dt);
+  m->wei = PackedDesc(K, N, dt);
+  m->dst = Plain(M, N, dt);
+  dnnl::matmul::primitive_desc pd(ctx().eng, m->src, m->wei, m->dst);
+  m->impl = pd.impl_info_str();
+  m->prim = dnnl::matmul(pd);
+  std::lock_guard<std::mutex> lock(g_mu);
+  return cache.emplace(key, m).first->second;
+}
+
+bool DataType(ffi::DataType et, memory::data_type* dt) {
+  if (et == ffi::DataType::BF16) {
+    *dt = memory::data_type::bf16;
+    return true;
+  }
+  if (et == ffi::DataType::F32) {
+    *dt = memory::data_type::f32;
+    return true;
+  }
+  return false;
+}
+
+memory::data_type FromCode(int dtype) { return dtype == 1 ? memory::data_type::bf16 : memory::data_type::f32; }
+
+ffi::Error PackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed) {
+  auto wd = w.dimensions();
+  memory::data_type dt;
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("mtp_onednn_pack: the weight must be [K, N]");
+  if (!DataType(w.element_type(), &dt)) return ffi::Error::InvalidArgument("mtp_onednn_pack: bf16 or f32 only");
+  try {
+    auto md = PackedDesc(wd[0], wd[1], dt);
+    if (packed->size_bytes() != md.get_size())
+      return ffi::Error::InvalidArgument("mtp_onednn_pack: output size is not mtp_onednn_packed_bytes(K, N)");
+    dnnl::stream strm(ctx().eng);
+    memory src(Plain(wd[0], wd[1], dt), ctx().eng, w.untyped_data());
+    memory dst(md, ctx().eng, packed->untyped_data());
+    dnnl::reorder(src, dst).execute(strm, src, dst);
+    strm.wait();
+  } catch (const dnnl::error& err) {
+    return ffi::Error::Internal(std::string("mtp_onednn_pack: ") + err.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
+  // x [..., K] and y [..., N]: the leading axes (equal in both) flattened into M rows.
+  auto xd = x.dimensions(), yd = y->dimensions();
+  memory::data_type dt;
+  if (xd.size() < 1 || yd.size() != xd.size() || !std::equal(xd.begin(), xd.end() - 1, yd.begin()))
+    return ffi::Error::InvalidArgument("mtp_onednn_matmul: x must be [..., K] and y [..., N] with equal leading axes");
+  if (!DataType(x.element_type(), &dt) || y->element_type() != x.element_type() ||
+      packed.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("mtp_onednn_matmul: x, the packed weight and y must share one dtype, bf16 or f32");
+  int64_t K = xd.back(), N = yd.back(), M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  try {
+    UseThreads();
+    auto m = GetMatmul(M, K, N, dt);
+    if (packed.size_bytes() != m->wei.get_size())
+      return ffi::Error::InvalidArgument(
+          "mtp_onednn_matmul: the packed weight's size is not that of one packed [K, N] weight (batched?)");
+    dnnl::stream strm(ctx().eng);
+    memory src(m->src, ctx().eng, x.untyped_data());
+    memory wei(m->wei, ctx().eng, packed.untyped_data());
+    memory dst(m->dst, ctx().eng, y->untyped_data());
+    m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+    strm.wait();
+  } catch (const dnnl::error& err) {
+    return ffi::Error::Internal(std::string("mtp_onednn_matmul: ") + err.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" {
+int64_t mtp_onednn_packed_bytes(int64_t K, int64_t N, int dtype) {
+  try {
+    return static_cast<int64_t>(PackedDesc(K, N, FromCode(dtype)).get_size());
+  } catch (const dnnl::error&) {
+    return -1;
+  }
+}
+
+int mtp_onednn_impl(int64_t M, int64_t K, int64_t N, int dtype, char* buf, int len) {
+  try {
+    std::string s = GetMatmul(M, K, N, FromCode(dtype))->impl;
+    std::snprintf(buf, len, "%s", s.c_str());
+    return 0;
+  } catch (const dnnl::error& err) {
+    std::snprintf(buf, len, "%s", err.what());
+    return 1;
+  }
+}
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnPack, PackImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnMatmul, MatmulImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());

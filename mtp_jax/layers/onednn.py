@@ -1,0 +1,143 @@
+"""oneDNN's matmul over pre-packed weights for the CPU decode step (optional; issue 26).
+
+XLA:CPU computes the decode step's few-row bfloat16 matmuls at 2-5x the time oneDNN's matmul takes once
+its weight is reordered ("packed") into the blocked layout oneDNN prefers (`benchmarks/bench_gemm.py`,
+`benchmarks/ffi_spike/`). With the optional extension installed (`pip install ./extensions/onednn`:
+`mtp_jax_onednn`, a C++ XLA FFI handler built by scikit-build-core against oneDNN 3.2 from the
+`onednn-cpu-gomp` wheels), a `DecodeEngine` on the CPU backend packs each `nnx.Linear` kernel once at
+construction (`pack_params`) and its layers call `PackedDot`, an `jax.ffi.ffi_call` into oneDNN, instead
+of `mtp_jax.layers.linear.dot_general`. Without the extension, or with `MTP_JAX_ONEDNN=0`, nothing changes.
+
+Which matmuls (`ROUTED_DTYPES`, measured on a 2-core AMD EPYC Zen 4 with AVX512-BF16,
+`benchmarks/bench_onednn_engine.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.4x
+faster); float32 stays in XLA, which beats oneDNN at one row. `MTP_JAX_ONEDNN=all` routes float32 too.
+Not routed: FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`), the MoE
+experts' grouped matmul, the tied embedding head, and every engine on a mesh (sharded kernels).
+
+Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
+float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": float32 kernels too; unset/"1": ROUTED_DTYPES
+ROUTED_DTYPES = ("bfloat16",)
+_PACK, _MATMUL = "mtp_onednn_pack", "mtp_onednn_matmul"
+
+
+@cache
+def _extension():
+    """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when not installed."""
+    try:
+        import mtp_jax_onednn as ext
+    except ImportError:
+        return None
+    jax.ffi.register_ffi_target(_PACK, jax.ffi.pycapsule(ext.PACK), platform="cpu")
+    jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(ext.MATMUL), platform="cpu")
+    return ext
+
+
+def routed_dtypes() -> tuple[str, ...]:
+    """The kernel dtypes whose matmuls go to oneDNN now: empty when the extension is not installed, the
+    backend is not the CPU, or `MTP_JAX_ONEDNN` is "0"/"off"; ValueError for another value of it."""
+    setting = os.environ.get(ENV, "1").strip().lower()
+    if setting not in ("0", "off", "1", "on", "", "all"):
+        raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on or all")
+    if setting in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
+        return ()
+    return ("float32", "bfloat16") if setting == "all" else ROUTED_DTYPES
+
+
+def pack(kernel: jax.Array) -> jax.Array:
+    """`kernel` [fan_in, fan_out] (bfloat16 or float32) in oneDNN's packed layout: a 1-D array of the same
+    dtype, to pass to `PackedDot`. Runs the `mtp_onednn_pack` FFI call (a CPU array; jit-able)."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("mtp_jax.layers.onednn.pack: the mtp_jax_onednn extension is not installed")
+    if kernel.ndim != 2 or kernel.dtype.name not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"pack: kernel must be [fan_in, fan_out] float32 or bfloat16, got {kernel.dtype}{kernel.shape}"
+        )
+    size = ext.packed_bytes(*kernel.shape, kernel.dtype.name) // kernel.dtype.itemsize
+    return jax.ffi.ffi_call(_PACK, jax.ShapeDtypeStruct((size,), kernel.dtype))(kernel)
+
+
+_pack_jit = jax.jit(pack)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedDot:
+    """An `nnx.Linear.dot_general` whose right operand is `pack(kernel)` for a [fan_in, fan_out] kernel:
+    `lhs` [..., fan_in] -> [..., fan_out] in lhs's dtype (then `preferred_element_type` if given), through
+    the `mtp_onednn_matmul` FFI call. Leading axes are flattened into rows; under `vmap` the packed
+    weight must be unbatched (one weight for every row; the handler refuses a batched one)."""
+
+    fan_in: int
+    fan_out: int
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or lhs.shape[-1] != self.fan_in:
+            raise ValueError(
+                f"PackedDot: expected lhs [..., {self.fan_in}] contracted on its last axis, got lhs "
+                f"{list(lhs.shape)} with dimension_numbers {dimension_numbers}"
+            )
+        if rhs.ndim != 1 or rhs.dtype != lhs.dtype:
+            raise ValueError(
+                f"PackedDot: rhs must be pack(kernel) in lhs's dtype {lhs.dtype}, got {rhs.dtype}{rhs.shape}"
+            )
+        out = jax.ShapeDtypeStruct((*lhs.shape[:-1], self.fan_out), lhs.dtype)
+        y = jax.ffi.ffi_call(_MATMUL, out, vmap_method="expand_dims")(lhs, rhs)
+        return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def _packable(path: tuple, module) -> str | None:
+    """The compute dtype name of a Linear whose matmul can go to oneDNN, else None."""
+    if type(module) is not nnx.Linear or "kv_b_proj" in path:  # MLA reads kv_b_proj's kernel directly
+        return None
+    if module.kernel.ndim != 2:  # scanned layers' stacked kernels [L, in, out]
+        return None
+    dtype = jnp.dtype(module.dtype or module.kernel.dtype)
+    return dtype.name if dtype.name in ("float32", "bfloat16") else None
+
+
+def pack_params(model: nnx.Module) -> dict:
+    """Packs the kernels of `model`'s routable Linears (`routed_dtypes`): {module: packed kernel}. The
+    caller swaps them in with `swapped`; empty when nothing is routed."""
+    dtypes = routed_dtypes()
+    if not dtypes:
+        return {}
+    packed = {}
+    for path, module in nnx.iter_graph(model):
+        dtype = _packable(path, module)
+        if dtype in dtypes and module not in packed:
+            packed[module] = _pack_jit(module.kernel[...].astype(dtype))
+    return packed
+
+
+class swapped:
+    """Context manager: inside it, each module of `packed` ({Linear: pack(kernel)}) holds its packed
+    kernel and a `PackedDot`; on exit the originals are back (for `nnx.split` of a packed copy)."""
+
+    def __init__(self, packed: dict):
+        self.packed, self.saved = packed, []
+
+    def __enter__(self):
+        for module, kernel in self.packed.items():
+            self.saved.append((module, module.kernel[...], module.dot_general))
+            module.kernel.set_value(kernel)
+            module.dot_general = PackedDot(module.in_features, module.out_features)
+        return self
+
+    def __exit__(self, *exc):
+        for module, kernel, dot in reversed(self.saved):
+            module.kernel.set_value(kernel)
+            module.dot_general = dot
+        self.saved.clear()

@@ -1,0 +1,160 @@
+"""The optional oneDNN matmul (`mtp_jax.layers.onednn`, extension `extensions/onednn`): equal to
+`jax.lax.dot_general` for every row count the decode step uses, inside jit and vmap; a `DecodeEngine`
+packs its kernels and decodes the same tokens; the pure-XLA fallback when the extension is absent or
+turned off. Tests needing the compiled extension skip without it (CI builds it: `.ci/run`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.layers import onednn
+from mtp_jax.layers.linear import dot_general
+from mtp_jax.model import init_model
+
+built = pytest.mark.skipif(onednn._extension() is None, reason="mtp_jax_onednn not installed")
+ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64)
+DN = (((1,), (0,)), ((), ()))
+TINY = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    num_nextn_predict_layers=1,
+    initializer_range=0.2,
+)
+
+
+def operands(rows, fan_in, fan_out, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, fan_in)), dtype)
+    w = jnp.asarray(rng.standard_normal((fan_in, fan_out)) * fan_in**-0.5, dtype)
+    return x, w
+
+
+def reference(x, w):
+    """The exact products summed in float32, rounded once to the operands' dtype."""
+    return jax.lax.dot_general(x, w, DN, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def assert_matches(got, x, w):
+    ref = np.asarray(reference(x, w), np.float32)
+    got = np.asarray(got, np.float32)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if x.dtype == jnp.float32:  # another summation order: within float32 rounding of the sum
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    else:  # both round the float32 sum once: at most one bfloat16 ulp apart, most elements equal
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
+        assert (np.abs(got - ref) <= ulp * 1.001).all()
+        assert np.mean(got == ref) > 0.9
+
+
+@built
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_packed_matmul_equals_dot_general_for_every_row_count(dtype):
+    pack, matmul = jax.jit(onednn.pack), jax.jit(lambda x, p: onednn.PackedDot(160, 72)(x, p, DN))
+    _, w = operands(1, 160, 72, dtype)
+    packed = pack(w)
+    assert packed.ndim == 1 and packed.dtype == w.dtype and packed.size >= w.size
+    for rows in ROWS:
+        x, _ = operands(rows, 160, 72, dtype, seed=rows)
+        assert_matches(matmul(x, packed), x, w)
+
+
+@built
+def test_leading_axes_vmap_and_preferred_element_type():
+    x, w = operands(12, 64, 48, jnp.bfloat16)
+    packed = onednn.pack(w)
+    dot = onednn.PackedDot(64, 48)
+    x3 = x.reshape(3, 4, 64)  # [B, T, K]: rows flattened inside
+    y3 = jax.jit(lambda a, p: dot(a, p, (((2,), (0,)), ((), ()))))(x3, packed)
+    assert y3.shape == (3, 4, 48)
+    assert_matches(y3.reshape(12, 48), x, w)
+    y = jax.jit(jax.vmap(lambda a, p: dot(a, p, DN), in_axes=(0, None)))(x3, packed)  # the weight unbatched
+    assert_matches(y.reshape(12, 48), x, w)
+    y32 = dot(x, packed, DN, preferred_element_type=jnp.float32)
+    assert y32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y32), np.asarray(dot(x, packed, DN), np.float32))
+
+
+@built
+def test_bad_operands_are_refused_with_the_reason():
+    x, w = operands(4, 64, 48, jnp.bfloat16)
+    packed = onednn.pack(w)
+    with pytest.raises(ValueError, match=r"lhs \[..., 32\].*got lhs \[4, 64\]"):
+        onednn.PackedDot(32, 48)(x, packed, DN)
+    with pytest.raises(ValueError, match="rhs must be pack"):
+        onednn.PackedDot(64, 48)(x, w, DN)
+    with pytest.raises(ValueError, match="rhs must be pack"):
+        onednn.PackedDot(64, 48)(x.astype(jnp.float32), packed, DN)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        onednn.pack(w.astype(jnp.float16))
+    batched = jnp.stack([packed, packed])  # one weight per vmapped row: not what a packed matmul computes
+    with pytest.raises(Exception, match="packed weight's size"):
+        jax.vmap(lambda a, p: onednn.PackedDot(64, 48)(a, p, DN))(x.reshape(2, 2, 64), batched).block_until_ready()
+
+
+def tiny(dtype):
+    return init_model(TINY.replace(dtype=dtype, param_dtype=dtype), seed=3)
+
+
+def decode(model, speculative=None):
+    engine = DecodeEngine(model, speculative)
+    state, padded = engine.init_state([[5, 9, 14, 3], [7, 1, 2, 8]], max_new_tokens=12, stop_tokens=[])
+    state = engine.run(engine.prefill(state, padded))
+    return engine, np.asarray(state.tokens).tolist()
+
+
+def packed_kernels(engine) -> int:
+    return sum(
+        1
+        for path, v in jax.tree_util.tree_flatten_with_path(engine._params)[0]
+        if "kernel" in str(path) and v.ndim == 1
+    )
+
+
+@built
+def test_engine_packs_kernels_and_decodes_the_same_tokens(monkeypatch):
+    """float32 (routed with MTP_JAX_ONEDNN=all): the XLA path's greedy tokens; bfloat16 (routed by
+    default): speculative greedy equals plain greedy on the packed path. The model itself is untouched."""
+    model = tiny("float32")
+    monkeypatch.setenv(onednn.ENV, "0")
+    xla_engine, xla_tokens = decode(model)
+    assert packed_kernels(xla_engine) == 0
+    monkeypatch.setenv(onednn.ENV, "all")
+    engine, tokens = decode(model)
+    assert packed_kernels(engine) == 2 * 4 + 1 + 5  # per layer qkv, o, gate_up, down; lm_head; the MTP module's
+    assert tokens == xla_tokens
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Linear):
+            assert module.kernel[...].ndim == 2 and module.dot_general is dot_general
+
+    monkeypatch.delenv(onednn.ENV)
+    model = tiny("bfloat16")
+    engine, plain = decode(model)
+    assert packed_kernels(engine) == 14
+    _, eagle = decode(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    assert eagle == plain
+
+
+def test_fallback_without_the_extension_or_when_turned_off(monkeypatch):
+    model = tiny("bfloat16")
+    monkeypatch.setenv(onednn.ENV, "off")
+    assert onednn.routed_dtypes() == () and onednn.pack_params(model) == {}
+    monkeypatch.setenv(onednn.ENV, "sometimes")
+    with pytest.raises(ValueError, match="MTP_JAX_ONEDNN='sometimes'"):
+        onednn.routed_dtypes()
+    monkeypatch.delenv(onednn.ENV)
+    monkeypatch.setattr(onednn, "_extension", lambda: None)
+    assert onednn.routed_dtypes() == ()
+    with pytest.raises(RuntimeError, match="not installed"):
+        onednn.pack(jnp.zeros((4, 4), jnp.bfloat16))
+    engine, _ = decode(model)
+    assert packed_kernels(engine) == 0
