@@ -84,7 +84,9 @@ class DecodeEngine:
 
     `speculative`: a `SpeculativeConfig`, or None for plain decoding. The model's weights are read
     once, here: build a new engine after changing them. Every call that takes a state donates it
-    (its buffers are reused; do not read a state after passing it in).
+    (its buffers are reused; do not read a state after passing it in). On the CPU backend with the
+    optional `mtp_jax_onednn` extension installed, the engine's copy of each bfloat16 Linear kernel is
+    packed for oneDNN's matmul here (`mtp_jax.layers.onednn`; `MTP_JAX_ONEDNN=0` turns it off).
 
     `mesh` (`mtp_jax.sharding.make_mesh`): the weights are placed on it by their logical axes, the
     states `init_state` builds by `DecodeState.logical_axes` (rows over `data` x `fsdp`: the batch

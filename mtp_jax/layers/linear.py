@@ -108,7 +108,8 @@ def linear(
 
 def compute_kernel(layer: nnx.Linear | Fp8Linear, dtype=None) -> jax.Array:
     """`layer`'s kernel [in, out] as its matmul uses it, in `dtype` (default its compute dtype): an
-    `Fp8Linear`'s dequantized (`Fp8Linear.weight`), an `nnx.Linear`'s cast."""
+    `Fp8Linear`'s dequantized (`Fp8Linear.weight`), an `nnx.Linear`'s cast. A layer read here must not
+    be packed for oneDNN by `DecodeEngine` (`mtp_jax.layers.onednn._packable` skips MLA's kv_b_proj)."""
     if isinstance(layer, Fp8Linear):
         return layer.weight(dtype)
     return layer.kernel[...].astype(layer.dtype if dtype is None else dtype)

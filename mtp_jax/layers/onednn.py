@@ -35,25 +35,45 @@ _PACK, _MATMUL = "mtp_onednn_pack", "mtp_onednn_matmul"
 
 @cache
 def _extension():
-    """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when not installed."""
+    """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when it is not installed
+    or its libraries do not load (a missing libdnnl.so.3 / libgomp.so.1 is an OSError)."""
     try:
         import mtp_jax_onednn as ext
-    except ImportError:
+    except (ImportError, OSError):
         return None
     jax.ffi.register_ffi_target(_PACK, jax.ffi.pycapsule(ext.PACK), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(ext.MATMUL), platform="cpu")
     return ext
 
 
+@cache
+def _fast_dtypes() -> tuple[str, ...]:
+    """The dtypes for which this CPU has a real oneDNN matmul (not its slow reference code) over one
+    packed layout at 1, 16 and 256 rows: none where oneDNN lacks the instructions (bf16 needs AVX-512
+    or AVX2-VNNI-2 in oneDNN 3.2)."""
+    ext, fast = _extension(), []
+    for dtype in ("float32", "bfloat16"):
+        try:
+            ext.packed_bytes(96, 80, dtype)
+            names = [ext.implementation(rows, 96, 80, dtype) for rows in (1, 16, 256)]
+        except ValueError:
+            continue
+        if not any(name.startswith("ref") for name in names):
+            fast.append(dtype)
+    return tuple(fast)
+
+
 def routed_dtypes() -> tuple[str, ...]:
     """The kernel dtypes whose matmuls go to oneDNN now: empty when the extension is not installed, the
-    backend is not the CPU, or `MTP_JAX_ONEDNN` is "0"/"off"; ValueError for another value of it."""
+    backend is not the CPU, or `MTP_JAX_ONEDNN` is "0"/"off"; only dtypes this CPU has a fast oneDNN
+    matmul for; ValueError for another value of `MTP_JAX_ONEDNN`."""
     setting = os.environ.get(ENV, "1").strip().lower()
     if setting not in ("0", "off", "1", "on", "", "all"):
         raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on or all")
     if setting in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
         return ()
-    return ("float32", "bfloat16") if setting == "all" else ROUTED_DTYPES
+    wanted = ("float32", "bfloat16") if setting == "all" else ROUTED_DTYPES
+    return tuple(d for d in wanted if d in _fast_dtypes())
 
 
 def pack(kernel: jax.Array) -> jax.Array:
@@ -104,7 +124,9 @@ def _packable(path: tuple, module) -> str | None:
         return None
     if module.kernel.ndim != 2:  # scanned layers' stacked kernels [L, in, out]
         return None
-    dtype = jnp.dtype(module.dtype or module.kernel.dtype)
+    if module.dtype is None:  # the compute dtype would follow the input's: not known when packing
+        return None
+    dtype = jnp.dtype(module.dtype)
     return dtype.name if dtype.name in ("float32", "bfloat16") else None
 
 
@@ -130,10 +152,14 @@ class swapped:
         self.packed, self.saved = packed, []
 
     def __enter__(self):
-        for module, kernel in self.packed.items():
-            self.saved.append((module, module.kernel[...], module.dot_general))
-            module.kernel.set_value(kernel)
-            module.dot_general = PackedDot(module.in_features, module.out_features)
+        try:
+            for module, kernel in self.packed.items():
+                self.saved.append((module, module.kernel[...], module.dot_general))
+                module.kernel.set_value(kernel)
+                module.dot_general = PackedDot(module.in_features, module.out_features)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc):

@@ -10,7 +10,7 @@
 // that fixed layout, so one packed copy serves every row count. The packed bytes are an ordinary XLA
 // buffer owned by the caller (no cache keyed by pointers: a weight that changes must be packed again).
 //
-// Threads: MTP_JAX_ONEDNN_THREADS (default 1) OpenMP threads per call, see UseThreads.
+// Threads: one OpenMP thread per call on a weight under 1 MiB, every core from 1 MiB (see UseThreads).
 //
 // C entry points (for ctypes): mtp_onednn_packed_bytes(K, N, dtype) is the packed buffer's size in bytes
 // (dtype 0: f32, 1: bf16), mtp_onednn_impl(M, K, N, dtype, buf, len) writes the name of the
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -49,16 +50,23 @@ Ctx& ctx() {
 
 std::mutex g_mu;
 
-// oneDNN's OpenMP threads for the calling (XLA) thread: MTP_JAX_ONEDNN_THREADS, default 1. More threads
-// compete with XLA's own pool for the same cores (OpenMP workers spin after each call); one was as fast
-// or faster on 2 cores (benchmarks/bench_onednn.py). omp_set_num_threads sets the calling thread's value only.
-void UseThreads() {
-  static const int n = [] {
-    const char* s = std::getenv("MTP_JAX_ONEDNN_THREADS");
-    int v = s ? std::atoi(s) : 1;
-    return v > 0 ? v : 1;
-  }();
-  omp_set_num_threads(n);
+// oneDNN's OpenMP threads for one call on the calling (XLA) thread: MTP_JAX_ONEDNN_THREADS (default every
+// core, or OMP_NUM_THREADS) for a weight of at least MTP_JAX_ONEDNN_PARALLEL_BYTES (default 1 MiB), else 1. Small weights are
+// done sooner than OpenMP wakes its workers, and idle workers spin, taking cores from XLA's own pool; a
+// large one streams faster on every core (benchmarks/bench_onednn.py, 2 cores: the medium preset's
+// 2-64 MiB weights 1.2-1.6x faster on two threads than one). omp_set_num_threads sets the calling
+// thread's value only; oneDNN fixes a primitive's thread count when it is created, so every primitive is
+// created after UseThreads for its weight.
+int EnvInt(const char* name, int fallback) {
+  const char* s = std::getenv(name);
+  int v = s ? std::atoi(s) : 0;
+  return v > 0 ? v : fallback;
+}
+
+void UseThreads(size_t weight_bytes) {
+  static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 1 << 20);
+  static const int threads = EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads());  // OMP_NUM_THREADS
+  omp_set_num_threads(weight_bytes >= parallel_bytes ? threads : 1);
 }
 
 memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
@@ -130,7 +138,7 @@ ffi::Error PackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed) {
     memory dst(md, ctx().eng, packed->untyped_data());
     dnnl::reorder(src, dst).execute(strm, src, dst);
     strm.wait();
-  } catch (const dnnl::error& err) {
+  } catch (const std::exception& err) {  // dnnl::error, std::bad_alloc, ...
     return ffi::Error::Internal(std::string("mtp_onednn_pack: ") + err.what());
   }
   return ffi::Error::Success();
@@ -149,7 +157,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   if (M == 0 || N == 0) return ffi::Error::Success();
   try {
-    UseThreads();
+    UseThreads(packed.size_bytes());
     auto m = GetMatmul(M, K, N, dt);
     if (packed.size_bytes() != m->wei.get_size())
       return ffi::Error::InvalidArgument(
@@ -160,7 +168,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
     memory dst(m->dst, ctx().eng, y->untyped_data());
     m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
     strm.wait();
-  } catch (const dnnl::error& err) {
+  } catch (const std::exception& err) {
     return ffi::Error::Internal(std::string("mtp_onednn_matmul: ") + err.what());
   }
   return ffi::Error::Success();
@@ -172,17 +180,18 @@ extern "C" {
 int64_t mtp_onednn_packed_bytes(int64_t K, int64_t N, int dtype) {
   try {
     return static_cast<int64_t>(PackedDesc(K, N, FromCode(dtype)).get_size());
-  } catch (const dnnl::error&) {
+  } catch (const std::exception&) {
     return -1;
   }
 }
 
 int mtp_onednn_impl(int64_t M, int64_t K, int64_t N, int dtype, char* buf, int len) {
   try {
+    UseThreads(PackedDesc(K, N, FromCode(dtype)).get_size());
     std::string s = GetMatmul(M, K, N, FromCode(dtype))->impl;
     std::snprintf(buf, len, "%s", s.c_str());
     return 0;
-  } catch (const dnnl::error& err) {
+  } catch (const std::exception& err) {
     std::snprintf(buf, len, "%s", err.what());
     return 1;
   }

@@ -43,7 +43,11 @@ def packed_bytes(fan_in: int, fan_out: int, dtype: str) -> int:
 
 
 def implementation(rows: int, fan_in: int, fan_out: int, dtype: str) -> str:
-    """The name of the oneDNN implementation a [rows, fan_in] x packed [fan_in, fan_out] matmul runs."""
+    """The name of the oneDNN implementation a [rows, fan_in] x packed [fan_in, fan_out] matmul runs
+    ("brg:avx512_core_bf16", ...; "ref:any" is oneDNN's slow reference code). ValueError if none."""
     buf = ctypes.create_string_buffer(256)
-    LIB.mtp_onednn_impl(rows, fan_in, fan_out, _DTYPE_CODES[dtype], buf, len(buf))
+    if LIB.mtp_onednn_impl(rows, fan_in, fan_out, _DTYPE_CODES[dtype], buf, len(buf)):
+        raise ValueError(
+            f"oneDNN has no matmul for [{rows}, {fan_in}] x packed [{fan_in}, {fan_out}] {dtype}: {buf.value.decode()}"
+        )
     return buf.value.decode()

@@ -1,0 +1,37 @@
+"""The oneDNN matmul (`mtp_jax.layers.onednn`) and meshes: an engine on a mesh keeps XLA's sharded matmuls
+(its kernels are not packed), and a packed matmul inside a jitted function over rows sharded on 8 fake
+CPU devices computes what `jax.lax.dot_general` does (the custom call sees whole operands)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.layers import onednn
+from mtp_jax.model import init_model
+from mtp_jax.sharding import make_mesh
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def test_an_engine_on_a_mesh_keeps_its_kernels_and_a_packed_matmul_takes_sharded_rows():
+    config = ModelConfig.from_name("tiny", num_nextn_predict_layers=1).replace(dtype="bfloat16", param_dtype="bfloat16")
+    mesh = make_mesh("data=2,tensor=4")
+    engine = DecodeEngine(init_model(config), mesh=mesh)
+    kernels = [v for p, v in jax.tree_util.tree_flatten_with_path(engine._params)[0] if "kernel" in str(p)]
+    assert kernels and all(k.ndim >= 2 for k in kernels)
+    if onednn._extension() is None:  # nothing else to check without the extension: its absence is the fallback
+        assert onednn.routed_dtypes() == ()
+        return
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 40)) * 0.125, jnp.bfloat16)
+    rows = jax.device_put(x, NamedSharding(mesh, P(("data", "tensor"), None)))
+    packed = onednn.pack(w)
+    y = jax.jit(lambda a, p: onednn.PackedDot(64, 40)(a, p, DN))(rows, packed)
+    ref = jax.lax.dot_general(x, w, DN, preferred_element_type=jnp.float32)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(np.asarray(ref)), 1e-30))) - 7)
+    assert (np.abs(np.asarray(y, np.float32) - np.asarray(ref)) <= ulp * 1.001).all()
