@@ -24,7 +24,6 @@ import bench_speculative as bench  # this directory is on sys.path when run as a
 import jax
 import numpy as np
 from bench_dtype import models
-from bench_onednn_step import agreement
 from report import cpu_name, write_report
 
 import mtp_jax
@@ -56,6 +55,19 @@ def run_once(engine, prompts, new_tokens: int, capacity: int):
     tokens, lengths, p = np.asarray(state.tokens), np.asarray(state.lengths), len(prompts[0])
     rows = [tokens[b, p : int(lengths[b])].tolist() for b in range(len(prompts))]
     return prefill, seconds / steps, seconds / max(len(r) for r in rows), steps, rows
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of tokens equal up to each row's first difference (later ones follow a different prefix)."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        n = max(len(x), len(y))
+        total += n
+        for i in range(min(len(x), len(y))):
+            if x[i] != y[i]:
+                break
+            same += 1
+    return same / total
 
 
 def model_pair(name: str) -> dict:
