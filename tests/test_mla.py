@@ -75,7 +75,7 @@ def _forward(module: MLAttention, x, positions, cache: MLACache, absorbed: bool)
 
 def _to_float64(module: MLAttention) -> MLAttention:
     """The module computing and storing in float64 (call inside `jax.enable_x64()`)."""
-    for _, sub in module.iter_modules():
+    for _, sub in nnx.iter_graph(module):
         if isinstance(sub, nnx.Linear):
             sub.dtype = jnp.float64
     nnx.update(module, jax.tree.map(lambda a: a.astype(jnp.float64), nnx.state(module, nnx.Param)))

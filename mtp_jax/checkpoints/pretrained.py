@@ -101,7 +101,7 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
 
 
 def _read_pretrained(
-    root: Path, shown: Path, dtype: str | None, mesh: Mesh | None, dequantize: bool, dequantize_mtp: bool = False
+    root: Path, shown: Path, dtype: str | None, mesh: Mesh | None, dequantize: bool, dequantize_mtp: bool
 ) -> tuple[Transformer, Tokenizer]:
     """`load_pretrained` of the directory `root`, named `shown` in errors; tokenizer.json is read first."""
     if not root.is_dir():
