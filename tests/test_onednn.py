@@ -16,7 +16,10 @@ from mtp_jax.layers import onednn
 from mtp_jax.layers.linear import dot_general
 from mtp_jax.model import init_model
 
-built = pytest.mark.skipif(onednn._extension() is None, reason="mtp_jax_onednn not installed")
+built = pytest.mark.skipif(
+    onednn._extension() is None,
+    reason="the optional oneDNN extension is not built here (pip install ./extensions/onednn; CI builds it)",
+)
 ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64)
 DN = (((1,), (0,)), ((), ()))
 TINY = ModelConfig(

@@ -139,7 +139,7 @@ def pack_params(model: nnx.Module) -> dict:
     packed = {}
     for path, module in nnx.iter_graph(model):
         dtype = _packable(path, module)
-        if dtype in dtypes and module not in packed:
+        if dtype in dtypes:  # iter_graph yields a shared module once
             packed[module] = _pack_jit(module.kernel[...].astype(dtype))
     return packed
 
