@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from datetime import date
 
 import bench_speculative as bench  # this directory is on sys.path when run as a script
 import jax
 import numpy as np
 from bench_dtype import models
-from report import cpu_name, write_report
+from report import load_average, run_models
 
 import mtp_jax
 from mtp_jax.decode.engine import DecodeEngine
@@ -100,7 +99,7 @@ def run_model(name: str, args) -> list[dict]:
                 steps={f"{m} {p}": r[3] for (m, p), r in results.items()},
                 plain_agreement=agreement(tokens[("plain", "xla")], tokens[("plain", "onednn")]),
                 eagle_equals_plain={p: tokens[("eagle3", p)] == tokens[("plain", p)] for p in PATHS},
-                load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+                load_average=load_average(),
             )
             rows.append(row)
             s = {k: v[1] for k, v in ms.items()}
@@ -157,29 +156,13 @@ def main() -> None:
     args = parser.parse_args()
     if onednn._extension() is None:
         raise SystemExit("bench_onednn: the extension is not installed (pip install ./extensions/onednn)")
-    device = jax.devices()[0].device_kind
-    name = args.name or f"onednn_engine_{device.replace(' ', '_')}_{date.today()}"
-    meta = dict(
-        date=str(date.today()),
-        device=device,
-        cpu=cpu_name(),
-        cores=len(os.sched_getaffinity(0)),
-        jax=jax.__version__,
+    fields = dict(
         new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens,
         rounds=args.rounds,
         omp_num_threads=os.environ.get("OMP_NUM_THREADS", ""),
-        load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
     )
-    done: list[dict] = []
-
-    def on_row(rows):  # write after every cell: partial results survive an interrupted run
-        meta["load_average_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        write_report(args.out, name, meta, done + rows, markdown(meta, done + rows))
-
-    args.on_row = on_row
-    for model in args.models:
-        done += run_model(model, args)
+    run_models(args, "onednn_engine", fields, markdown, run_model)
 
 
 if __name__ == "__main__":

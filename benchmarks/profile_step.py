@@ -33,6 +33,7 @@ import mtp_jax
 from mtp_jax.decode import speculative
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.layers import onednn
 
 PHASES = ("verify_forward", "accept", "commit", "draft")
 CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
@@ -45,7 +46,8 @@ def _phase_of(op_name: str) -> str:
 
 def _op_phases(hlo_text: str) -> tuple[dict[str, str], set[str]]:
     """HLO instruction name -> phase, from the op_name metadata of the compiled module; and the names
-    of the matmuls (XLA's own `dot`s and the library calls XLA:CPU makes for dots, `ynn_fusion`)."""
+    of the matmuls (XLA's own `dot`s, the library calls XLA:CPU makes for dots, `ynn_fusion`, and the
+    oneDNN extension's custom calls)."""
     out, matmuls = {}, set()
     for line in hlo_text.splitlines():
         match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(", line)
@@ -53,7 +55,8 @@ def _op_phases(hlo_text: str) -> tuple[dict[str, str], set[str]]:
             op_name = re.search(r"op_name=\"([^\"]*)\"", line)
             # XLA drops the metadata of some ops it rewrites (e.g. the main model's matrix-vector dots)
             out[match.group(1)] = _phase_of(op_name.group(1)) if op_name else f"unscoped {match.group(2)}"
-            if match.group(2) == "dot" or match.group(1).startswith(("ynn_fusion", "xnn_fusion", "onednn")):
+            onednn = 'custom_call_target="mtp_onednn_matmul"' in line  # the oneDNN extension's matmul
+            if match.group(2) == "dot" or onednn or match.group(1).startswith(("ynn_fusion", "xnn_fusion")):
                 matmuls.add(match.group(1))
     return out, matmuls
 
@@ -112,6 +115,7 @@ def main() -> None:
     parser.add_argument("--method", default="eagle", choices=speculative.METHODS)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default=None, help="weights and compute dtype (default: the model's)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results")
@@ -119,11 +123,14 @@ def main() -> None:
 
     k = args.num_speculative_tokens
     if args.preset:
-        model = mtp_jax.init_model(mtp_jax.ModelConfig.from_name(args.preset, num_nextn_predict_layers=1))
+        config = mtp_jax.ModelConfig.from_name(args.preset, num_nextn_predict_layers=1)
+        if args.dtype:
+            config = config.replace(dtype=args.dtype, param_dtype=args.dtype)
+        model = mtp_jax.init_model(config)
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     else:
-        model, tokenizer = mtp_jax.load_pretrained(args.model)
+        model, tokenizer = mtp_jax.load_pretrained(args.model, dtype=args.dtype)
         prompts = mtp_jax.training.data.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     plain_engine = DecodeEngine(model)
@@ -140,13 +147,16 @@ def main() -> None:
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_{args.preset or 'demo'}_{method}{k}_b{args.batch}_{device}_{date.today()}.json"
+    dtype = f"_{args.dtype}" if args.dtype else ""
+    name = f"profile_{args.preset or 'demo'}_{method}{k}_b{args.batch}{dtype}_{device}_{date.today()}.json"
     meta = dict(
         date=str(date.today()),
         device=device,
         jax=jax.__version__,
         model=args.preset or args.model or "demo",
         batch=args.batch,
+        dtype=str(model.config.compute_dtype),
+        onednn=onednn.routed_dtypes(),
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
     )

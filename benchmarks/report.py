@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+from collections.abc import Callable
+from datetime import date
 from pathlib import Path
 
 
@@ -23,3 +26,36 @@ def write_report(out: str | Path, name: str, meta: dict, rows: list[dict], table
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     (out / f"{name}.md").write_text(table)
     print("\n" + table)
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_models(args, prefix: str, fields: dict, markdown: Callable, run_model: Callable) -> None:
+    """Runs `run_model(model, args)` for each of `args.models`, the report `<prefix>_<device>_<date>`
+    (`args.name` if set) rewritten under `args.out` at every `args.on_row(rows)` the runs call, so that
+    partial results survive an interrupted run. Its meta: date, device, CPU, cores, jax, load average at
+    start and at the last write, then `fields`."""
+    import jax
+
+    device = jax.devices()[0].device_kind
+    name = getattr(args, "name", None) or f"{prefix}_{device.replace(' ', '_')}_{date.today()}"
+    meta = dict(
+        date=str(date.today()),
+        device=device,
+        cpu=cpu_name(),
+        cores=len(os.sched_getaffinity(0)),
+        jax=jax.__version__,
+        load_average=load_average(),
+        **fields,
+    )
+    done: list[dict] = []
+
+    def on_row(rows):
+        meta["load_average_end"] = load_average()
+        write_report(args.out, name, meta, done + rows, markdown(meta, done + rows))
+
+    args.on_row = on_row
+    for model in args.models:
+        done += run_model(model, args)

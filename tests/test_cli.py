@@ -97,10 +97,38 @@ def test_speculative_and_plain_cli_print_the_same_text(model_dir, capsys):
     assert capsys.readouterr().out == plain
 
 
+def test_draft_vocab_flag_reads_a_file_of_token_ids(model_dir, tmp_path, capsys):
+    """`--draft-vocab FILE`: a JSON list or separated ints; greedy output unchanged; a bad file or id is
+    reported against the flag."""
+    argv = ["generate", "--model", str(model_dir), "--prompt", "class A", "--max-new-tokens", "6", "--max-length", "64"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    listed, spaced = tmp_path / "ids.json", tmp_path / "ids.txt"
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    listed.write_text(json.dumps(list(range(0, vocab, 2))))
+    spaced.write_text("\n".join(str(i) for i in range(vocab // 2)) + "\n")
+    for path in (listed, spaced):
+        assert main(argv + ["--speculative", "eagle", "--draft-vocab", str(path)]) == 0
+        assert capsys.readouterr().out == plain
+    (tmp_path / "bad.txt").write_text("1, 2, x")
+    (tmp_path / "far.txt").write_text(f"1 {vocab}")
+    for name, message in (
+        ("bad.txt", "--draft-vocab " + str(tmp_path / "bad.txt") + ": expected a JSON list of token ids"),
+        ("far.txt", f"--draft-vocab: draft_vocab holds token {vocab}, outside [0, vocab_size={vocab})"),
+        ("missing.txt", "No such file"),
+    ):
+        assert main(argv + ["--speculative", "eagle", "--draft-vocab", str(tmp_path / name)]) == 2
+        assert message in capsys.readouterr().err, name
+
+
 def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, monkeypatch):
-    """A bfloat16 checkpoint: without --dtype the CPU backend decodes it in float32 and says so on stderr;
-    `--dtype float32` prints the same text silently; `--dtype bfloat16` keeps bfloat16."""
+    """A bfloat16 checkpoint: without --dtype the CPU backend decodes it in float32 and says so on stderr
+    (unless its matmuls go to oneDNN: then bfloat16); `--dtype float32` prints the same text silently;
+    `--dtype bfloat16` keeps bfloat16."""
     import mtp_jax.checkpoints.pretrained
+    from mtp_jax.layers import onednn
+
+    monkeypatch.setattr(onednn, "routed_dtypes", lambda: ())  # XLA's matmuls (the extension not built)
 
     model, tokenizer = load_pretrained(model_dir)
     bf16_dir = tmp_path / "bf16"
@@ -127,6 +155,8 @@ def test_dtype_flag_and_the_cpu_float32_default(model_dir, tmp_path, capsys, mon
     assert all("decoding in float32" not in outputs[f].err for f in list(outputs)[1:])
     assert outputs[()].out == outputs[("--dtype", "float32")].out
     assert mtp_jax.checkpoints.pretrained.inference_dtype(model_dir) == ("float32", None)  # float32 stored: as it is
+    monkeypatch.setattr(onednn, "routed_dtypes", lambda: ("bfloat16",))  # bfloat16 matmuls in oneDNN
+    assert mtp_jax.checkpoints.pretrained.inference_dtype(bf16_dir) == ("bfloat16", None)
     # a directory it cannot read: the load names the problem
     assert mtp_jax.checkpoints.pretrained.inference_dtype(tmp_path / "missing") == (None, None)
 

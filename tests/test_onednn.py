@@ -128,7 +128,8 @@ def packed_kernels(engine) -> int:
 @built
 def test_engine_packs_kernels_and_decodes_the_same_tokens(monkeypatch):
     """float32 (routed with MTP_JAX_ONEDNN=all): the XLA path's greedy tokens; bfloat16 (routed by
-    default): speculative greedy equals plain greedy on the packed path. The model itself is untouched."""
+    default): speculative greedy equals plain greedy on the packed path, with a draft vocabulary's head
+    packed too. The model itself is untouched."""
     model = tiny("float32")
     monkeypatch.setenv(onednn.ENV, "0")
     xla_engine, xla_tokens = decode(model)
@@ -147,6 +148,47 @@ def test_engine_packs_kernels_and_decodes_the_same_tokens(monkeypatch):
     assert packed_kernels(engine) == 14
     _, eagle = decode(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
     assert eagle == plain
+    reduced = SpeculativeConfig(method="eagle", num_speculative_tokens=3, draft_vocab=range(0, 128, 3))
+    engine, eagle = decode(model, reduced)
+    assert packed_kernels(engine) == 15  # and the draft vocabulary's head
+    assert eagle == plain
+
+
+@built
+def test_tied_head_goes_through_a_packed_transposed_embedding(monkeypatch):
+    """A tied head (`x @ embedding.T`): the engine packs the table's transpose as the Embed's `TIED_HEAD`
+    parameter; float32 tokens equal the XLA path's, and the model keeps no packed attribute."""
+    model = init_model(TINY.replace(tie_word_embeddings=True), seed=3)
+    monkeypatch.setenv(onednn.ENV, "0")
+    _, xla_tokens = decode(model)
+    monkeypatch.setenv(onednn.ENV, "all")
+    engine, tokens = decode(model)
+    assert packed_kernels(engine) == 2 * 4 + 5  # the Linears; no lm_head
+    head = engine._params["embed_tokens"][onednn.TIED_HEAD][...]
+    assert head.ndim == 1 and head.size >= TINY.vocab_size * TINY.hidden_size
+    assert tokens == xla_tokens
+    assert not hasattr(model.embed_tokens, onednn.TIED_HEAD)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, TINY.hidden_size)), jnp.float32)
+    with onednn.swapped(onednn.pack_params(model, model.embed_tokens)):
+        packed_logits = model.head(x)
+    np.testing.assert_allclose(packed_logits, model.head(x), rtol=1e-5, atol=1e-5)
+
+
+@built
+def test_packing_is_reused_until_a_kernel_changes():
+    """A second engine over the same model (each `generate` call builds one) reuses the packed kernels;
+    a kernel given new values (a new array) is packed again, the others are not."""
+    model = tiny("bfloat16")
+    first = onednn.pack_params(model)
+    again = onednn.pack_params(model)
+    assert len(first) == 14 and all(again[m] is first[m] for m in first)
+    changed = next(iter(first))
+    new = changed.kernel[...] * 2
+    changed.kernel.set_value(new)
+    third = onednn.pack_params(model)
+    assert third[changed] is not first[changed]
+    assert all(third[m] is first[m] for m in first if m is not changed)
+    np.testing.assert_array_equal(np.asarray(third[changed], np.float32), np.asarray(onednn.pack(new), np.float32))
 
 
 def test_fallback_without_the_extension_or_when_turned_off(monkeypatch):

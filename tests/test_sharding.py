@@ -153,6 +153,24 @@ def test_cache_logical_axes_mirror_the_cache_and_stacked_caches_lead_with_layers
     assert logical_axes(gqa)[0].k == P("batch", "cache_sequence", "kv_heads", "head_dim")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vocab_argmax_is_jnp_argmax_on_ties_infinities_and_nans(dtype):
+    inf, nan = float("inf"), float("nan")
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],  # a tie: the lowest index
+        [-inf, -inf, -inf, -inf],  # all -inf: index 0
+        [0.0, inf, 5.0, inf],
+        [1.0, nan, 9.0, nan],  # a NaN ranks above every number: the first NaN
+        [nan, 1.0, 2.0, 3.0],
+        [-2.0, -1.0, -3.0, -1.5],
+    ]
+    x = jnp.asarray(rows, dtype)
+    assert sharding.vocab_argmax(x).tolist() == jnp.argmax(x, axis=-1).tolist() == [1, 0, 1, 1, 0, 1]
+    assert sharding.vocab_argmax(x).dtype == jnp.int32
+    big = jax.random.normal(jax.random.key(0), (3, 2, 32000)).astype(dtype)  # [B, T, V], many bfloat16 ties
+    assert (jax.jit(sharding.vocab_argmax)(big) == jnp.argmax(big, axis=-1)).all()
+
+
 def test_without_a_mesh_nothing_is_constrained_and_a_one_device_mesh_changes_no_token():
     x = jnp.ones((4, 8))
     assert sharding.constrain(x, P("batch", None)) is x

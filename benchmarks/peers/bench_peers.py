@@ -20,7 +20,9 @@ Every engine stays loaded; after one untimed warm-up per batch size, the timed r
 interleaved (all engines once per round, `--repeats` rounds) so that drift of the machine (other
 load, thermal) hits every engine alike, with `--settle` seconds of idle after each run (vLLM's
 workers busy-poll for 1 s after a request). tok/s = batch x new tokens / wall time of one
-generate call (prefill included), median over the rounds. Decoding is greedy, fp32, exactly
+generate call (prefill included), median over the rounds. Decoding is greedy, fp32 (or `--dtype
+bfloat16` for every engine; mtp_jax's bfloat16 matmuls go to oneDNN when `extensions/onednn` is
+installed, see `mtp_jax.layers.onednn`), exactly
 `--new-tokens` tokens per row (no stop tokens: mtp_jax `stop_tokens=[]`, vLLM `ignore_eos`,
 transformers' eos_token_id unset), and every peer's tokens are compared with mtp_jax plain's
 (`tokens_identical`). vLLM runs in its default CPU setup (its OpenMP threads bound to all cores
@@ -67,6 +69,7 @@ from mtp_jax.checkpoints.pretrained import DEFAULT_MODEL_DIR, load_pretrained, s
 from mtp_jax.config import ModelConfig  # noqa: E402
 from mtp_jax.decode.generation import generate  # noqa: E402
 from mtp_jax.decode.speculative import SpeculativeConfig  # noqa: E402
+from mtp_jax.layers import onednn  # noqa: E402
 from mtp_jax.model import init_model  # noqa: E402
 from mtp_jax.training import data  # noqa: E402
 
@@ -208,7 +211,7 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
     max_batch = max(args.batch_sizes)
     max_length = args.prompt_tokens + args.new_tokens + 16
     export, prompts = export_model(name, work, max_batch, args.prompt_tokens)
-    model = load_hf_checkpoint(export)
+    model = load_hf_checkpoint(export, dtype=args.dtype)
     num_params = int(sum(x.size for x in jax.tree.leaves(model)))
     depth = model.config.num_nextn_predict_layers
     k = args.num_speculative_tokens
@@ -224,14 +227,14 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
                 "transformers",
                 "plain",
                 sys.executable,
-                dict(engine="transformers", model=str(export), dtype="float32"),
+                dict(engine="transformers", model=str(export), dtype=args.dtype),
                 log_dir / f"{name}_transformers.log",
             )
         )
     if args.vllm_python:
         dirs = convert.to_vllm(export, work / name / "vllm")
         model_info["vllm_mtp"] = dirs
-        base = dict(engine="vllm", dtype="float32", max_model_len=max(256, max_length), enable_prefix_caching=False)
+        base = dict(engine="vllm", dtype=args.dtype, max_model_len=max(256, max_length), enable_prefix_caching=False)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)} | dict(e.split("=", 1) for e in args.vllm_env)
         for method in args.vllm_methods:
             if method == "plain":
@@ -379,7 +382,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Peer benchmark, {meta['date']}",
         "",
-        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores), fp32, greedy, prompt "
+        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores), {meta['dtype']} "
+        f"(mtp_jax's matmuls in oneDNN for: {', '.join(meta['onednn']) or 'none'}), greedy, prompt "
         f"{meta['prompt_tokens']} tokens, {meta['new_tokens']} new tokens per row, median of up to "
         f"{meta['repeats']} interleaved rounds; tok/s = batch x new tokens / wall time of one generate call. "
         f"Load average at start / end: {', '.join(f'{x:.2f}' for x in meta['machine']['loadavg_start'])} / "
@@ -431,6 +435,12 @@ def main() -> None:
         help="'demo' (the bundled model) and/or ModelConfig presets (small, medium)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and compute of every engine (bfloat16: tokens may differ between engines, reduction order)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds per batch size")
@@ -487,7 +497,8 @@ def main() -> None:
         vllm_kv_cache_gib=args.vllm_kv_gib,
         vllm_prefix_caching=False,
         vllm_extra_env=args.vllm_env,
-        dtype="float32",
+        dtype=args.dtype,
+        onednn=onednn.routed_dtypes(),
         smoke=args.smoke,
         mtp_jax=mtp_jax.__version__,
         jax=jax.__version__,
@@ -529,7 +540,8 @@ def main() -> None:
     report = dict(meta=meta, rows=rows, models=models, skipped=skipped)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"peers_cpu_{meta['date']}{'_smoke' if args.smoke else ''}"
+    suffix = ("_bf16" if args.dtype == "bfloat16" else "") + ("_smoke" if args.smoke else "")
+    stem = out / f"peers_cpu_{meta['date']}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
     print("\n" + markdown(report))

@@ -20,6 +20,7 @@ from mtp_jax.checkpoints import atomic_dir
 from mtp_jax.checkpoints.format import CONFIG_FILE, CheckpointError
 from mtp_jax.checkpoints.reading import load_hf_checkpoint, read_hf_files, stored_dtype
 from mtp_jax.checkpoints.writing import is_model_file, write_hf_files
+from mtp_jax.layers import onednn
 from mtp_jax.model import Transformer, abstract_model
 from mtp_jax.mtp import make_mtp_modules
 
@@ -76,11 +77,14 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
     cannot be read: `load_pretrained` then names the problem. A dtype `asked` for (a --dtype flag) is
     returned as it is.
 
-    On the CPU backend a checkpoint stored in bfloat16 or float16 decodes in float32: XLA:CPU has no
-    half-precision matrix-vector kernel, so at batch 1 a bfloat16 matmul runs as a two-row GEMM
-    (`layers.linear.dot_general`), at 0.88-1.0x float32's decoding speed on this project's CPU; at
-    batch 8 bfloat16 is 1.03-1.29x faster and takes half the memory (`benchmarks/bench_dtype.py`:
-    pass the dtype explicitly to keep it). Elsewhere the stored dtype. `mtp-jax generate` and
+    On the CPU backend a checkpoint stored in bfloat16 or float16 decodes in float32, unless its dtype's
+    matmuls go to oneDNN (`mtp_jax.layers.onednn.routed_dtypes()`: bfloat16 with the optional
+    `extensions/onednn` built, on a CPU with AVX512-BF16; a medium step 1.3-1.6x faster than XLA's,
+    `benchmarks/bench_onednn.py`): without it XLA:CPU has no half-precision matrix-vector kernel, so
+    at batch 1 a bfloat16 matmul runs as a two-row GEMM (`layers.linear.dot_general`), at 0.88-1.0x
+    float32's decoding speed on this project's CPU; at batch 8 bfloat16 is 1.03-1.29x faster and takes
+    half the memory (`benchmarks/bench_dtype.py`: pass the dtype explicitly to keep it). Elsewhere the
+    stored dtype. `mtp-jax generate` and
     `mtp-jax serve` use this when --dtype is not given; `load_pretrained` itself always defaults to
     the stored dtype (a save after a load keeps it).
     """
@@ -91,7 +95,7 @@ def inference_dtype(path: str | os.PathLike | None = None, asked: str | None = N
         stored = stored_dtype(path)
     except (OSError, ValueError):  # missing or unreadable: the load that follows reports it, as it always has
         return None, None
-    if stored == "float32" or jax.default_backend() != "cpu":
+    if stored == "float32" or jax.default_backend() != "cpu" or stored in onednn.routed_dtypes():
         return stored, None
     return "float32", (
         f"{path} stores {stored} weights: decoding in float32 on the CPU backend, where XLA:CPU's "

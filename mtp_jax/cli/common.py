@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -85,6 +86,33 @@ def add_speculative_arguments(parser: argparse.ArgumentParser, *, default: str) 
         default=None,
         help=f"K, drafts per step, 1..{MAX_SPECULATIVE_TOKENS} (default: 3 for eagle, else the model's MTP modules)",
     )
+    parser.add_argument(
+        "--draft-vocab",
+        metavar="FILE",
+        default=None,
+        help="draft only these token ids (a JSON list or whitespace/comma-separated ints, e.g. the most frequent "
+        "tokens of a corpus, mtp_jax.decode.frequent_tokens): the MTP head then costs N columns, not the "
+        "vocabulary (SpeculativeConfig.draft_vocab; default: the whole vocabulary)",
+    )
+
+
+def read_token_ids(path: str | None, flag: str = "--draft-vocab") -> list[int] | None:
+    """The token ids in the file `path` (a JSON list of ints, or ints separated by whitespace or commas);
+    None for None. ValueError naming `flag` when the file cannot be read or holds something else."""
+    if path is None:
+        return None
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror or error}") from None
+    expected = "a JSON list of token ids or ints separated by whitespace or commas"
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in re.split(r"[\s,]+", text.strip())]
+    except ValueError as error:
+        raise ValueError(f"{flag} {path}: expected {expected} ({error})") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{flag} {path}: expected {expected}")
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,7 +126,8 @@ def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="weights and compute dtype (default: the checkpoint's, except float32 on the CPU backend for "
-        "half-precision checkpoints: mtp_jax.checkpoints.pretrained.inference_dtype)",
+        "half-precision checkpoints whose matmuls do not go to oneDNN: "
+        "mtp_jax.checkpoints.pretrained.inference_dtype)",
     )
     parser.add_argument(
         "--dequantize",

@@ -14,6 +14,7 @@ from mtp_jax.cli.common import (
     add_weight_arguments,
     configure_compilation_cache,
     name_flags,
+    read_token_ids,
 )
 from mtp_jax.cli.distributed import add_mesh_arguments, check_num_prompts, mesh_from_args
 from mtp_jax.cli.plan import refuse_what_does_not_fit
@@ -38,6 +39,7 @@ _GENERATE_FLAGS = {
     r"\btop_p\b": "--top-p",
     r"\bseed\b": "--seed",
     r"\bnum_speculative_tokens\b": "--num-speculative-tokens",
+    r"\bdraft_vocab\b": "--draft-vocab",
     r"\bmtp_style\b|\bno MTP modules\b": "--speculative",
     r"\bmesh\b": "--mesh",
 }
@@ -137,7 +139,9 @@ def _generate_kwargs(args, model, num_prompts: int, mesh=None) -> dict:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b)
         for b in range(num_prompts)
     ]
-    speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
+    speculative = SpeculativeConfig.from_flags(
+        args.speculative, args.num_speculative_tokens, model, read_token_ids(args.draft_vocab)
+    )
     return dict(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,

@@ -23,6 +23,7 @@ from mtp_jax.cli.common import (
     configure_compilation_cache,
     name_flags,
     pick_model,
+    read_token_ids,
 )
 from mtp_jax.cli.distributed import add_mesh_arguments, mesh_from_args
 from mtp_jax.cli.plan import byte_size, refuse_what_does_not_fit
@@ -50,6 +51,7 @@ _FLAGS = {
     "num_pages": "--num-pages",
     "page_size": "--page-size",
     "num_speculative_tokens": "--num-speculative-tokens",
+    "draft_vocab": "--draft-vocab",
 }
 
 
@@ -188,7 +190,9 @@ def _build_engine(args: argparse.Namespace, mesh):
         raise ValueError(f"{spelling}: {error}") from error
     name = args.served_model_name or model_dir.resolve().name
     try:
-        speculative = SpeculativeConfig.from_flags(args.speculative, args.num_speculative_tokens, model)
+        speculative = SpeculativeConfig.from_flags(
+            args.speculative, args.num_speculative_tokens, model, read_token_ids(args.draft_vocab)
+        )
         if speculative is not None:
             speculative = dataclasses.replace(speculative, draft_sampling=args.draft_sampling)
         metrics = PrometheusMetrics(

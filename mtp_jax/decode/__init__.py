@@ -2,9 +2,11 @@
 
 Read in this order: `generation` (generate, stream) -> `engine` (DecodeEngine: the jitted calls) ->
 `state` (DecodeState) -> `step` (verify, accept_and_commit, commit, decode_step) -> `acceptance` ->
-`drafters` (one function per method) -> `speculative` (SpeculativeConfig) -> `sampling`.
+`drafters` (one function per method; `draft_vocab` for a reduced draft vocabulary) -> `speculative`
+(SpeculativeConfig) -> `sampling`.
 """
 
+from mtp_jax.decode.draft_vocab import frequent_tokens
 from mtp_jax.decode.drafters import (
     DRAFTERS,
     DraftState,
@@ -65,6 +67,7 @@ __all__ = [
     "draft_oracle",
     "draft_parallel",
     "draft_vanilla",
+    "frequent_tokens",
     "generate",
     "init_draft_state",
     "init_state",

@@ -28,6 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.cache import KVCache, PageLayout, init_cache, write_at
+from mtp_jax.decode.draft_vocab import draft_head
 from mtp_jax.decode.sampling import STREAM_DRAFT, SamplingMetadata, process_logits, sample_from, target_probs
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers.indexing import take_rows
@@ -108,6 +109,9 @@ def _pick_draft(
     bias, min_tokens, penalties, the chain's earlier drafts counted): drafts the target could not take would
     only be rejected."""
     logits = process_logits(logits[:, None], metadata, ahead, j)[:, 0]
+    if speculative.draft_vocab is not None:  # every token of the set masked (min_tokens, all stop tokens):
+        dead = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)  # draft token 0 (q one-hot, still exact)
+        logits = jnp.where(dead, jnp.where(jnp.arange(logits.shape[-1]) == 0, 0.0, -jnp.inf), logits)
     sampling = metadata.sampling
     if speculative.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
         return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
@@ -160,7 +164,8 @@ def draft_eagle(
 ) -> DraftState:
     """MTP Eagle: module 1 over the window drafts position L; then K - 1 one-token passes of the same
     module, each over its own last hidden state and the token it just drafted, draft L + 1 .. L + K - 1."""
-    k_max, module, call = speculative.num_speculative_tokens, model.mtp[0], dict(embed=model.embed, head=model.head)
+    k_max, module = speculative.num_speculative_tokens, model.mtp[0]
+    call = dict(embed=model.embed, head=draft_head(model))
     window, last = _window(hidden, start, lengths)
     logits, chained, cache = module(
         hidden, _tokens_at(tokens, window + 1), window, state.caches[0], logits_at=last, **call
@@ -204,7 +209,7 @@ def draft_vanilla(
             state.caches[j],
             logits_at=last,
             embed=model.embed,
-            head=model.head,
+            head=draft_head(model),
         )
         token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         tokens = write_at(tokens, token[:, None], (lengths + j)[:, None])  # the next module reads it
@@ -229,7 +234,7 @@ def draft_parallel(
     drafts, probs, caches = [], [], []
     for j in range(speculative.num_speculative_tokens):
         logits, _, cache = model.mtp[j](
-            hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=model.head
+            hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=draft_head(model)
         )  # (the heads read no tokens)
         token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         drafts.append(token)

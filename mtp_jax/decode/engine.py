@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mtp_jax.decode import draft_vocab
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.decode.state import DecodeState, GenerationResult, init_state, results_from_state
 from mtp_jax.decode.step import (
@@ -85,8 +86,9 @@ class DecodeEngine:
     `speculative`: a `SpeculativeConfig`, or None for plain decoding. The model's weights are read
     once, here: build a new engine after changing them. Every call that takes a state donates it
     (its buffers are reused; do not read a state after passing it in). On the CPU backend with the
-    optional `mtp_jax_onednn` extension installed, the engine's copy of each bfloat16 Linear kernel is
-    packed for oneDNN's matmul here (`mtp_jax.layers.onednn`; `MTP_JAX_ONEDNN=0` turns it off).
+    optional `mtp_jax_onednn` extension installed, the engine's copy of each bfloat16 Linear kernel
+    (and of a tied head's embedding, transposed) is packed for oneDNN's matmul here
+    (`mtp_jax.layers.onednn`; `MTP_JAX_ONEDNN=0` turns it off).
 
     `mesh` (`mtp_jax.sharding.make_mesh`): the weights are placed on it by their logical axes, the
     states `init_state` builds by `DecodeState.logical_axes` (rows over `data` x `fsdp`: the batch
@@ -107,9 +109,12 @@ class DecodeEngine:
         if speculative is not None:
             speculative.check_model(model, model.config.vocab_size)
         self.model, self.speculative, self.mesh = model, speculative, mesh
-        with onednn.swapped({} if mesh is not None else onednn.pack_params(model)):  # CPU, extension built
-            self._graph, params = static_split(model)
-            self._params = jax.tree.map(lambda x: x, params)  # holds the packed kernels after the swap ends
+        tied = model.embed_tokens if model.lm_head is None else None
+        with draft_vocab.attached(model, speculative):  # the head over SpeculativeConfig.draft_vocab, if any
+            packed = {} if mesh is not None else onednn.pack_params(model, tied)  # CPU, extension built
+            with onednn.swapped(packed):
+                self._graph, params = static_split(model)
+                self._params = jax.tree.map(lambda x: x, params)  # holds the packed kernels after the swap ends
         if mesh is not None:
             self._params = shard_params(self._params, mesh)
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from mtp_jax.sharding import vocab_argmax
 from mtp_jax.validation import is_int, is_real
 
 MAX_SEED = 2**32 - 1  # seeds are uint32 on device
@@ -315,7 +316,7 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     """
     logits = logits.astype(jnp.float32)
     ndim = logits.ndim
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(vocab_argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
     def sampled(logits):
         temperature = _expand(sampling.temperature, ndim)
@@ -351,7 +352,7 @@ def sample_from(
     stream: int = 0,
 ) -> jax.Array:
     """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab_argmax(logits)
 
     def draw(probs):
         keys = row_keys(sampling, positions, stream)

@@ -42,6 +42,13 @@ class SpeculativeConfig:
       probability is >= p(top1) - delta (softmax of the raw logits). Greedy rows only.
     think_start_token_id, think_end_token_id: the ids of `<think>` and `</think>`; required with
       relaxed acceptance (take them from the tokenizer; nothing is hard-coded).
+    draft_vocab: None (the drafts range over the whole vocabulary) or the token ids the drafts are
+      drawn from (FR-Spec, Zhao et al. 2025; EAGLE-3's reduced draft vocabulary; SGLang's
+      `speculative_token_map`: the most frequent tokens of a corpus): each MTP pass's head then
+      multiplies by those N columns of the output head instead of all V (`DecodeEngine` gathers them
+      once), the head being most of an MTP pass's cost when V is large. Lossless as before: the
+      verify pass and acceptance are unchanged, a draft outside the set is never proposed (its
+      q is 0). Any sequence of distinct ints, stored sorted as a tuple; not with method "oracle".
 
     Integer fields take Python or NumPy ints (a bool is not an int). Raises TypeError for a field
     of the wrong type and ValueError for one out of range, naming the field.
@@ -54,6 +61,7 @@ class SpeculativeConfig:
     relaxed_delta: float = 0.0
     think_start_token_id: int | None = None
     think_end_token_id: int | None = None
+    draft_vocab: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -81,19 +89,28 @@ class SpeculativeConfig:
             raise ValueError("method 'oracle' replays given tokens: draft_sampling must be 'greedy'")
         if self.relaxed and (self.think_start_token_id is None or self.think_end_token_id is None):
             raise ValueError("relaxed acceptance needs think_start_token_id and think_end_token_id")
+        if self.draft_vocab is not None:
+            object.__setattr__(self, "draft_vocab", _token_ids("draft_vocab", self.draft_vocab))
+            if self.method == "oracle":
+                raise ValueError("method 'oracle' replays given tokens: draft_vocab does not apply")
+        # jit hashes this static argument on every call: a long draft_vocab is hashed once, here
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_flags(
-        cls, method: str, num_speculative_tokens: int | None, model: Transformer
+        cls, method: str, num_speculative_tokens: int | None, model: Transformer, draft_vocab=None
     ) -> SpeculativeConfig | None:
-        """The CLI's `--speculative METHOD --num-speculative-tokens K`: None for method "none"; K
-        defaults to 3 for eagle, else to the model's MTP modules (at least 1)."""
+        """The CLI's `--speculative METHOD --num-speculative-tokens K [--draft-vocab FILE]`: None for
+        method "none"; K defaults to 3 for eagle, else to the model's MTP modules (at least 1)."""
         if method == "none":
             return None
         k = num_speculative_tokens
         if k is None:
             k = 3 if method == "eagle" else max(model.config.num_nextn_predict_layers, 1)
-        return cls(method=method, num_speculative_tokens=k)
+        return cls(method=method, num_speculative_tokens=k, draft_vocab=draft_vocab)
 
     @property
     def relaxed(self) -> bool:
@@ -123,6 +140,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < vocab_size:
                 raise ValueError(f"{name}={value} is outside [0, vocab_size={vocab_size})")
+        if self.draft_vocab is not None and self.draft_vocab[-1] >= vocab_size:
+            raise ValueError(f"draft_vocab holds token {self.draft_vocab[-1]}, outside [0, vocab_size={vocab_size})")
 
     @property
     def num_caches(self) -> int:
@@ -133,3 +152,21 @@ class SpeculativeConfig:
     def hidden_window(self) -> int:
         """Positions of main hidden states kept between steps (vanilla only)."""
         return 2 * self.num_speculative_tokens if self.method == "vanilla" else 0
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    """`ids` (a sequence or 1-D array of distinct non-negative ints) as a sorted tuple of ints; TypeError or
+    ValueError naming `name` otherwise."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
+    if any(not is_int(i) for i in ids):
+        raise TypeError(f"{name} must hold ints, got {next(i for i in ids if not is_int(i))!r}")
+    out = tuple(sorted(int(i) for i in ids))
+    if not out:
+        raise ValueError(f"{name} is empty: give at least one token id (or None for the whole vocabulary)")
+    if out[0] < 0:
+        raise ValueError(f"{name} holds {out[0]}: token ids are >= 0")
+    repeated = sorted({a for a, b in zip(out, out[1:], strict=False) if a == b})
+    if repeated:
+        raise ValueError(f"{name} repeats token ids {repeated[:5]}{' ...' if len(repeated) > 5 else ''}")
+    return out

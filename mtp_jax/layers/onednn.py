@@ -9,10 +9,12 @@ construction (`pack_params`) and its layers call `PackedDot`, an `jax.ffi.ffi_ca
 of `mtp_jax.layers.linear.dot_general`. Without the extension, or with `MTP_JAX_ONEDNN=0`, nothing changes.
 
 Which matmuls (`ROUTED_DTYPES`, measured on a 2-core AMD EPYC Zen 4 with AVX512-BF16,
-`benchmarks/bench_onednn_engine.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.4x
+`benchmarks/bench_onednn.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.6x
 faster); float32 stays in XLA, which beats oneDNN at one row. `MTP_JAX_ONEDNN=all` routes float32 too.
-Not routed: FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`), the MoE
-experts' grouped matmul, the tied embedding head, and every engine on a mesh (sharded kernels).
+A tied head (`x @ embedding.T`) is routed through a packed copy of the transposed table. Not routed:
+FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
+per-head einsums), the MoE experts' grouped matmul (3-D expert kernels), scanned layers' stacked
+kernels, and every engine on a mesh (sharded kernels).
 
 Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
 float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from functools import cache
 
 import jax
@@ -31,6 +34,7 @@ from flax import nnx
 ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": float32 kernels too; unset/"1": ROUTED_DTYPES
 ROUTED_DTYPES = ("bfloat16",)
 _PACK, _MATMUL = "mtp_onednn_pack", "mtp_onednn_matmul"
+TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
 
 
 @cache
@@ -130,9 +134,17 @@ def _packable(path: tuple, module) -> str | None:
     return dtype.name if dtype.name in ("float32", "bfloat16") else None
 
 
-def pack_params(model: nnx.Module) -> dict:
-    """Packs the kernels of `model`'s routable Linears (`routed_dtypes`): {module: packed kernel}. The
-    caller swaps them in with `swapped`; empty when nothing is routed."""
+# module -> (weakref to the kernel array it was packed from, packed kernel): a second engine over the same
+# model (every `generate` call builds one) reuses the packing; a kernel replaced since (a new array:
+# jax arrays are immutable) is packed again. Held while the module lives.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
+    """Packs the kernels of `model`'s routable Linears (`routed_dtypes`), and the transposed table of
+    `tied` (a tied head's embedding, used as `x @ embedding.T`): {module: packed kernel}, reusing an
+    earlier packing of the same array. The caller swaps them in with `swapped`; empty when nothing is
+    routed."""
     dtypes = routed_dtypes()
     if not dtypes:
         return {}
@@ -140,13 +152,28 @@ def pack_params(model: nnx.Module) -> dict:
     for path, module in nnx.iter_graph(model):
         dtype = _packable(path, module)
         if dtype in dtypes:  # iter_graph yields a shared module once
-            packed[module] = _pack_jit(module.kernel[...].astype(dtype))
+            packed[module] = _packed(module, module.kernel.get_value(), dtype, transpose=False)
+    if tied is not None and tied.dtype is not None and jnp.dtype(tied.dtype).name in dtypes:
+        packed[tied] = _packed(tied, tied.embedding.get_value(), jnp.dtype(tied.dtype).name, transpose=True)
     return packed
 
 
+def _packed(module: nnx.Module, kernel, dtype: str, transpose: bool) -> jax.Array:
+    """`pack` of `kernel` (transposed first if asked) in `dtype`, or the packing made earlier from the same
+    array (`_PACKED`)."""
+    known = _PACKED.get(module)
+    if known is not None and known[0]() is kernel and known[1].dtype == dtype:
+        return known[1]
+    out = _pack_jit(kernel.astype(dtype).T if transpose else kernel.astype(dtype))
+    if isinstance(kernel, jax.Array):  # a numpy kernel can change in place: never reused
+        _PACKED[module] = (weakref.ref(kernel), out)
+    return out
+
+
 class swapped:
-    """Context manager: inside it, each module of `packed` ({Linear: pack(kernel)}) holds its packed
-    kernel and a `PackedDot`; on exit the originals are back (for `nnx.split` of a packed copy)."""
+    """Context manager: inside it, each Linear of `packed` (`pack_params`) holds its packed kernel and a
+    `PackedDot`, and each tied embedding its packed transpose as the parameter `TIED_HEAD` (which
+    `Transformer.head` then uses); on exit the originals are back (for `nnx.split` of a packed copy)."""
 
     def __init__(self, packed: dict):
         self.packed, self.saved = packed, []
@@ -154,6 +181,10 @@ class swapped:
     def __enter__(self):
         try:
             for module, kernel in self.packed.items():
+                if isinstance(module, nnx.Embed):
+                    self.saved.append((module, None, None))
+                    setattr(module, TIED_HEAD, nnx.Param(kernel))
+                    continue
                 self.saved.append((module, module.kernel[...], module.dot_general))
                 module.kernel.set_value(kernel)
                 module.dot_general = PackedDot(module.in_features, module.out_features)
@@ -164,6 +195,9 @@ class swapped:
 
     def __exit__(self, *exc):
         for module, kernel, dot in reversed(self.saved):
+            if kernel is None:
+                delattr(module, TIED_HEAD)
+                continue
             module.kernel.set_value(kernel)
             module.dot_general = dot
         self.saved.clear()
