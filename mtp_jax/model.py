@@ -84,7 +84,8 @@ class Transformer(nnx.Module):
             packed = getattr(self.embed_tokens, onednn.TIED_HEAD, None)  # a CPU DecodeEngine's copy, if any
             if packed is not None:
                 dot = onednn.PackedDot(self.config.hidden_size, self.config.vocab_size)
-                return dot(x, packed[...], (((x.ndim - 1,), (0,)), ((), ()))).astype(jnp.float32)
+                kernel = packed[...]
+                return dot(x.astype(kernel.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ()))).astype(jnp.float32)
             embedding = self.embed_tokens.embedding[...].astype(x.dtype)  # [V, E]
             return dot_general(x, embedding, (((x.ndim - 1,), (1,)), ((), ()))).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)

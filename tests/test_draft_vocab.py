@@ -8,11 +8,14 @@ the set, and bad sets are refused with the reason.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from speculative_helpers import MAX_NEW, PROMPTS, V, drive, generated, spec, style
+from speculative_helpers import MAX_NEW, PROMPTS, S, V, drive, generated, spec, style
 
+from mtp_jax.decode.draft_vocab import draft_head, frequent_tokens
 from mtp_jax.decode.engine import DecodeEngine
+from mtp_jax.decode.generation import generate
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import SpeculativeConfig
 
@@ -75,3 +78,36 @@ def test_a_set_past_the_vocabulary_is_refused_and_the_set_is_stored_sorted(model
     assert sp.draft_vocab == (0, 2, 5) and hash(sp) == hash(SpeculativeConfig(draft_vocab=[2, 5, 0]))
     with pytest.raises(ValueError, match=rf"draft_vocab holds token {V}, outside \[0, vocab_size={V}\)"):
         DecodeEngine(models["deepseek"]["random"], SpeculativeConfig(draft_vocab=[1, V]))
+
+
+def test_a_set_whose_every_token_is_masked_drafts_its_first_token_and_stays_lossless(models):
+    """min_tokens forbids the stop tokens 6 and 7, the whole set: each draft is then 6, the set's first."""
+    model, sp = models["deepseek"]["scripted"], spec("eagle", 2, draft_vocab=(7, 6))
+    sampling = SamplingParams(min_tokens=12)
+    kwargs = dict(max_new_tokens=MAX_NEW, max_length=S, stop_tokens=[6, 7], sampling=sampling)
+    engine = DecodeEngine(model, sp)
+    state, padded = engine.init_state(PROMPTS, **kwargs)
+    state = engine.prefill(state, padded)
+    assert np.asarray(state.draft.tokens).tolist() == [[6, 6]] * len(PROMPTS)
+    assert generate(model, PROMPTS, speculative=sp, **kwargs).tokens == generate(model, PROMPTS, **kwargs).tokens
+
+
+def test_the_set_needs_the_engine_and_speculation(models):
+    model = models["deepseek"]["random"]
+    with pytest.raises(ValueError, match="carries no draft head"):
+        draft_head(model, SpeculativeConfig(draft_vocab=[1, 2]))
+    assert draft_head(model, SpeculativeConfig()) == model.head
+    with pytest.raises(ValueError, match="--speculative is none"):
+        SpeculativeConfig.from_flags("none", None, model, [1, 2])
+
+
+def test_arrays_of_ids_and_frequent_tokens():
+    assert SpeculativeConfig(draft_vocab=jnp.array([4, 2], jnp.int32)).draft_vocab == (2, 4)
+    with pytest.raises(TypeError, match=r"1-D array of int token ids, got int64\[2, 2\]"):
+        SpeculativeConfig(draft_vocab=np.zeros((2, 2), np.int64))
+    with pytest.raises(TypeError, match="1-D array of int token ids, got float32"):
+        SpeculativeConfig(draft_vocab=np.ones(3, np.float32))
+    assert frequent_tokens(np.array([[5, 5, 3], [3, 5, 9]]), 2) == (3, 5)
+    assert frequent_tokens([[1, 1], [2]], 4) == (0, 1, 2, 3)  # unseen ids fill up, lowest first
+    with pytest.raises(ValueError, match="ints >= 0"):
+        frequent_tokens([[1, -1]], 2)

@@ -7,7 +7,7 @@ Frequency-Ranked Speculative Sampling"), EAGLE-3's draft vocabulary and SGLang's
 `speculative_token_map` draft over the most frequent tokens only. Here `DecodeEngine` gathers those N
 columns of the head once (`attached`: a `DraftHead` on the model while the engine splits it, so that the
 jitted step receives it with the weights, packed for oneDNN like any Linear), and the drafters call
-`draft_head(model)`: the N logits scattered into a [.., V] row at -inf elsewhere, so that the logits
+`draft_head(model, speculative)`: the N logits scattered into a [.., V] row at -inf elsewhere, so that the logits
 processing, the argmax or the draft distribution q and the acceptance downstream are unchanged (q is 0
 outside the set: rejection sampling stays exact for any q the draft was drawn from).
 """
@@ -54,6 +54,7 @@ class DraftHead(nnx.Module):
             dtype=config.compute_dtype,
             param_dtype=kernel.dtype,
             dot_general=dot_general,
+            kernel_init=nnx.initializers.zeros,
             rngs=nnx.Rngs(0),
         )
         self.proj.kernel.set_value(kernel)
@@ -76,17 +77,23 @@ def attached(model: Transformer, speculative: SpeculativeConfig | None) -> Itera
         delattr(model, ATTRIBUTE)
 
 
-def draft_head(model: Transformer) -> Callable[[jax.Array], jax.Array]:
-    """The head the MTP passes draft with: `model.head`, or over the attached draft vocabulary the logits
-    (float32 [.., V]) of those tokens and -inf for every other."""
+def draft_head(model: Transformer, speculative: SpeculativeConfig) -> Callable[[jax.Array], jax.Array]:
+    """The head the MTP passes draft with: `model.head`, or over `speculative.draft_vocab` (attached by
+    `DecodeEngine`) the logits (float32 [.., V]) of those tokens and -inf for every other. ValueError when
+    the config names a set but the model carries none (a step called outside `DecodeEngine`)."""
     restricted = getattr(model, ATTRIBUTE, None)
-    if restricted is None:
+    if speculative.draft_vocab is None:
         return model.head
+    if restricted is None or restricted.proj.out_features != len(speculative.draft_vocab):
+        raise ValueError(
+            "draft_vocab: the model carries no draft head for this set; build a DecodeEngine (it attaches one) "
+            "or call the step inside `mtp_jax.decode.draft_vocab.attached(model, speculative)`"
+        )
 
     def head(x: jax.Array) -> jax.Array:
         logits = restricted.proj(x).astype(jnp.float32)  # [.., N]
         full = jnp.full((*logits.shape[:-1], model.config.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., restricted.ids[...]].set(logits)
+        return full.at[..., restricted.ids[...]].set(logits, indices_are_sorted=True, unique_indices=True)
 
     return head
 
@@ -100,7 +107,9 @@ def frequent_tokens(tokens, size: int) -> tuple[int, ...]:
         raise TypeError(f"size must be an int, got {size!r}")
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    arrays = [tokens] if isinstance(tokens, np.ndarray) else [np.asarray(t, np.int64) for t in tokens]
+    arrays = [np.asarray(tokens)] if hasattr(tokens, "__array__") else [np.asarray(t) for t in tokens]
     flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)
+    if flat.size and (not np.issubdtype(flat.dtype, np.integer) or flat.min() < 0):
+        raise ValueError(f"tokens must be token ids (ints >= 0), got {flat.dtype} values down to {flat.min()}")
     counts = np.bincount(flat.astype(np.int64), minlength=int(size))
     return tuple(sorted(np.argsort(-counts, kind="stable")[: int(size)].tolist()))

@@ -109,9 +109,10 @@ def _pick_draft(
     bias, min_tokens, penalties, the chain's earlier drafts counted): drafts the target could not take would
     only be rejected."""
     logits = process_logits(logits[:, None], metadata, ahead, j)[:, 0]
-    if speculative.draft_vocab is not None:  # every token of the set masked (min_tokens, all stop tokens):
-        dead = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)  # draft token 0 (q one-hot, still exact)
-        logits = jnp.where(dead, jnp.where(jnp.arange(logits.shape[-1]) == 0, 0.0, -jnp.inf), logits)
+    if speculative.draft_vocab is not None:  # every token of the set masked (e.g. min_tokens, all stop tokens):
+        dead = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)  # draft the set's first (q one-hot: exact)
+        first = jnp.arange(logits.shape[-1]) == speculative.draft_vocab[0]
+        logits = jnp.where(dead, jnp.where(first, 0.0, -jnp.inf), logits)
     sampling = metadata.sampling
     if speculative.draft_sampling == "greedy":  # on a mesh: a per-device max over the vocabulary shards, combined
         return argmax_last(logits, P("batch", "vocab")), jnp.zeros((logits.shape[0], 0), jnp.float32)
@@ -165,7 +166,7 @@ def draft_eagle(
     """MTP Eagle: module 1 over the window drafts position L; then K - 1 one-token passes of the same
     module, each over its own last hidden state and the token it just drafted, draft L + 1 .. L + K - 1."""
     k_max, module = speculative.num_speculative_tokens, model.mtp[0]
-    call = dict(embed=model.embed, head=draft_head(model))
+    call = dict(embed=model.embed, head=draft_head(model, speculative))
     window, last = _window(hidden, start, lengths)
     logits, chained, cache = module(
         hidden, _tokens_at(tokens, window + 1), window, state.caches[0], logits_at=last, **call
@@ -209,7 +210,7 @@ def draft_vanilla(
             state.caches[j],
             logits_at=last,
             embed=model.embed,
-            head=draft_head(model),
+            head=draft_head(model, speculative),
         )
         token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         tokens = write_at(tokens, token[:, None], (lengths + j)[:, None])  # the next module reads it
@@ -232,9 +233,10 @@ def draft_parallel(
     """Gloeckle et al.'s heads: head k = 1..K over the main model's h^0 alone drafts position L + k - 1."""
     window, last = _window(hidden, start, lengths)
     drafts, probs, caches = [], [], []
+    head = draft_head(model, speculative)
     for j in range(speculative.num_speculative_tokens):
         logits, _, cache = model.mtp[j](
-            hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=draft_head(model)
+            hidden, window, window, state.caches[j], logits_at=last, embed=model.embed, head=head
         )  # (the heads read no tokens)
         token, q = _pick_draft(speculative, logits[:, 0], metadata, lengths + j, _so_far(drafts), j)
         drafts.append(token)

@@ -106,6 +106,8 @@ class SpeculativeConfig:
         """The CLI's `--speculative METHOD --num-speculative-tokens K [--draft-vocab FILE]`: None for
         method "none"; K defaults to 3 for eagle, else to the model's MTP modules (at least 1)."""
         if method == "none":
+            if draft_vocab is not None:
+                raise ValueError("draft_vocab: drafts need speculative decoding; --speculative is none")
             return None
         k = num_speculative_tokens
         if k is None:
@@ -157,6 +159,11 @@ class SpeculativeConfig:
 def _token_ids(name: str, ids) -> tuple[int, ...]:
     """`ids` (a sequence or 1-D array of distinct non-negative ints) as a sorted tuple of ints; TypeError or
     ValueError naming `name` otherwise."""
+    if hasattr(ids, "__array__"):  # NumPy / JAX arrays: one conversion, not an element at a time
+        array = np.asarray(ids)
+        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+            raise TypeError(f"{name} must be a 1-D array of int token ids, got {array.dtype}{list(array.shape)}")
+        ids = array.tolist()
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
         raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
     if any(not is_int(i) for i in ids):

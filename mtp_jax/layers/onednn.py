@@ -182,8 +182,8 @@ class swapped:
         try:
             for module, kernel in self.packed.items():
                 if isinstance(module, nnx.Embed):
-                    self.saved.append((module, None, None))
                     setattr(module, TIED_HEAD, nnx.Param(kernel))
+                    self.saved.append((module, None, None))
                     continue
                 self.saved.append((module, module.kernel[...], module.dot_general))
                 module.kernel.set_value(kernel)
