@@ -13,6 +13,13 @@ and zeroed in the values, so even NaN there cannot leak. A query with nothing to
 returns zeros. `masked_attention` is the core under any boolean mask (training's segment mask too).
 Values may have another head dim Dv than queries and keys (D): DeepSeek MLA's absorbed attention,
 whose keys are [latent, rope key] and whose values are the latent alone.
+
+Precision: scores, softmax and the weighted sum accumulate in float32. When q, k and v share one
+half-precision dtype (bfloat16 / float16) the two products take those operands as they are (their
+products are exact in float32, so the scores are the float32 scores up to summation order) and the
+softmax weights are rounded to that dtype before the weighted sum, as FlashAttention, the Triton
+kernels here and transformers' eager attention do; converting the cache to float32 instead costs a
+float32 copy of K and V per layer and step (2-3x this attention's time on XLA:CPU at batch 8).
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ def verify_attention_reference(
       scale: softmax scale, default 1/sqrt(D).
 
     Returns:
-      [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum in float32.
+      [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum accumulate in float32 (in
+      half precision the weights are rounded to it first: the module docstring's "Precision").
     """
     cache_len = k.shape[1]
     mask = attention_mask(lengths, q.shape[1], cache_len)  # [B, T, S]
@@ -70,15 +78,22 @@ def masked_attention(
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    qg = q.astype(jnp.float32).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
-    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(jnp.float32)) * scale  # [B, G, H/G, T, S]
+    half = q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+    operand = q.dtype if half else jnp.float32  # see the module docstring's "Precision"
+    qg = q.astype(operand).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
+    scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(operand), preferred_element_type=jnp.float32)
+    scores = scores * scale  # [B, G, H/G, T, S] float32
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = jnp.exp(scores - peak)  # masked entries are exactly 0
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bgjts,bsge->btgje", weights, v.astype(jnp.float32))  # [B, T, G, H/G, Dv]
+    # The values head-major first ([B, G, S, Dv], whole Dv rows moved): left to itself XLA:CPU computes
+    # this product transposed, out^T = v^T w^T, through a [B, G, Dv, S] copy of the cache 2-3x slower.
+    v_heads = jnp.swapaxes(v.astype(operand), 1, 2)
+    out = jnp.einsum("bgjts,bgse->bgjte", weights.astype(operand), v_heads, preferred_element_type=jnp.float32)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, G, H/G, Dv]
     return out.reshape(batch, num_queries, num_heads, v.shape[-1]).astype(q.dtype)  # [B, T, H, Dv]
 
 

@@ -109,7 +109,8 @@ def paged_attention_reference(
       scale: softmax scale, default 1/sqrt(Dq).
 
     Returns:
-      [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum in float32.
+      [B, T, H, Dv] in q's dtype; scores, softmax and the weighted sum accumulate in float32 (half
+      precision: `pallas_kernels.attention_reference`'s "Precision").
 
     Raises:
       ValueError: an operand of the wrong rank, shape or dtype (the message names it).

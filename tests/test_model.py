@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.cache import fill_stale, write_at
+from mtp_jax.cache import SELECT_WRITES, fill_stale, write_at
 from mtp_jax.config import ModelConfig
 from mtp_jax.model import init_model, sequence_positions
 
@@ -90,6 +90,36 @@ def test_write_at_never_lands_outside_the_cache():
     out = write_at(cache, new, sequence_positions(2, 3, jnp.asarray([2, -2], jnp.int32)))
     # Row 0: positions 2, 3 written, 4 dropped (not clamped back onto 1..3). Row 1: -2, -1 dropped, 0 written.
     np.testing.assert_array_equal(out[:, :, 0, 0], [[0, 0, 1, 1], [1, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_write_at_in_narrow_floats_is_the_scatter(dtype):
+    # On the CPU backend narrow float caches are written with selects, not a scatter: the same writes, in
+    # order (a position written twice keeps the later token), outside [0, S) dropped, bits kept (NaN too).
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((3, 6, 2, 3)), dtype)
+    new = jnp.asarray(rng.standard_normal((3, 4, 2, 3)), dtype).at[1, 2, 0, 1].set(jnp.nan)
+    positions = jnp.asarray([[0, 5, 6, 2], [-1, 3, 4, 9], [1, 1, 4, 1]], jnp.int32)
+    expected = np.array(cache.astype(jnp.float32))
+    for b, row in enumerate(np.asarray(positions)):
+        for t, p in enumerate(row):
+            if 0 <= p < 6:
+                expected[b, p] = np.asarray(new[b, t].astype(jnp.float32))
+    out = write_at(cache, new, positions)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
+    # MLA's latent cache has no head axis: [B, S, D].
+    flat = write_at(cache[:, :, 0], new[:, :, 0], positions)
+    np.testing.assert_array_equal(np.asarray(flat.astype(jnp.float32)), expected[:, :, 0])
+    # More tokens than SELECT_WRITES (a prefill) take the scatter: the same cache.
+    long = jnp.zeros((2, SELECT_WRITES + 4, 1, 1), dtype)
+    ramp = jnp.arange(1, SELECT_WRITES + 2, dtype=jnp.float32).astype(dtype)[None, :, None, None]
+    out = write_at(long, jnp.concatenate([ramp, ramp]), sequence_positions(2, SELECT_WRITES + 1, jnp.asarray([4, -1])))
+    assert out.dtype == dtype
+    values = np.asarray(ramp[0, :, 0, 0].astype(jnp.float32))
+    got = np.asarray(out[..., 0, 0].astype(jnp.float32))
+    np.testing.assert_array_equal(got[0], np.concatenate([np.zeros(4), values[:-1]]))  # position 20 dropped
+    np.testing.assert_array_equal(got[1], np.concatenate([values[1:], np.zeros(4)]))  # position -1 dropped
 
 
 def test_config_rejects_bad_fields():

@@ -87,6 +87,27 @@ def test_matches_float64_reference(batch, num_queries, group, kv_heads, head_dim
     np.testing.assert_allclose(np.asarray(ref).astype(np.float64), expected, atol=tol, rtol=tol)
 
 
+def test_half_precision_operands_match_the_oracle_and_ignore_stale_nan():
+    # bf16 q, k, v: float32 scores and softmax, the weights rounded to bf16 before the weighted sum (as the
+    # Triton kernel's `p.astype(v.dtype)`), accumulated in float32; stale NaN still changes nothing.
+    q, k, v, lengths = make_inputs(5, 2, 3, 8, 2, 16, 40, [40, 17], jnp.bfloat16)
+    out = attention_reference(q, k, v, lengths)
+    assert out.dtype == jnp.bfloat16
+    q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    expected = np.zeros(q.shape)
+    for b in range(2):
+        for t in range(3):
+            seen = int(lengths[b]) - 3 + t + 1
+            for h in range(8):
+                scores = k64[b, :seen, h // 4] @ q64[b, t, h] * 16**-0.5
+                weights = np.exp(scores - scores.max())
+                weights = np.asarray((weights / weights.sum()).astype(jnp.bfloat16)).astype(np.float64)
+                expected[b, t, h] = weights @ v64[b, :seen, h // 4]
+    np.testing.assert_allclose(np.asarray(out).astype(np.float64), expected, atol=8e-3, rtol=8e-3)
+    nan = fill_stale(KVCache(k=k, v=v), lengths, jnp.nan)
+    np.testing.assert_array_equal(np.asarray(attention_reference(q, nan.k, nan.v, lengths)), np.asarray(out))
+
+
 def test_stale_nan_changes_nothing():
     q, k, v, lengths = make_inputs(1, 3, 4, 8, 2, 16, 45, [4, 45, 19], jnp.float32)
     nan = fill_stale(KVCache(k=k, v=v), lengths, jnp.nan)
