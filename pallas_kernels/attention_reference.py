@@ -14,12 +14,14 @@ returns zeros. `masked_attention` is the core under any boolean mask (training's
 Values may have another head dim Dv than queries and keys (D): DeepSeek MLA's absorbed attention,
 whose keys are [latent, rope key] and whose values are the latent alone.
 
-Precision: scores, softmax and the weighted sum accumulate in float32. When q, k and v share one
-half-precision dtype (bfloat16 / float16) the two products take those operands as they are (their
-products are exact in float32, so the scores are the float32 scores up to summation order) and the
-softmax weights are rounded to that dtype before the weighted sum, as FlashAttention, the Triton
-kernels here and transformers' eager attention do; converting the cache to float32 instead costs a
-float32 copy of K and V per layer and step (2-3x this attention's time on XLA:CPU at batch 8).
+Precision: scores, softmax and the weighted sum accumulate in float32. In `verify_attention_reference`,
+when q, k and v share one half-precision dtype (bfloat16 / float16), the two products take those
+operands as they are (their products are exact in float32, so the scores are the float32 scores up
+to summation order) and the softmax weights are rounded to that dtype before the weighted sum
+(normalised first; the Triton kernels here round each block's unnormalised weights, FlashAttention-
+style, and transformers' eager attention the normalised ones); converting the cache to float32
+instead costs a float32 copy of K and V per layer and step (2-3x this attention's time on XLA:CPU at
+batch 8). Training's `masked_attention` (no `half_operands`) stays in float32, gradients included.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def verify_attention_reference(
     # Stale values are zeroed (their weights are exactly 0, but 0 * NaN is NaN); stale keys need no
     # such pass: their scores are replaced by -inf before anything reads them.
     valid = (jnp.arange(cache_len)[None, :] < lengths[:, None])[:, :, None, None]  # [B, S, 1, 1]
-    return masked_attention(q, k, jnp.where(valid, v, 0), mask, scale)
+    return masked_attention(q, k, jnp.where(valid, v, 0), mask, scale, half_operands=True)
 
 
 def masked_attention(
@@ -72,13 +74,19 @@ def masked_attention(
     v: Float[Array, "B S G Dv"],
     mask: Bool[Array, "B T S"],
     scale: float | None,
+    *,
+    half_operands: bool = False,
 ) -> Float[Array, "B T H Dv"]:
-    """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros."""
+    """Grouped-query attention under a boolean mask; a query with nothing unmasked gets zeros.
+
+    Everything in float32 unless `half_operands` and q, k, v share a half-precision dtype (the module
+    docstring's "Precision": inference only; training keeps float32 weights and their gradients).
+    """
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    half = q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+    half = half_operands and q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
     operand = q.dtype if half else jnp.float32  # see the module docstring's "Precision"
     qg = q.astype(operand).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
     scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(operand), preferred_element_type=jnp.float32)

@@ -19,7 +19,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from mtp_jax.cache import KVCache, fill_stale
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
-from mtp_jax.layers.attention import attend, attention_reference
+from mtp_jax.layers.attention import attend, attention_reference, segment_attention_reference
 from mtp_jax.model import init_model, sequence_positions
 from pallas_kernels import PRESETS, VerifyAttentionConfig, supports, verify_attention
 
@@ -87,12 +87,32 @@ def test_matches_float64_reference(batch, num_queries, group, kv_heads, head_dim
     np.testing.assert_allclose(np.asarray(ref).astype(np.float64), expected, atol=tol, rtol=tol)
 
 
+def _dots(jaxpr) -> list:
+    """Every dot_general equation of a jaxpr, nested jaxprs (einsum's jit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found += [eqn] if eqn.primitive.name == "dot_general" else []
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            found += _dots(inner) if hasattr(inner, "eqns") else []
+    return found
+
+
 def test_half_precision_operands_match_the_oracle_and_ignore_stale_nan():
-    # bf16 q, k, v: float32 scores and softmax, the weights rounded to bf16 before the weighted sum (as the
-    # Triton kernel's `p.astype(v.dtype)`), accumulated in float32; stale NaN still changes nothing.
+    # bf16 q, k, v: both products on the bf16 operands accumulated in float32 (no float32 copy of the cache),
+    # the weights rounded to bf16 before the weighted sum; stale NaN still changes nothing.
     q, k, v, lengths = make_inputs(5, 2, 3, 8, 2, 16, 40, [40, 17], jnp.bfloat16)
     out = attention_reference(q, k, v, lengths)
     assert out.dtype == jnp.bfloat16
+    dots = _dots(jax.make_jaxpr(attention_reference)(q, k, v, lengths).jaxpr)
+    assert len(dots) == 2
+    for dot in dots:
+        assert [x.aval.dtype for x in dot.invars] == [jnp.bfloat16] * 2
+        assert dot.params["preferred_element_type"] == jnp.float32
+    # Training's attention keeps float32 operands (weights and their gradients unrounded).
+    segments = jnp.zeros(q.shape[:2], jnp.int32)
+    training = _dots(jax.make_jaxpr(segment_attention_reference)(q, k[:, :3], v[:, :3], segments).jaxpr)
+    assert [x.aval.dtype for dot in training for x in dot.invars] == [jnp.float32] * 4
     q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     expected = np.zeros(q.shape)
     for b in range(2):
