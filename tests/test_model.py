@@ -99,7 +99,10 @@ def test_write_at_in_narrow_floats_is_the_scatter(dtype):
     # order (a position written twice keeps the later token: the select chain's rule; a scatter leaves
     # it undefined), outside [0, S) dropped, bits kept (NaN too).
     if jax.default_backend() != "cpu":
-        pytest.skip("the select path is the CPU backend's")
+        pytest.skip(
+            "write_at uses selects on the CPU backend only; elsewhere a scatter, "
+            "whose order for a position written twice XLA leaves undefined"
+        )
     rng = np.random.default_rng(0)
     cache = jnp.asarray(rng.standard_normal((3, 6, 2, 3)), dtype)
     new = jnp.asarray(rng.standard_normal((3, 4, 2, 3)), dtype).at[1, 2, 0, 1].set(jnp.nan)

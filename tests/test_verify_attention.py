@@ -27,8 +27,9 @@ TOLERANCES = {jnp.float32: 2e-5, jnp.float16: 3e-3, jnp.bfloat16: 2.5e-2}  # ato
 kernel = functools.partial(verify_attention, config="interpret", interpret=True)
 
 
-def reference_f64(q, k, v, lengths, scale: float) -> np.ndarray:
-    """The attention of `pallas_kernels.attention_reference`'s docstring, query by query in numpy float64."""
+def reference_f64(q, k, v, lengths, scale: float, weights_dtype=None) -> np.ndarray:
+    """The attention of `pallas_kernels.attention_reference`'s docstring, query by query in numpy float64;
+    with `weights_dtype`, the normalised softmax weights rounded to it before the weighted sum."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, num_queries, heads, _ = q.shape
     group = heads // k.shape[2]
@@ -39,7 +40,10 @@ def reference_f64(q, k, v, lengths, scale: float) -> np.ndarray:
             for h in range(heads if seen > 0 else 0):
                 scores = k[b, :seen, h // group] @ q[b, t, h] * scale  # [seen]
                 weights = np.exp(scores - scores.max())
-                out[b, t, h] = weights @ v[b, :seen, h // group] / weights.sum()
+                weights = weights / weights.sum()
+                if weights_dtype is not None:
+                    weights = np.asarray(weights.astype(weights_dtype)).astype(np.float64)
+                out[b, t, h] = weights @ v[b, :seen, h // group]
     return out
 
 
@@ -113,16 +117,7 @@ def test_half_precision_operands_match_the_oracle_and_ignore_stale_nan():
     segments = jnp.zeros(q.shape[:2], jnp.int32)
     training = _dots(jax.make_jaxpr(segment_attention_reference)(q, k[:, :3], v[:, :3], segments).jaxpr)
     assert [x.aval.dtype for dot in training for x in dot.invars] == [jnp.float32] * 4
-    q64, k64, v64 = (np.asarray(x).astype(np.float64) for x in (q, k, v))
-    expected = np.zeros(q.shape)
-    for b in range(2):
-        for t in range(3):
-            seen = int(lengths[b]) - 3 + t + 1
-            for h in range(8):
-                scores = k64[b, :seen, h // 4] @ q64[b, t, h] * 16**-0.5
-                weights = np.exp(scores - scores.max())
-                weights = np.asarray((weights / weights.sum()).astype(jnp.bfloat16)).astype(np.float64)
-                expected[b, t, h] = weights @ v64[b, :seen, h // 4]
+    expected = reference_f64(q, k, v, lengths, 16**-0.5, weights_dtype=jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(out).astype(np.float64), expected, atol=8e-3, rtol=8e-3)
     nan = fill_stale(KVCache(k=k, v=v), lengths, jnp.nan)
     np.testing.assert_array_equal(np.asarray(attention_reference(q, nan.k, nan.v, lengths)), np.asarray(out))
