@@ -13,6 +13,9 @@ at 2-16 rows is about 2-2.5x the one-row time on float32. Paths (columns of the 
   kernel XLA compiled (`dot`: its own emitter / Eigen; `ynn`, `onednn`: a library fusion) is
   recorded per cell. jax 0.10's XNNPACK flags (`--xla_cpu_use_xnnpack`,
   `--xla_cpu_experimental_xnn_fusion_type=dot`) leave a dot a `dot`, so they have no column;
+- `mtp_jax onednn` (where the optional extension is installed and this CPU has a fast oneDNN
+  matmul for the dtype): `mtp_jax.layers.onednn.PackedDot` over the packed weight, the custom call
+  a `DecodeEngine` runs (kernel `ext`), every dtype, whatever the engine's routing;
 - `torch linear`: `torch.nn.functional.linear` (weight [out, in]): MKL's sgemm in float32, oneDNN
   in bfloat16; `torch onednn packed`: oneDNN's matmul with the weight reordered once for that M
   (`torch.ops.mkldnn._linear_pointwise`, what a oneDNN custom call with a pre-packed weight would
@@ -41,6 +44,7 @@ load); --quick about one.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -64,6 +68,7 @@ CONFIGS = {
     "--xla_cpu_experimental_onednn_fusion_type=dot",
 }
 TORCH = "torch"
+ONEDNN = "mtp_jax onednn"  # the optional extension (`extensions/onednn`), timed in the `xla default` process
 PRESETS = ("demo", "small", "medium")
 MATMUL = (((1,), (0,)), ((), ()))
 DTYPES = ("float32", "bfloat16")
@@ -117,13 +122,18 @@ def _kernel(hlo_text: str) -> str:
     for kind in ("onednn", "ynn", "xnn"):
         if re.search(rf"\b__?{kind}_fusion|%{kind}_fusion", hlo_text):
             return kind
+    if "mtp_onednn_matmul" in hlo_text:
+        return "ext"
     return "dot"
 
 
-def worker_xla(shapes, rows, seconds: float, cold: bool) -> list[dict]:
+def worker_xla(shapes, rows, seconds: float, cold: bool, extension: bool = False) -> list[dict]:
+    """XLA's dot under this process's XLA_FLAGS; with `extension`, also `mtp_jax onednn`: the optional
+    extension's matmul over the packed weight (`mtp_jax.layers.onednn.PackedDot`, what the engine runs)."""
     import jax
     import jax.numpy as jnp
 
+    from mtp_jax.layers import onednn
     from mtp_jax.layers.linear import dot_general
 
     fns = {
@@ -135,18 +145,24 @@ def worker_xla(shapes, rows, seconds: float, cold: bool) -> list[dict]:
     for s in shapes:
         fan_in, fan_out = s["shape"]
         weight = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
+        packed_dot = jax.jit(functools.partial(onednn.PackedDot(fan_in, fan_out), dimension_numbers=MATMUL))
         for dtype in DTYPES:
             w = jnp.asarray(weight, dtype)
             ws = [w] + [w + 0 for _ in range(_copies(w.nbytes, cold) - 1)]
-            ms, median, kernels = {}, {}, {}
-            for m in rows:
-                x = jnp.asarray(rng.standard_normal((m, fan_in), dtype=np.float32), dtype)
-                compiled = fns[dtype].lower(x, w).compile()
-                kernels[m] = _kernel(compiled.as_text())
-                ring = itertools.cycle(ws)
-                call = lambda f=compiled, x=x, ring=ring: f(x, next(ring)).block_until_ready()  # noqa: E731
-                _cell(ms, median, m, _time_ms(call, seconds))
-            out.append(dict(shape=s["shape"], dtype=dtype, ms=ms, median_ms=median, kernel=kernels))
+            paths = {"xla": (fns[dtype], ws)}
+            if extension and dtype in onednn.fast_dtypes():
+                paths[ONEDNN] = (packed_dot, [onednn.pack(v) for v in ws])
+            for path, (fn, weights) in paths.items():
+                ms, median, kernels = {}, {}, {}
+                for m in rows:
+                    x = jnp.asarray(rng.standard_normal((m, fan_in), dtype=np.float32), dtype)
+                    compiled = fn.lower(x, weights[0]).compile()
+                    kernels[m] = _kernel(compiled.as_text())
+                    ring = itertools.cycle(weights)
+                    call = lambda f=compiled, x=x, ring=ring: f(x, next(ring)).block_until_ready()  # noqa: E731
+                    _cell(ms, median, m, _time_ms(call, seconds))
+                row = dict(shape=s["shape"], dtype=dtype, ms=ms, median_ms=median, kernel=kernels)
+                out.append(row if path == "xla" else dict(row, path=path))
     return out
 
 
@@ -294,7 +310,7 @@ def markdown(meta: dict, rows: list[dict], shapes: list[dict]) -> str:
         "|---|---|---|---|---|" + "---:|" * (len(ms_keys) + 2),
     ]
     label = {tuple(s["shape"]): f"{s['preset']} {s['matmul']}" for s in shapes}
-    order = [*CONFIGS, "torch linear", "torch onednn packed", "torch mkl packed"]
+    order = [*CONFIGS, ONEDNN, "torch linear", "torch onednn packed", "torch mkl packed"]
     key = lambda r: ([list(label).index(tuple(r["shape"]))], DTYPES.index(r["dtype"]), order.index(r["path"]))  # noqa: E731
     for r in sorted(rows, key=key):
         cells = " | ".join(f"{r['ms'][m]:.3f}" for m in ms_keys)
@@ -346,7 +362,10 @@ def main() -> None:
 
     if args.worker:
         shapes = json.loads(args.shapes)
-        rows = (worker_torch if args.worker == TORCH else worker_xla)(shapes, args.rows, args.seconds, args.cold)
+        if args.worker == TORCH:
+            rows = worker_torch(shapes, args.rows, args.seconds, args.cold)
+        else:
+            rows = worker_xla(shapes, args.rows, args.seconds, args.cold, extension=args.worker == "xla default")
         print(json.dumps(rows))
         return
 

@@ -36,7 +36,8 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers import onednn
 
 PHASES = ("verify_forward", "accept", "commit", "draft")
-CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
+CONTAINERS = ("while", "conditional", "call")
+TOP_OPS = 15  # their trace events span their bodies' ops
 
 
 def _phase_of(op_name: str) -> str:
@@ -44,43 +45,47 @@ def _phase_of(op_name: str) -> str:
     return next((p for p in PHASES if p in parts), "other")
 
 
-def _op_phases(hlo_text: str) -> tuple[dict[str, str], set[str]]:
-    """HLO instruction name -> phase, from the op_name metadata of the compiled module; and the names
+def _op_phases(hlo_text: str) -> tuple[dict[str, str], set[str], dict[str, str]]:
+    """HLO instruction name -> phase, from the op_name metadata of the compiled module; the names
     of the matmuls (XLA's own `dot`s, the library calls XLA:CPU makes for dots, `ynn_fusion`, and the
-    oneDNN extension's custom calls)."""
-    out, matmuls = {}, set()
+    oneDNN extension's custom calls); and each instruction's result shape, op and source (its op_name)."""
+    out, matmuls, what = {}, set(), {}
     for line in hlo_text.splitlines():
-        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][a-z\-]*)\(", line)
-        if match and match.group(2) not in CONTAINERS:
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?)\b([a-z][a-z\-]*)\(", line)
+        if match and match.group(3) not in CONTAINERS:
             op_name = re.search(r"op_name=\"([^\"]*)\"", line)
             # XLA drops the metadata of some ops it rewrites (e.g. the main model's matrix-vector dots)
-            out[match.group(1)] = _phase_of(op_name.group(1)) if op_name else f"unscoped {match.group(2)}"
+            out[match.group(1)] = _phase_of(op_name.group(1)) if op_name else f"unscoped {match.group(3)}"
+            source = op_name.group(1).split("/")[-1] if op_name else ""
+            what[match.group(1)] = f"{match.group(2).strip()[:60]} {match.group(3)} {source}".strip()
             onednn = 'custom_call_target="mtp_onednn_matmul"' in line  # the oneDNN extension's matmul
-            if match.group(2) == "dot" or onednn or match.group(1).startswith(("ynn_fusion", "xnn_fusion")):
+            if match.group(3) == "dot" or onednn or match.group(1).startswith(("ynn_fusion", "xnn_fusion")):
                 matmuls.add(match.group(1))
-    return out, matmuls
+    return out, matmuls, what
 
 
-def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
-    """Runs `engine.run(state_fn())` warm, then traced; returns ms per step and op counts per phase."""
+def profile(engine: DecodeEngine, state_fn, label: str, top: int = TOP_OPS) -> dict:
+    """Runs `engine.run(state_fn())` warm, then traced; returns ms per step and op counts per phase, and
+    the `top` most costly XLA ops (ms per step, phase, result shape, op and source)."""
     loop = engine.run
     jax.block_until_ready(loop(state_fn()))
     state = state_fn()
     begin = time.perf_counter()
     steps = int(jax.block_until_ready(loop(state)).metrics.num_steps.max())
     untraced = (time.perf_counter() - begin) / steps
-    phases, matmuls = _op_phases(engine.lower_run(state_fn()).compile().as_text())
+    phases, matmuls, what = _op_phases(engine.lower_run(state_fn()).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(loop(state_fn()))
         trace_file = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
         events = json.load(gzip.open(trace_file))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    time_us, count, matmul_us = collections.Counter(), collections.Counter(), 0
+    time_us, count, matmul_us, op_us = collections.Counter(), collections.Counter(), 0, collections.Counter()
     for event in events:
         if event.get("ph") == "X" and event.get("name") in phases:
             phase = phases[event["name"]]
             time_us[phase] += event.get("dur", 0)
+            op_us[event["name"]] += event.get("dur", 0)
             count[phase] += 1
             matmul_us += event.get("dur", 0) if event["name"] in matmuls else 0
     total = sum(time_us.values())
@@ -98,6 +103,10 @@ def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
             )
             for p in time_us
         },
+        top_ops=[
+            dict(op=name, ms_per_step=us / steps / 1e3, phase=phases[name], what=what[name])
+            for name, us in op_us.most_common(top)
+        ],
     )
     print(
         f"\n{label}: {steps} steps, {untraced * 1e3:.2f} ms/step untraced, XLA ops {total / steps / 1e3:.2f} "
@@ -105,6 +114,9 @@ def profile(engine: DecodeEngine, state_fn, label: str) -> dict:
     )
     for p, v in sorted(row["phases"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
         print(f"  {p:15s} {v['ms_per_step']:8.3f} ms/step  {v['share']:6.1%}  {v['ops_per_step']:7.1f} ops/step")
+    print(f"  the {top} most costly ops (ms/step, phase, result, op, source):")
+    for op in row["top_ops"]:
+        print(f"    {op['ms_per_step']:7.3f}  {op['phase']:15s} {op['what']}")
     return row
 
 

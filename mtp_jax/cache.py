@@ -311,7 +311,34 @@ def check_shape(batch_size: int, max_length: int) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-SELECT_WRITES = 16  # `write_at` on the CPU backend: narrow floats written with selects up to this many tokens
+SELECT_WRITES = 16  # `write_at` on the CPU backend: narrow floats written with one select up to this many tokens
+
+
+def _select_write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """`write_at` as one select over the cache (CPU backend, narrow floats, T <= SELECT_WRITES).
+
+    XLA:CPU scatters a half-precision or FP8 array by converting all of it to float32 and back (two
+    float32 copies of the layer's cache per write; measured 2026-12-03: with the attention's own copies,
+    half of a bf16 decode step's non-matmul time at batch 8); one select, fused into one pass in the
+    cache's own dtype, costs less for a decode or verify step's few tokens. One select, not one per token:
+    XLA:CPU runs a chain of T selects at up to 14x the time of one (T = 4 into a [8, 2048, 8, 128] cache:
+    9.8 vs 0.7 ms; `docs/benchmarks.md`, 2026-12-06).
+    """
+    batch, num_new = positions.shape
+    trailing = (1,) * (cache.ndim - 2)
+    if num_new == 1:  # a decode step: the token broadcast along S, no gather
+        hit = (jnp.arange(cache.shape[1])[None, :] == positions).reshape(batch, -1, *trailing)
+        return jnp.where(hit, new, cache)
+    hit = jnp.arange(cache.shape[1])[None, None, :] == positions[:, :, None]  # [B, T, S]
+    # the last token written at each position (a position written twice keeps the later one), -1: none
+    source = jnp.max(jnp.where(hit, jnp.arange(num_new)[None, :, None], -1), axis=1).reshape(batch, -1, *trailing)
+    # `new` is computed before the select, behind a conditional (XLA fuses nothing across one; XLA:CPU
+    # drops optimization barriers before fusing): fused into the gather, new's producers (the rotary
+    # embedding's sin and cos) would run once per element of the cache, 3-7x the write's time. The
+    # predicate is always true, but not known to be at compile time.
+    new = jax.lax.cond(positions[0, 0] > jnp.iinfo(jnp.int32).min, lambda x: x, jnp.zeros_like, new)
+    taken = jnp.take_along_axis(new, jnp.maximum(source, 0), axis=1, mode="clip")  # [B, S, ...]
+    return jnp.where(source >= 0, taken, cache)
 
 
 def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], positions: Int[Array, "B T"]) -> jax.Array:
@@ -322,16 +349,7 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     new = new.astype(cache.dtype)
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
     if narrow and new.shape[1] <= SELECT_WRITES and jax.default_backend() == "cpu":
-        # XLA:CPU scatters a half-precision or FP8 array by converting all of it to float32 and back (two
-        # float32 copies of the layer's cache per write; measured 2026-12-03: with the attention's own
-        # copies, half of a bf16 decode step's non-matmul time at batch 8); a select per new token, fused
-        # into one pass in the cache's own dtype, costs less for a decode or verify step's few tokens.
-        index = jnp.arange(cache.shape[1])  # [S]
-        trailing = (1,) * (cache.ndim - 2)
-        for t in range(new.shape[1]):  # in order, so a position written twice keeps the later token
-            hit = (index[None, :] == positions[:, t : t + 1]).reshape(positions.shape[0], -1, *trailing)
-            cache = jnp.where(hit, new[:, t : t + 1], cache)
-        return cache
+        return _select_write(cache, new, positions)
     positions = jnp.where(positions < 0, cache.shape[1], positions)  # negative would wrap: send past the end
     # Per row (vmap: the scatter's batch dimension), so a batch sharded over devices scatters locally.
     return jax.vmap(lambda c, n, p: c.at[p].set(n, mode="drop"))(cache, new, positions)

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_reference import (
-    RTOL,
     add_to_checkpoint,
     assert_close,
     causal_mask,
@@ -209,6 +208,12 @@ def test_greedy_generation_matches_transformers_generate(checkpoint):
     assert result.tokens == out.sequences[:, prompts.shape[1] :].tolist()
 
 
+# The reference itself moves by this much with torch's CPU kernels: the MoE variant's MTP logits differ from
+# ours by 1.4e-05 with torch's AVX-512 kernels and 2.3e-05 with its AVX2 ones (ATEN_CPU_CAPABILITY=avx2) on
+# an Intel Xeon with AMX (2026-12-06; < 1e-05 on AMD Zen 4), ours the same under both XLA ISAs.
+MTP_RTOL = 5e-5
+
+
 def test_mtp_head_matches_transformers_modules(checkpoint):
     """Our `mtp[0]` against the head assembled from transformers' modules loaded with the same `mtp.*` tensors:
     norm(layer(fc(cat([pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)])))), h the main model's
@@ -231,9 +236,9 @@ def test_mtp_head_matches_transformers_modules(checkpoint):
 
     logits, ours_chained = our_first_mtp_module(model, jnp.asarray(tokens), shifted)
     err = relative_error(logits, expected)
-    assert err <= RTOL, f"relative MTP logit error {err:.2e} > {RTOL}"
+    assert err <= MTP_RTOL, f"relative MTP logit error {err:.2e} > {MTP_RTOL}"
     err = relative_error(ours_chained, chained.numpy())
-    assert err <= RTOL, f"relative chained-hidden error {err:.2e} > {RTOL}"
+    assert err <= MTP_RTOL, f"relative chained-hidden error {err:.2e} > {MTP_RTOL}"
 
 
 def _flat(model) -> dict:

@@ -95,8 +95,8 @@ def test_write_at_never_lands_outside_the_cache():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
 def test_write_at_in_narrow_floats_is_the_scatter(dtype):
-    # On the CPU backend narrow float caches are written with selects, not a scatter: the same writes, in
-    # order (a position written twice keeps the later token: the select chain's rule; a scatter leaves
+    # On the CPU backend narrow float caches are written with one select, not a scatter: the same writes, in
+    # order (a position written twice keeps the later token: the select's rule; a scatter leaves
     # it undefined), outside [0, S) dropped, bits kept (NaN too).
     if jax.default_backend() != "cpu":
         pytest.skip(
@@ -107,15 +107,22 @@ def test_write_at_in_narrow_floats_is_the_scatter(dtype):
     cache = jnp.asarray(rng.standard_normal((3, 6, 2, 3)), dtype)
     new = jnp.asarray(rng.standard_normal((3, 4, 2, 3)), dtype).at[1, 2, 0, 1].set(jnp.nan)
     positions = jnp.asarray([[0, 5, 6, 2], [-1, 3, 4, 9], [1, 1, 4, 1]], jnp.int32)
-    expected = np.array(cache.astype(jnp.float32))
-    for b, row in enumerate(np.asarray(positions)):
-        for t, p in enumerate(row):
-            if 0 <= p < 6:
-                expected[b, p] = np.asarray(new[b, t].astype(jnp.float32))
+
+    def written(positions):
+        expected = np.array(cache.astype(jnp.float32))
+        for b, row in enumerate(np.asarray(positions)):
+            for t, p in enumerate(row):
+                if 0 <= p < 6:
+                    expected[b, p] = np.asarray(new[b, t].astype(jnp.float32))
+        return expected
+
+    expected = written(positions)
     out = write_at(cache, new, positions)
     assert out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
-    assert "scatter" not in str(jax.make_jaxpr(write_at)(cache, new, positions))  # the selects, not the scatter
+    one = write_at(cache, new[:, :1], positions[:, :1])  # a decode step's one token: its own path
+    np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), written(positions[:, :1]))
+    assert "scatter" not in str(jax.make_jaxpr(write_at)(cache, new, positions))  # the select, not the scatter
     # MLA's latent cache has no head axis: [B, S, D].
     flat = write_at(cache[:, :, 0], new[:, :, 0], positions)
     np.testing.assert_array_equal(np.asarray(flat.astype(jnp.float32)), expected[:, :, 0])

@@ -51,11 +51,13 @@ def _extension():
 
 
 @cache
-def _fast_dtypes() -> tuple[str, ...]:
+def fast_dtypes() -> tuple[str, ...]:
     """The dtypes for which this CPU has a real oneDNN matmul (not its slow reference code) over one
     packed layout at 1, 16 and 256 rows: none where oneDNN lacks the instructions (bf16 needs AVX-512
-    or AVX2-VNNI-2 in oneDNN 3.2)."""
+    or AVX2-VNNI-2 in oneDNN 3.2), or where the extension is not installed."""
     ext, fast = _extension(), []
+    if ext is None:
+        return ()
     for dtype in ("float32", "bfloat16"):
         try:
             ext.packed_bytes(96, 80, dtype)
@@ -77,7 +79,7 @@ def routed_dtypes() -> tuple[str, ...]:
     if setting in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
         return ()
     wanted = ("float32", "bfloat16") if setting == "all" else ROUTED_DTYPES
-    return tuple(d for d in wanted if d in _fast_dtypes())
+    return tuple(d for d in wanted if d in fast_dtypes())
 
 
 def pack(kernel: jax.Array) -> jax.Array:
