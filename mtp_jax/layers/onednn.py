@@ -8,9 +8,10 @@ its weight is reordered ("packed") into the blocked layout oneDNN prefers (`benc
 construction (`pack_params`) and its layers call `PackedDot`, an `jax.ffi.ffi_call` into oneDNN, instead
 of `mtp_jax.layers.linear.dot_general`. Without the extension, or with `MTP_JAX_ONEDNN=0`, nothing changes.
 
-Which matmuls (`ROUTED_DTYPES`, measured on a 2-core AMD EPYC Zen 4 with AVX512-BF16,
-`benchmarks/bench_onednn.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.6x
-faster); float32 stays in XLA, which beats oneDNN at one row. `MTP_JAX_ONEDNN=all` routes float32 too.
+Which matmuls (`ROUTED_DTYPES`, measured on 2-core AMD EPYC Zen 4 with AVX512-BF16 and Intel Xeon with
+AMX, `benchmarks/bench_onednn.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.6x
+faster on AMD, 2.0-2.2x on Intel); float32 stays in XLA, which beats oneDNN at one row on both (on small
+models; from 8 rows oneDNN is faster). `MTP_JAX_ONEDNN=all` routes float32 too.
 A tied head (`x @ embedding.T`) is routed through a packed copy of the transposed table. Not routed:
 FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
 per-head einsums), the MoE experts' grouped matmul (3-D expert kernels), scanned layers' stacked
