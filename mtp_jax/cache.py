@@ -335,8 +335,10 @@ def _select_write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax
     # `new` is computed before the select, behind a conditional (XLA fuses nothing across one; XLA:CPU
     # drops optimization barriers before fusing): fused into the gather, new's producers (the rotary
     # embedding's sin and cos) would run once per element of the cache, 3-7x the write's time. The
-    # predicate is always true, but not known to be at compile time.
-    new = jax.lax.cond(positions[0, 0] > jnp.iinfo(jnp.int32).min, lambda x: x, jnp.zeros_like, new)
+    # predicate is always true (whatever the positions, INT32_MIN included), but not known to be at
+    # compile time. On a mesh it costs one scalar all-reduce (the predicate is replicated).
+    always = jnp.maximum(positions[0, 0], -1) > jnp.iinfo(jnp.int32).min
+    new = jax.lax.cond(always, lambda x: x, jnp.zeros_like, new)
     taken = jnp.take_along_axis(new, jnp.maximum(source, 0), axis=1, mode="clip")  # [B, S, ...]
     return jnp.where(source >= 0, taken, cache)
 
