@@ -36,8 +36,8 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers import onednn
 
 PHASES = ("verify_forward", "accept", "commit", "draft")
-CONTAINERS = ("while", "conditional", "call")
-TOP_OPS = 15  # their trace events span their bodies' ops
+CONTAINERS = ("while", "conditional", "call")  # their trace events span their bodies' ops
+TOP_OPS = 15  # the costliest XLA ops listed per variant
 
 
 def _phase_of(op_name: str) -> str:
