@@ -3,14 +3,15 @@ decode step by decode step: what `DecodeEngine` gains when it packs its kernels.
 
 Per model (the bundled demo model, with its trained MTP head; the small and medium presets, random
 weights), dtype (bf16: the weights rounded, `bench_dtype.models`) and batch: engines built with
-`MTP_JAX_ONEDNN=0` (XLA) and `MTP_JAX_ONEDNN=all` (every float32 and bfloat16 Linear through oneDNN; the
-engine's default routes bfloat16 only, the float32 columns show why), plain greedy and eagle K=3, timed
+`MTP_JAX_ONEDNN=0` (XLA) and with the engine's default routing (`--onednn 1`: bfloat16 at every row count,
+float32 from `onednn.MIN_ROWS` rows) or `--onednn all` (every row count), plain greedy and eagle K=3, timed
 in the engine's own loop (`DecodeEngine.run`, ms per step = loop time / steps; the prefill timed apart),
 interleaved over --rounds, fastest kept. Greedy tokens of the two paths are compared. eagle's speedup over
 plain is decode time per generated token (acceptance included: random heads accept little, the demo
 model's trained head more).
 
     python benchmarks/bench_onednn.py [--models demo small medium] [--batch-sizes 1 8] [--rounds 3]
+        [--onednn 1|all] [--float32-min-rows N]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers import onednn
 
-PATHS = {"xla": "0", "onednn": "all"}
+PATHS = {"xla": "0", "onednn": "1"}  # MTP_JAX_ONEDNN per column; --onednn sets the second
 
 
 def engine_for(model, spec, path: str) -> DecodeEngine:
@@ -115,8 +116,9 @@ def run_model(name: str, args) -> list[dict]:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
-        f"`DecodeEngine` with its Linear kernels packed for oneDNN (`MTP_JAX_ONEDNN=all`) vs XLA:CPU "
-        f"(`MTP_JAX_ONEDNN=0`), on {meta['cpu']} ({meta['cores']} cores, shared), {meta['date']}, jax {meta['jax']}, "
+        f"`DecodeEngine` with its Linear kernels packed for oneDNN (`MTP_JAX_ONEDNN={meta['onednn']}`"
+        f"{meta['min_rows_note']}) vs XLA:CPU (`MTP_JAX_ONEDNN=0`), on {meta['cpu']} ({meta['cores']} cores, "
+        f"shared), {meta['date']}, jax {meta['jax']}, "
         f"load average {meta['load_average']} at start, {meta['load_average_end']} at end. ms per decode step "
         f"in `DecodeEngine.run` ({meta['new_tokens']} new tokens after a {meta['prompt_tokens']}-token prompt; "
         f"prefill apart), fastest of {meta['rounds']} interleaved rounds. eagle = eagle K=3; `eagle/plain` is "
@@ -151,9 +153,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--onednn", default="1", choices=["1", "all"], help="MTP_JAX_ONEDNN of the oneDNN column")
+    parser.add_argument(
+        "--float32-min-rows", type=int, default=None, help="onednn.MIN_ROWS['float32'] for this run (default: as set)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None, help="report name (default onednn_engine_<device>_<date>)")
     args = parser.parse_args()
+    PATHS["onednn"] = args.onednn
+    if args.float32_min_rows is not None:
+        onednn.MIN_ROWS["float32"] = args.float32_min_rows
     if onednn._extension() is None:
         raise SystemExit("bench_onednn: the extension is not installed (pip install ./extensions/onednn)")
     fields = dict(
@@ -161,6 +170,12 @@ def main() -> None:
         prompt_tokens=args.prompt_tokens,
         rounds=args.rounds,
         omp_num_threads=os.environ.get("OMP_NUM_THREADS", ""),
+        onednn=args.onednn,
+        min_rows=dict(onednn.MIN_ROWS),
+        min_rows_note=""
+        if args.onednn == "all"
+        else f": oneDNN from {onednn.MIN_ROWS} rows, float32 kernels of {onednn.LARGE_BYTES >> 20} MiB or more "
+        f"from {onednn.LARGE_MIN_ROWS}",
     )
     run_models(args, "onednn_engine", fields, markdown, run_model)
 

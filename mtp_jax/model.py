@@ -81,11 +81,10 @@ class Transformer(nnx.Module):
     def head(self, x: Float[Array, "B T E"]) -> Float[Array, "B T V"]:
         """Output head (shared with the MTP modules): logits in float32. Apply after the final norm."""
         if self.lm_head is None:  # tied: x @ embedding.T, as `nnx.Embed.attend` but through `dot_general`
-            packed = getattr(self.embed_tokens, onednn.TIED_HEAD, None)  # a CPU DecodeEngine's copy, if any
+            packed = onednn.packed_for(self.embed_tokens, onednn.TIED_HEAD, x)  # a CPU DecodeEngine's copy
             if packed is not None:
                 dot = onednn.PackedDot(self.config.hidden_size, self.config.vocab_size)
-                kernel = packed[...]
-                return dot(x.astype(kernel.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ()))).astype(jnp.float32)
+                return dot(x.astype(packed.dtype), packed, (((x.ndim - 1,), (0,)), ((), ()))).astype(jnp.float32)
             embedding = self.embed_tokens.embedding[...].astype(x.dtype)  # [V, E]
             return dot_general(x, embedding, (((x.ndim - 1,), (1,)), ((), ()))).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)

@@ -106,6 +106,14 @@ def test_bad_operands_are_refused_with_the_reason():
         jax.vmap(lambda a, p: onednn.PackedDot(64, 48)(a, p, DN))(x.reshape(2, 2, 64), batched).block_until_ready()
 
 
+def assert_close(got, ref, dtype):
+    """float32 within reduction-order rounding, bfloat16 within one rounding of the largest element."""
+    tol = 1e-5 if dtype == "float32" else 2**-7
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
 def tiny(dtype):
     return init_model(TINY.replace(dtype=dtype, param_dtype=dtype), seed=3)
 
@@ -127,20 +135,22 @@ def packed_kernels(engine) -> int:
 
 @built
 def test_engine_packs_kernels_and_decodes_the_same_tokens(monkeypatch):
-    """float32 (routed with MTP_JAX_ONEDNN=all): the XLA path's greedy tokens; bfloat16 (routed by
-    default): speculative greedy equals plain greedy on the packed path, with a draft vocabulary's head
-    packed too. The model itself is untouched."""
+    """float32 (packed by default, used from `MIN_ROWS` rows; every row with MTP_JAX_ONEDNN=all): the XLA
+    path's greedy tokens; bfloat16: speculative greedy equals plain greedy on the packed path, with a
+    draft vocabulary's head packed too. The model itself is untouched."""
     model = tiny("float32")
     monkeypatch.setenv(onednn.ENV, "0")
     xla_engine, xla_tokens = decode(model)
     assert packed_kernels(xla_engine) == 0
-    monkeypatch.setenv(onednn.ENV, "all")
-    engine, tokens = decode(model)
-    assert packed_kernels(engine) == 2 * 4 + 1 + 5  # per layer qkv, o, gate_up, down; lm_head; the MTP module's
-    assert tokens == xla_tokens
+    for setting in ("1", "all"):
+        monkeypatch.setenv(onednn.ENV, setting)
+        engine, tokens = decode(model)
+        assert packed_kernels(engine) == 2 * 4 + 1 + 5  # per layer qkv, o, gate_up, down; lm_head; the MTP module's
+        assert tokens == xla_tokens
     for _, module in nnx.iter_graph(model):
         if isinstance(module, nnx.Linear):
-            assert module.kernel[...].ndim == 2 and module.dot_general is dot_general
+            assert type(module) is nnx.Linear and module.kernel[...].ndim == 2 and module.dot_general is dot_general
+            assert not hasattr(module, onednn.PACKED) and not hasattr(module, onednn.MIN_ROWS_ATTRIBUTE)
 
     monkeypatch.delenv(onednn.ENV)
     model = tiny("bfloat16")
@@ -152,6 +162,42 @@ def test_engine_packs_kernels_and_decodes_the_same_tokens(monkeypatch):
     engine, eagle = decode(model, reduced)
     assert packed_kernels(engine) == 15  # and the draft vocabulary's head
     assert eagle == plain
+
+
+def calls_onednn(fn, *args) -> bool:
+    return onednn._MATMUL in jax.jit(fn).lower(*args).as_text()
+
+
+@built
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_linear_uses_onednn_from_min_rows(monkeypatch, dtype):
+    """A swapped Linear (`PackedLinear`, bias included) and a tied head call oneDNN from `MIN_ROWS` rows
+    (counted over every leading axis) and XLA's dot below, with the same numbers either way; with
+    MTP_JAX_ONEDNN=all from one row."""
+    monkeypatch.delenv(onednn.ENV, raising=False)
+    monkeypatch.setitem(onednn.MIN_ROWS, dtype, 4)
+    model = init_model(TINY.replace(dtype=dtype, param_dtype=dtype, tie_word_embeddings=True), seed=3)
+    layer = nnx.Linear(64, 48, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(1))
+    layer.bias.set_value(jnp.linspace(-1, 1, 48, dtype=dtype))
+    rng = np.random.default_rng(0)
+    with onednn.swapped(onednn.pack_params(layer) | onednn.pack_params(model, model.embed_tokens)):
+        assert type(layer) is onednn.PackedLinear
+        for shape, routed in (((3, 64), False), ((4, 64), True), ((1, 3, 64), False), ((2, 2, 64), True)):
+            x = jnp.asarray(rng.standard_normal(shape), dtype)
+            assert calls_onednn(lambda a: layer(a), x) == routed
+            assert_close(layer(x), nnx.Linear.__call__(layer, x), dtype)  # the XLA path's call
+            h = jnp.asarray(rng.standard_normal((*shape[:-1], TINY.hidden_size)), dtype)
+            assert calls_onednn(lambda a: model.head(a), h) == routed
+            logits = reference(h.reshape(-1, TINY.hidden_size), model.embed_tokens.embedding[...].T)
+            assert_close(model.head(h).reshape(logits.shape), logits, dtype)
+        large = onednn.LARGE_BYTES
+        assert onednn.min_rows(dtype, large) == (onednn.LARGE_MIN_ROWS if dtype == "float32" else 4)
+        assert onednn.min_rows(dtype, large - 1) == 4
+        monkeypatch.setenv(onednn.ENV, "all")
+        assert onednn.min_rows(dtype, 0) == onednn.min_rows(dtype, large) == 1
+    assert type(layer) is nnx.Linear and not hasattr(model.embed_tokens, onednn.TIED_HEAD)
+    with onednn.swapped(onednn.pack_params(layer)):
+        assert calls_onednn(lambda a: layer(a), jnp.ones((1, 64), dtype))
 
 
 @built

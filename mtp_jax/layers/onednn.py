@@ -5,13 +5,16 @@ its weight is reordered ("packed") into the blocked layout oneDNN prefers (`benc
 `benchmarks/ffi_spike/`). With the optional extension installed (`pip install ./extensions/onednn`:
 `mtp_jax_onednn`, a C++ XLA FFI handler built by scikit-build-core against oneDNN 3.2 from the
 `onednn-cpu-gomp` wheels), a `DecodeEngine` on the CPU backend packs each `nnx.Linear` kernel once at
-construction (`pack_params`) and its layers call `PackedDot`, an `jax.ffi.ffi_call` into oneDNN, instead
-of `mtp_jax.layers.linear.dot_general`. Without the extension, or with `MTP_JAX_ONEDNN=0`, nothing changes.
+construction (`pack_params`); in the engine's copy of the model each of them is a `PackedLinear`, whose
+call goes to `PackedDot` (a `jax.ffi.ffi_call` into oneDNN) over the packed kernel from `min_rows` rows and
+to `mtp_jax.layers.linear.dot_general` over the original below. Without the extension, or with
+`MTP_JAX_ONEDNN=0`, nothing changes.
 
-Which matmuls (`ROUTED_DTYPES`, measured on 2-core AMD EPYC Zen 4 with AVX512-BF16 and Intel Xeon with
-AMX, `benchmarks/bench_onednn.py`): bfloat16 kernels only, every row count (a medium step 1.3-1.6x
-faster on AMD, 2.0-2.2x on Intel); float32 stays in XLA, which beats oneDNN at one row on both (on small
-models; from 8 rows oneDNN is faster). `MTP_JAX_ONEDNN=all` routes float32 too.
+Which matmuls (`MIN_ROWS`, measured on 2-core AMD EPYC Zen 4 with AVX512-BF16 and Intel Xeon with AMX,
+`benchmarks/bench_onednn.py`): bfloat16 at every row count (a medium step 1.3-1.6x faster on AMD,
+2.0-2.2x on Intel); float32 from 8 rows, and from 2 rows for kernels of 16 MiB or more (XLA's
+matrix-vector product is faster at one row on small weights; from 8 rows oneDNN is, 1.8x on a medium
+step at batch 8 on Intel; at 4 rows only the large weights gain). `MTP_JAX_ONEDNN=all`: every row.
 A tied head (`x @ embedding.T`) is routed through a packed copy of the transposed table. Not routed:
 FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
 per-head einsums), the MoE experts' grouped matmul (3-D expert kernels), scanned layers' stacked
@@ -24,6 +27,7 @@ float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import weakref
 from functools import cache
@@ -32,10 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": float32 kernels too; unset/"1": ROUTED_DTYPES
-ROUTED_DTYPES = ("bfloat16",)
+ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS
+MIN_ROWS = {"bfloat16": 1, "float32": 8}  # the default: a matmul goes to oneDNN from this many rows,
+LARGE_BYTES, LARGE_MIN_ROWS = 16 << 20, 2  # and a float32 kernel of 16 MiB or more from 2 rows
 _PACK, _MATMUL = "mtp_onednn_pack", "mtp_onednn_matmul"
+PACKED = "packed_kernel"  # the attribute a Linear's packed kernel is swapped in as (`PackedLinear`)
 TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
+MIN_ROWS_ATTRIBUTE = "onednn_min_rows"  # static int beside either: rows from which the packed copy is used
 
 
 @cache
@@ -70,17 +77,32 @@ def fast_dtypes() -> tuple[str, ...]:
     return tuple(fast)
 
 
-def routed_dtypes() -> tuple[str, ...]:
-    """The kernel dtypes whose matmuls go to oneDNN now: empty when the extension is not installed, the
-    backend is not the CPU, or `MTP_JAX_ONEDNN` is "0"/"off"; only dtypes this CPU has a fast oneDNN
-    matmul for; ValueError for another value of `MTP_JAX_ONEDNN`."""
+def _setting() -> str:
     setting = os.environ.get(ENV, "1").strip().lower()
     if setting not in ("0", "off", "1", "on", "", "all"):
         raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on or all")
-    if setting in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
+    return setting
+
+
+def routed_dtypes() -> tuple[str, ...]:
+    """The kernel dtypes packed for oneDNN now (their matmuls from `min_rows` rows go there): empty when
+    the extension is not installed, the backend is not the CPU, or `MTP_JAX_ONEDNN` is "0"/"off"; only
+    dtypes this CPU has a fast oneDNN matmul for; ValueError for another value of `MTP_JAX_ONEDNN`."""
+    if _setting() in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
         return ()
-    wanted = ("float32", "bfloat16") if setting == "all" else ROUTED_DTYPES
-    return tuple(d for d in wanted if d in fast_dtypes())
+    return tuple(d for d in ("float32", "bfloat16") if d in fast_dtypes())
+
+
+def min_rows(dtype: str, nbytes: int) -> int:
+    """The row count (the product of a matmul's leading axes) from which the matmul of a packed kernel of
+    `dtype` and `nbytes` bytes goes to oneDNN: `MIN_ROWS[dtype]`, or `LARGE_MIN_ROWS` for a float32 kernel
+    of `LARGE_BYTES` or more; 1 with `MTP_JAX_ONEDNN=all`. Below it, XLA's dot over the original kernel.
+    ValueError for a bad `MTP_JAX_ONEDNN`, KeyError for another dtype."""
+    if _setting() == "all":
+        return 1
+    if dtype == "float32" and nbytes >= LARGE_BYTES:
+        return min(LARGE_MIN_ROWS, MIN_ROWS[dtype])
+    return MIN_ROWS[dtype]
 
 
 def pack(kernel: jax.Array) -> jax.Array:
@@ -123,6 +145,34 @@ class PackedDot:
         out = jax.ShapeDtypeStruct((*lhs.shape[:-1], self.fan_out), lhs.dtype)
         y = jax.ffi.ffi_call(_MATMUL, out, vmap_method="expand_dims")(lhs, rhs)
         return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def packed_for(module: nnx.Module, attribute: str, x: jax.Array) -> jax.Array | None:
+    """The packed kernel `swapped` put on `module` as `attribute` (`PACKED` or `TIED_HEAD`) when `x`
+    [..., fan_in] has at least the module's `MIN_ROWS_ATTRIBUTE` rows (a static shape: chosen at trace
+    time), else None (no packed copy, or too few rows: XLA's dot over the original kernel)."""
+    packed = getattr(module, attribute, None)
+    if packed is None or math.prod(x.shape[:-1]) < getattr(module, MIN_ROWS_ATTRIBUTE):
+        return None
+    return packed[...]
+
+
+class PackedLinear(nnx.Linear):
+    """What an `nnx.Linear` is while `swapped` (an engine's copy of the model): from `MIN_ROWS_ATTRIBUTE`
+    rows its matmul is `PackedDot` over the packed copy `PACKED`, below that `nnx.Linear`'s own call over
+    `kernel`; the bias added and the result typed as `nnx.Linear` does."""
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        packed = packed_for(self, PACKED, inputs)
+        if packed is None:
+            return super().__call__(inputs, out_sharding)
+        dot = PackedDot(self.in_features, self.out_features)
+        y = dot(inputs.astype(packed.dtype), packed, (((inputs.ndim - 1,), (0,)), ((), ())))
+        if self.preferred_element_type is not None:
+            y = y.astype(self.preferred_element_type)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(packed.dtype)
+        return y
 
 
 def _packable(path: tuple, module) -> str | None:
@@ -174,9 +224,11 @@ def _packed(module: nnx.Module, kernel, dtype: str, transpose: bool) -> jax.Arra
 
 
 class swapped:
-    """Context manager: inside it, each Linear of `packed` (`pack_params`) holds its packed kernel and a
-    `PackedDot`, and each tied embedding its packed transpose as the parameter `TIED_HEAD` (which
-    `Transformer.head` then uses); on exit the originals are back (for `nnx.split` of a packed copy)."""
+    """Context manager: inside it, each Linear of `packed` (`pack_params`) is a `PackedLinear` holding its
+    packed kernel as the parameter `PACKED`, each tied embedding its packed transpose as `TIED_HEAD`
+    (which `Transformer.head` then uses), both with the row count from which to use it
+    (`MIN_ROWS_ATTRIBUTE`, `min_rows` of the kernel's dtype); on exit the modules are as before (for
+    `nnx.split` of a packed copy)."""
 
     def __init__(self, packed: dict):
         self.packed, self.saved = packed, []
@@ -184,23 +236,21 @@ class swapped:
     def __enter__(self):
         try:
             for module, kernel in self.packed.items():
-                if isinstance(module, nnx.Embed):
-                    setattr(module, TIED_HEAD, nnx.Param(kernel))
-                    self.saved.append((module, None, None))
-                    continue
-                self.saved.append((module, module.kernel[...], module.dot_general))
-                module.kernel.set_value(kernel)
-                module.dot_general = PackedDot(module.in_features, module.out_features)
+                embed = isinstance(module, nnx.Embed)
+                self.saved.append((module, type(module)))
+                setattr(module, TIED_HEAD if embed else PACKED, nnx.Param(kernel))
+                setattr(module, MIN_ROWS_ATTRIBUTE, min_rows(kernel.dtype.name, kernel.nbytes))
+                if not embed:
+                    module.__class__ = PackedLinear
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc):
-        for module, kernel, dot in reversed(self.saved):
-            if kernel is None:
-                delattr(module, TIED_HEAD)
-                continue
-            module.kernel.set_value(kernel)
-            module.dot_general = dot
+        for module, cls in reversed(self.saved):
+            for attribute in (TIED_HEAD, PACKED, MIN_ROWS_ATTRIBUTE):
+                if attribute in vars(module):
+                    delattr(module, attribute)
+            module.__class__ = cls
         self.saved.clear()
