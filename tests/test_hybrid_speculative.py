@@ -281,10 +281,16 @@ def test_chunked_prefill_continues_the_states_exactly(hybrid_models, kind):
         if not isinstance(got, RecurrentCache):  # attention: entries at positions 0 .. P - 1
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 for row, p in enumerate(prompts):
-                    np.testing.assert_allclose(a[row, : len(p)], b[row, : len(p)], rtol=1e-4, atol=1e-5)
+                    assert_entries_close(a[row, : len(p)], b[row, : len(p)])
     for a, b in zip(jax.tree.leaves(chunked.draft.caches), jax.tree.leaves(whole.draft.caches), strict=True):
         for row, p in enumerate(prompts):
-            np.testing.assert_allclose(a[row, : len(p)], b[row, : len(p)], rtol=1e-4, atol=1e-5)
+            assert_entries_close(a[row, : len(p)], b[row, : len(p)])
+
+
+def assert_entries_close(a, b):
+    """Cache entries of two prefills over different chunks: float32 matmuls over other row counts (another
+    kernel: XLA's, or oneDNN's from 8 rows) sum in another order, within 1e-5 of the entries' scale."""
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
 
 
 @nnx.jit

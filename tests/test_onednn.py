@@ -252,3 +252,82 @@ def test_fallback_without_the_extension_or_when_turned_off(monkeypatch):
         onednn.pack(jnp.zeros((4, 4), jnp.bfloat16))
     engine, _ = decode(model)
     assert packed_kernels(engine) == 0
+
+
+def grouped_reference(x, w, sizes):
+    """`ragged_dot`'s value in float64: rows of group r times w[r], rows past the groups zero."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out, offset = np.zeros((x.shape[0], w.shape[-1])), 0
+    for r, rows in enumerate(sizes):
+        out[offset : offset + rows] = x[offset : offset + rows] @ w[r]
+        offset += rows
+    return out
+
+
+@built
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_matmul_equals_ragged_dot(dtype):
+    """The MoE experts' grouped matmul over packed kernels: `ragged_dot`'s value for groups of every size
+    (empty ones, one holding every row, rows left past the groups), inside jit and under vmap; a group
+    size out of range fails the call with the reason."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((4, 48, 40)) * 48**-0.5, dtype)
+    packed = onednn._pack_stacked(w)
+    matmul = jax.jit(lambda x, s: onednn.grouped_matmul(x, packed, s, 40))
+    for rows, sizes in ((1, (0, 1, 0, 0)), (5, (2, 0, 3, 0)), (24, (0, 0, 0, 24)), (24, (3, 9, 1, 4)), (64, (16,) * 4)):
+        x = jnp.asarray(rng.standard_normal((rows, 48)), dtype)
+        got = matmul(x, jnp.asarray(sizes, jnp.int32))
+        assert got.dtype == x.dtype and got.shape == (rows, 40)
+        ref = grouped_reference(x, w, sizes)
+        assert_close(got, ref, dtype)
+        assert not np.asarray(got, np.float32)[sum(sizes) :].any()
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(jax.lax.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.float32)),
+            rtol=1e-5 if dtype == "float32" else 2**-7,
+            atol=(1e-5 if dtype == "float32" else 2**-7) * np.abs(ref).max(),
+        )
+    xs = jnp.asarray(rng.standard_normal((2, 6, 48)), dtype)
+    sizes = jnp.asarray([[1, 2, 3, 0], [0, 0, 2, 2]], jnp.int32)
+    batched = jax.vmap(lambda x, s: onednn.grouped_matmul(x, packed, s, 40))(xs, sizes)
+    for b in range(2):
+        assert_close(batched[b], grouped_reference(xs[b], w, sizes[b].tolist()), dtype)
+    with pytest.raises(Exception, match="sum to at most M"):
+        matmul(xs[0], jnp.asarray([4, 4, 0, 0], jnp.int32)).block_until_ready()
+    with pytest.raises(ValueError, match="group_sizes"):
+        onednn.grouped_matmul(xs[0], packed, jnp.zeros((3,), jnp.int32), 40)
+
+
+MOE = TINY.replace(
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+
+
+@built
+def test_moe_experts_run_the_grouped_matmul_in_the_engine(monkeypatch):
+    """A MoE model's experts: a CPU engine packs each stacked kernel per expert and decodes the XLA path's
+    greedy tokens (float32); in bfloat16 speculative greedy equals plain greedy."""
+    model = init_model(MOE, seed=3)
+    monkeypatch.setenv(onednn.ENV, "0")
+    _, xla_tokens = decode(model)
+    monkeypatch.delenv(onednn.ENV)
+    engine, tokens = decode(model)
+    name = f"{onednn.PACKED}_gate_up_proj"
+    stacked = [v for p, v in jax.tree_util.tree_flatten_with_path(engine._params)[0] if name in str(p)]
+    assert [v.shape[0] for v in stacked] == [MOE.n_routed_experts] * 2  # layer 1 (0 is dense), the MTP module
+    assert tokens == xla_tokens
+    experts = model.layers[1].mlp.experts
+    assert not hasattr(experts, name)
+    x, indices, weights = jnp.ones((3, MOE.hidden_size)), jnp.asarray([[0, 5], [5, 2], [7, 0]]), jnp.ones((3, 2))
+    with onednn.swapped(onednn.pack_params(model)):
+        hlo = jax.jit(lambda *a: experts(*a)).lower(x, indices, weights).as_text()
+        assert hlo.count(onednn._GROUPED) == 2 and "ragged" not in hlo
+    model = init_model(MOE.replace(dtype="bfloat16", param_dtype="bfloat16"), seed=3)
+    _, plain = decode(model)
+    _, eagle = decode(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    assert eagle == plain

@@ -47,7 +47,9 @@ jax lowers it to XLA's `ragged_dot` instruction (GPU: optionally a Pallas Triton
 measured here on GPU). On CPU jax 0.10
 expands it into a dense contraction over all R groups of a masked [R, M, E] copy of its input: k times the
 work of running every expert on every token, and slower than that beyond toy sizes (E 256, I 128, R 32, k 4,
-N 512: 301 ms against 56 ms). Fine for tests; not for CPU serving.
+N 512: 301 ms against 56 ms). Fine for tests; not for CPU serving, where a `DecodeEngine` with the optional
+oneDNN extension runs oneDNN's grouped matmul over each expert's packed kernel instead
+(`mtp_jax.layers.onednn.grouped_matmul`: only the chosen experts' rows).
 
 Letters (beside the package's B, T, E): N = B*T tokens, R routed experts, k experts per token, M = N*k
 assignments, I = moe_intermediate_size, P = n_group, Q = R / P experts per group.
@@ -63,6 +65,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers import onednn
 from mtp_jax.layers.ffn import MLP, split_gate_up
 from mtp_jax.layers.fp8 import dequantize, quantize
 from mtp_jax.layers.fused import FusedLayout, gate_up_layout
@@ -211,6 +214,8 @@ class Experts(nnx.Module):
     two `lax.ragged_dot`s over the N*k assignments sorted by expert.
     """
 
+    grouped_kernels = ("gate_up_proj", "down_proj")  # `onednn.GROUPED`: packed for oneDNN by a CPU engine
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         r, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -245,16 +250,25 @@ class Experts(nnx.Module):
         gate_up, down = self._weight("gate_up_proj"), self._weight("down_proj")
         rows = context_spec(P("batch", None), x.shape)  # None: no mesh
         if rows is None or (rows == P(None, None) and axis_size("expert") == 1):
-            return _expert_sum(x, indices, weights, gate_up, down, first=0)
+            packed = tuple(onednn.packed_grouped(self, name) for name in self.grouped_kernels)
+            return _expert_sum(x, indices, weights, gate_up, down, first=0, packed=packed)
         return _experts_on_mesh(x, indices, weights, gate_up, down, rows)
 
 
 def _expert_sum(
-    x: jax.Array, indices: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array, *, first: jax.Array | int
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    first: jax.Array | int,
+    packed: tuple[jax.Array | None, jax.Array | None] = (None, None),
 ) -> jax.Array:
     """`Experts.__call__` over the experts `first .. first + R' - 1` that `gate_up` [R', E, 2I] and `down`
     [R', I, E] hold (all R of them, or one device's share under expert parallelism): assignments to
-    other experts contribute nothing. Returns [N, E] in x's dtype."""
+    other experts contribute nothing. Returns [N, E] in x's dtype. `packed`: oneDNN's packed copies of
+    the two (a CPU engine's, `onednn.packed_grouped`), whose grouped matmul replaces `ragged_dot`."""
     num_tokens, top_k = indices.shape
     num_local = gate_up.shape[0]
     local = indices.reshape(-1) - first  # [M], assignment m = token m // k, slot m % k
@@ -262,10 +276,15 @@ def _expert_sum(
     key = jnp.where(mine, local, num_local)  # others sort last, beyond every group
     order = jnp.argsort(key, stable=True)  # [M], assignments grouped by expert
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [R']
+
+    def grouped(lhs, kernel, packed_kernel):  # rows past the groups: 0
+        if packed_kernel is None:
+            return jax.lax.ragged_dot(lhs, kernel, group_sizes)
+        return onednn.grouped_matmul(lhs, packed_kernel, group_sizes, kernel.shape[-1])
+
     xs = x.astype(gate_up.dtype)[order // top_k]  # [M, E], the token of each sorted assignment
-    gate_up_out = jax.lax.ragged_dot(xs, gate_up, group_sizes)  # [M, 2I]; rows past the groups: 0
-    gate, up = split_gate_up(gate_up_out)  # [M, I] each
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [M, E]
+    gate, up = split_gate_up(grouped(xs, gate_up, packed[0]))  # [M, I] each
+    ys = grouped(jax.nn.silu(gate) * up, down, packed[1])  # [M, E]
     inverse = jnp.argsort(order)  # [M], sorted position of each assignment
     y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
     y = jnp.where(mine.reshape(num_tokens, top_k, 1), y, 0)  # other devices' experts: nothing here

@@ -15,10 +15,11 @@ Which matmuls (`MIN_ROWS`, measured on 2-core AMD EPYC Zen 4 with AVX512-BF16 an
 2.0-2.2x on Intel); float32 from 8 rows, and from 2 rows for kernels of 16 MiB or more (XLA's
 matrix-vector product is faster at one row on small weights; from 8 rows oneDNN is, 1.8x on a medium
 step at batch 8 on Intel; at 4 rows only the large weights gain). `MTP_JAX_ONEDNN=all`: every row.
-A tied head (`x @ embedding.T`) is routed through a packed copy of the transposed table. Not routed:
-FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
-per-head einsums), the MoE experts' grouped matmul (3-D expert kernels), scanned layers' stacked
-kernels, and every engine on a mesh (sharded kernels).
+A tied head (`x @ embedding.T`) is routed through a packed copy of the transposed table; the MoE experts'
+stacked kernels (`moe.Experts`, a class naming them in `GROUPED`) through `grouped_matmul`, each expert's
+kernel packed, at every row count (XLA:CPU's `ragged_dot` multiplies every row by every expert). Not
+routed: FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
+per-head einsums), scanned layers' stacked kernels, and every engine on a mesh (sharded kernels).
 
 Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
 float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
@@ -39,9 +40,10 @@ from flax import nnx
 ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS
 MIN_ROWS = {"bfloat16": 1, "float32": 8}  # the default: a matmul goes to oneDNN from this many rows,
 LARGE_BYTES, LARGE_MIN_ROWS = 16 << 20, 2  # and a float32 kernel of 16 MiB or more from 2 rows
-_PACK, _MATMUL = "mtp_onednn_pack", "mtp_onednn_matmul"
+_PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
 PACKED = "packed_kernel"  # the attribute a Linear's packed kernel is swapped in as (`PackedLinear`)
 TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
+GROUPED = "grouped_kernels"  # a module's class attribute: names of its stacked [R, in, out] expert kernels
 MIN_ROWS_ATTRIBUTE = "onednn_min_rows"  # static int beside either: rows from which the packed copy is used
 
 
@@ -55,6 +57,7 @@ def _extension():
         return None
     jax.ffi.register_ffi_target(_PACK, jax.ffi.pycapsule(ext.PACK), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(ext.MATMUL), platform="cpu")
+    jax.ffi.register_ffi_target(_GROUPED, jax.ffi.pycapsule(ext.GROUPED), platform="cpu")
     return ext
 
 
@@ -116,10 +119,27 @@ def pack(kernel: jax.Array) -> jax.Array:
             f"pack: kernel must be [fan_in, fan_out] float32 or bfloat16, got {kernel.dtype}{kernel.shape}"
         )
     size = ext.packed_bytes(*kernel.shape, kernel.dtype.name) // kernel.dtype.itemsize
-    return jax.ffi.ffi_call(_PACK, jax.ShapeDtypeStruct((size,), kernel.dtype))(kernel)
+    return jax.ffi.ffi_call(_PACK, jax.ShapeDtypeStruct((size,), kernel.dtype), vmap_method="sequential")(kernel)
 
 
 _pack_jit = jax.jit(pack)
+_pack_stacked = jax.jit(jax.vmap(pack))  # [R, fan_in, fan_out] -> [R, P]: each expert's kernel packed
+
+
+def grouped_matmul(lhs: jax.Array, packed: jax.Array, group_sizes: jax.Array, fan_out: int) -> jax.Array:
+    """`jax.lax.ragged_dot(lhs, kernels, group_sizes)` over `packed` [R, P] (`pack` of each of R kernels
+    [fan_in, fan_out], as `pack_params` stacks them): `lhs` [M, fan_in] (rows grouped by kernel, in
+    order), `group_sizes` int32 [R] summing to at most M -> [M, fan_out] in lhs's dtype, rows past the
+    groups zero. Only the groups' rows are computed (XLA:CPU's `ragged_dot` multiplies every row by every
+    kernel). Through the `mtp_onednn_grouped_matmul` FFI call; a group size out of range fails the call."""
+    if lhs.ndim != 2 or packed.ndim != 2 or packed.dtype != lhs.dtype or group_sizes.shape != packed.shape[:1]:
+        raise ValueError(
+            f"grouped_matmul: expected lhs [M, fan_in], packed [R, P] in lhs's dtype and group_sizes [R], got "
+            f"lhs {lhs.dtype}{list(lhs.shape)}, packed {packed.dtype}{list(packed.shape)}, group_sizes "
+            f"{list(group_sizes.shape)}"
+        )
+    out = jax.ShapeDtypeStruct((lhs.shape[0], fan_out), lhs.dtype)
+    return jax.ffi.ffi_call(_GROUPED, out, vmap_method="sequential")(lhs, packed, group_sizes.astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,47 +207,62 @@ def _packable(path: tuple, module) -> str | None:
     return dtype.name if dtype.name in ("float32", "bfloat16") else None
 
 
-# module -> (weakref to the kernel array it was packed from, packed kernel): a second engine over the same
-# model (every `generate` call builds one) reuses the packing; a kernel replaced since (a new array:
+# module -> {parameter name: (weakref to the array it was packed from, packed)}: a second engine over the
+# same model (every `generate` call builds one) reuses the packing; a parameter replaced since (a new array:
 # jax arrays are immutable) is packed again. Held while the module lives.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
-    """Packs the kernels of `model`'s routable Linears (`routed_dtypes`), and the transposed table of
-    `tied` (a tied head's embedding, used as `x @ embedding.T`): {module: packed kernel}, reusing an
-    earlier packing of the same array. The caller swaps them in with `swapped`; empty when nothing is
-    routed."""
+    """Packs the kernels of `model`'s routable Linears (`routed_dtypes`), the stacked expert kernels of
+    its modules that name them in a class attribute `GROUPED` (MoE `Experts`; not FP8 ones), and the
+    transposed table of `tied` (a tied head's embedding, used as `x @ embedding.T`): {module: packed
+    kernel, or for experts {name: packed [R, P]}}, reusing an earlier packing of the same array. The
+    caller swaps them in with `swapped`; empty when nothing is routed."""
     dtypes = routed_dtypes()
     if not dtypes:
         return {}
     packed = {}
-    for path, module in nnx.iter_graph(model):
+    for path, module in nnx.iter_graph(model):  # iter_graph yields a shared module once
         dtype = _packable(path, module)
-        if dtype in dtypes:  # iter_graph yields a shared module once
-            packed[module] = _packed(module, module.kernel.get_value(), dtype, transpose=False)
+        if dtype in dtypes:
+            packed[module] = _packed(module, "kernel", dtype)
+        grouped = getattr(type(module), GROUPED, ())
+        dtype = jnp.dtype(module.config.compute_dtype).name if grouped else None
+        if dtype in dtypes and all(getattr(module, f"{name}_scale_inv", None) is None for name in grouped):
+            packed[module] = {name: _packed(module, name, dtype, stacked=True) for name in grouped}
     if tied is not None and tied.dtype is not None and jnp.dtype(tied.dtype).name in dtypes:
-        packed[tied] = _packed(tied, tied.embedding.get_value(), jnp.dtype(tied.dtype).name, transpose=True)
+        packed[tied] = _packed(tied, "embedding", jnp.dtype(tied.dtype).name, transpose=True)
     return packed
 
 
-def _packed(module: nnx.Module, kernel, dtype: str, transpose: bool) -> jax.Array:
-    """`pack` of `kernel` (transposed first if asked) in `dtype`, or the packing made earlier from the same
-    array (`_PACKED`)."""
-    known = _PACKED.get(module)
+def _packed(module: nnx.Module, name: str, dtype: str, transpose: bool = False, stacked: bool = False) -> jax.Array:
+    """`pack` of `module`'s parameter `name` in `dtype` (transposed first, or each of a stacked [R, in, out]
+    kernel's R, if asked), or the packing made earlier from the same array (`_PACKED`)."""
+    kernel = getattr(module, name).get_value()
+    known = _PACKED.get(module, {}).get(name)
     if known is not None and known[0]() is kernel and known[1].dtype == dtype:
         return known[1]
-    out = _pack_jit(kernel.astype(dtype).T if transpose else kernel.astype(dtype))
-    if isinstance(kernel, jax.Array):  # a numpy kernel can change in place: never reused
-        _PACKED[module] = (weakref.ref(kernel), out)
+    kernel = kernel.astype(dtype)
+    out = _pack_stacked(kernel) if stacked else _pack_jit(kernel.T if transpose else kernel)
+    if isinstance(getattr(module, name).get_value(), jax.Array):  # a numpy kernel can change in place
+        _PACKED.setdefault(module, {})[name] = (weakref.ref(getattr(module, name).get_value()), out)
     return out
+
+
+def packed_grouped(module: nnx.Module, name: str) -> jax.Array | None:
+    """The packed experts [R, P] `swapped` put on `module` for its stacked kernel `name` (a `GROUPED`
+    name), or None: XLA's `ragged_dot` over the kernel itself."""
+    packed = getattr(module, f"{PACKED}_{name}", None)
+    return None if packed is None else packed[...]
 
 
 class swapped:
     """Context manager: inside it, each Linear of `packed` (`pack_params`) is a `PackedLinear` holding its
     packed kernel as the parameter `PACKED`, each tied embedding its packed transpose as `TIED_HEAD`
     (which `Transformer.head` then uses), both with the row count from which to use it
-    (`MIN_ROWS_ATTRIBUTE`, `min_rows` of the kernel's dtype); on exit the modules are as before (for
+    (`MIN_ROWS_ATTRIBUTE`, `min_rows` of the kernel's dtype), and each experts module its packed stacked
+    kernels as `PACKED`_name (`packed_grouped`, every row count); on exit the modules are as before (for
     `nnx.split` of a packed copy)."""
 
     def __init__(self, packed: dict):
@@ -236,8 +271,12 @@ class swapped:
     def __enter__(self):
         try:
             for module, kernel in self.packed.items():
+                self.saved.append((module, type(module), list(vars(module))))
+                if isinstance(kernel, dict):  # an experts module's stacked kernels
+                    for name, stacked in kernel.items():
+                        setattr(module, f"{PACKED}_{name}", nnx.Param(stacked))
+                    continue
                 embed = isinstance(module, nnx.Embed)
-                self.saved.append((module, type(module)))
                 setattr(module, TIED_HEAD if embed else PACKED, nnx.Param(kernel))
                 setattr(module, MIN_ROWS_ATTRIBUTE, min_rows(kernel.dtype.name, kernel.nbytes))
                 if not embed:
@@ -248,9 +287,8 @@ class swapped:
         return self
 
     def __exit__(self, *exc):
-        for module, cls in reversed(self.saved):
-            for attribute in (TIED_HEAD, PACKED, MIN_ROWS_ATTRIBUTE):
-                if attribute in vars(module):
-                    delattr(module, attribute)
+        for module, cls, attributes in reversed(self.saved):
+            for attribute in set(vars(module)) - set(attributes):
+                delattr(module, attribute)
             module.__class__ = cls
         self.saved.clear()

@@ -1,6 +1,7 @@
 """The oneDNN matmul (`mtp_jax.layers.onednn`) and meshes: an engine on a mesh keeps XLA's sharded matmuls
-(its kernels are not packed), and a packed matmul inside a jitted function over rows sharded on 8 fake
-CPU devices computes what `jax.lax.dot_general` does (the custom call sees whole operands)."""
+(its kernels are not packed), and a packed matmul (and the experts' grouped one) inside a jitted function
+over rows sharded on 8 fake CPU devices computes what `jax.lax.dot_general` (`ragged_dot`) does (the
+custom call sees whole operands)."""
 
 import jax
 import jax.numpy as jnp
@@ -35,3 +36,10 @@ def test_an_engine_on_a_mesh_keeps_its_kernels_and_a_packed_matmul_takes_sharded
     ref = jax.lax.dot_general(x, w, DN, preferred_element_type=jnp.float32)
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(np.asarray(ref)), 1e-30))) - 7)
     assert (np.abs(np.asarray(y, np.float32) - np.asarray(ref)) <= ulp * 1.001).all()
+    # the MoE experts' grouped matmul over rows sharded the same way: ragged_dot's value
+    stacked = jnp.asarray(rng.standard_normal((3, 64, 40)) * 0.125, jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 9], jnp.int32)
+    y = jax.jit(lambda a, p, s: onednn.grouped_matmul(a, p, s, 40))(rows, onednn._pack_stacked(stacked), sizes)
+    ref = jax.lax.ragged_dot(x, stacked, sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), rtol=2**-7, atol=2**-7 * np.abs(ref).max())
+    assert not np.asarray(y, np.float32)[14:].any()

@@ -4,6 +4,10 @@
 //                                                    oneDNN's matmul primitive prefers (format_tag::any)
 //   MtpOnednnMatmul(x [..., K], packed) -> y [..., N] y = x @ w with oneDNN's matmul primitive, the leading
 //                                                    axes flattened into M rows; N is y's last dimension
+//   MtpOnednnGroupedMatmul(x [M, K], packed [R, P],  the grouped matmul of jax.lax.ragged_dot: rows
+//     group_sizes s32 [R]) -> y [M, N]               offset_r .. offset_r + g_r - 1 of x times expert r's
+//                                                    packed weight (P elements each), experts in order;
+//                                                    rows past the groups are zeros
 //
 // Both for bf16 (fp32 accumulation inside oneDNN, rounded once to bf16) and f32. The packed layout of a
 // (K, N, dtype) is the one oneDNN picks for kLayoutRows rows; every M then uses a primitive created for
@@ -174,6 +178,52 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi::S32> sizes,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), yd = y->dimensions(), pd = packed.dimensions(), sd = sizes.dimensions();
+  memory::data_type dt;
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0] || pd.size() != 2 || sd.size() != 1 || sd[0] != pd[0])
+    return ffi::Error::InvalidArgument(
+        "mtp_onednn_grouped_matmul: expected x [M, K], packed [R, P], group_sizes [R] and y [M, N]");
+  if (!DataType(x.element_type(), &dt) || y->element_type() != x.element_type() ||
+      packed.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(
+        "mtp_onednn_grouped_matmul: x, the packed weights and y must share one dtype, bf16 or f32");
+  int64_t M = xd[0], K = xd[1], N = yd[1], R = pd[0];
+  size_t item = dt == memory::data_type::bf16 ? 2 : 4;
+  auto* xs = static_cast<const char*>(x.untyped_data());
+  auto* ws = static_cast<char*>(packed.untyped_data());
+  auto* ys = static_cast<char*>(y->untyped_data());
+  const int32_t* groups = sizes.typed_data();
+  int64_t offset = 0;
+  try {
+    size_t per_expert = PackedDesc(K, N, dt).get_size();
+    if (static_cast<size_t>(pd[1]) * item != per_expert)
+      return ffi::Error::InvalidArgument(
+          "mtp_onednn_grouped_matmul: each expert's packed weight must be mtp_onednn_packed_bytes(K, N)");
+    UseThreads(per_expert);
+    dnnl::stream strm(ctx().eng);
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t rows = groups[r];
+      if (rows < 0 || offset + rows > M)
+        return ffi::Error::InvalidArgument(
+            "mtp_onednn_grouped_matmul: group sizes must be non-negative and sum to at most M");
+      if (rows == 0 || N == 0) continue;
+      auto m = GetMatmul(rows, K, N, dt);
+      memory src(m->src, ctx().eng, const_cast<char*>(xs + offset * K * item));
+      memory wei(m->wei, ctx().eng, ws + r * per_expert);
+      memory dst(m->dst, ctx().eng, ys + offset * N * item);
+      m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+      offset += rows;
+    }
+    strm.wait();
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("mtp_onednn_grouped_matmul: ") + err.what());
+  }
+  std::memset(ys + offset * N * item, 0, (M - offset) * N * item);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" {
@@ -203,3 +253,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnPack, PackImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnMatmul, MatmulImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnGroupedMatmul, GroupedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,7 +1,9 @@
 """oneDNN's matmul over pre-packed weights as XLA FFI CPU handlers, for `mtp_jax.layers.onednn`.
 
-The compiled library holds two handlers (see `src/onednn_matmul.cc`): `MtpOnednnPack` (a weight
-[K, N] -> its packed bytes) and `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]), bf16 or float32.
+The compiled library holds three handlers (see `src/onednn_matmul.cc`): `MtpOnednnPack` (a weight
+[K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]) and
+`MtpOnednnGroupedMatmul` (x [M, K], R packed weights, group sizes [R] -> y [M, N], as
+`jax.lax.ragged_dot`), bf16 or float32.
 This module only loads it; `mtp_jax` registers the targets and decides where to use them.
 """
 
@@ -31,7 +33,7 @@ def _load() -> ctypes.CDLL:
 
 
 LIB = _load()
-PACK, MATMUL = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul  # XLA FFI handler symbols
+PACK, MATMUL, GROUPED = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul, LIB.MtpOnednnGroupedMatmul  # FFI handlers
 
 
 def packed_bytes(fan_in: int, fan_out: int, dtype: str) -> int:
