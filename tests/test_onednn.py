@@ -331,3 +331,32 @@ def test_moe_experts_run_the_grouped_matmul_in_the_engine(monkeypatch):
     _, plain = decode(model)
     _, eagle = decode(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
     assert eagle == plain
+
+
+@built
+def test_swaps_nest_and_scanned_experts_stay_on_xla(monkeypatch):
+    """`swapped` inside `swapped` (a second engine built inside the first one's swap) gives back each
+    attribute the outer one set, then the original modules; a scanned MoE model's stacked [L, R, in, out]
+    experts are not packed, and its engine decodes the XLA path's tokens."""
+    monkeypatch.delenv(onednn.ENV, raising=False)
+    model = init_model(MOE.replace(tie_word_embeddings=True), seed=3)
+    experts, embed, name = model.layers[1].mlp.experts, model.embed_tokens, f"{onednn.PACKED}_down_proj"
+    with onednn.swapped(onednn.pack_params(model, embed)):
+        outer = getattr(experts, name), getattr(embed, onednn.TIED_HEAD)
+        inner = onednn.pack_params(model, embed)
+        assert set(inner) == {experts, embed, model.mtp[0].mlp.experts}  # the Linears are PackedLinears now
+        with onednn.swapped(inner):
+            assert type(model.layers[0].mlp.down_proj) is onednn.PackedLinear
+        assert (getattr(experts, name), getattr(embed, onednn.TIED_HEAD)) == outer
+    assert not hasattr(experts, name) and not hasattr(embed, onednn.TIED_HEAD)
+    assert type(model.layers[0].mlp.down_proj) is nnx.Linear
+
+    scanned = init_model(MOE.replace(scan_layers=True, first_k_dense_replace=0), seed=3)
+    monkeypatch.setenv(onednn.ENV, "0")
+    _, xla_tokens = decode(scanned)
+    monkeypatch.delenv(onednn.ENV)
+    engine, tokens = decode(scanned)
+    packed = [str(p) for p, _ in jax.tree_util.tree_flatten_with_path(engine._params)[0] if "packed" in str(p)]
+    assert not [p for p in packed if "layer_groups" in p]  # the scanned layers: nothing packed
+    assert any("'mtp'" in p and "experts" in p for p in packed)  # the MTP module's block is not scanned
+    assert tokens == xla_tokens

@@ -86,9 +86,10 @@ class DecodeEngine:
     `speculative`: a `SpeculativeConfig`, or None for plain decoding. The model's weights are read
     once, here: build a new engine after changing them. Every call that takes a state donates it
     (its buffers are reused; do not read a state after passing it in). On the CPU backend with the
-    optional `mtp_jax_onednn` extension installed, the engine's copy of each bfloat16 Linear kernel
-    (and of a tied head's embedding, transposed) is packed for oneDNN's matmul here
-    (`mtp_jax.layers.onednn`; `MTP_JAX_ONEDNN=0` turns it off).
+    optional `mtp_jax_onednn` extension installed, each bfloat16 and float32 Linear kernel (a tied
+    head's embedding transposed, each MoE expert's kernel) is also packed for oneDNN's matmul here and
+    the engine holds both copies: bfloat16 and the experts go to oneDNN at every row count, float32
+    from a few rows (`mtp_jax.layers.onednn.MIN_ROWS`; `MTP_JAX_ONEDNN=0` turns it off).
 
     `mesh` (`mtp_jax.sharding.make_mesh`): the weights are placed on it by their logical axes, the
     states `init_state` builds by `DecodeState.logical_axes` (rows over `data` x `fsdp`: the batch

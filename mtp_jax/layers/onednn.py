@@ -180,7 +180,8 @@ def packed_for(module: nnx.Module, attribute: str, x: jax.Array) -> jax.Array | 
 class PackedLinear(nnx.Linear):
     """What an `nnx.Linear` is while `swapped` (an engine's copy of the model): from `MIN_ROWS_ATTRIBUTE`
     rows its matmul is `PackedDot` over the packed copy `PACKED`, below that `nnx.Linear`'s own call over
-    `kernel`; the bias added and the result typed as `nnx.Linear` does."""
+    `kernel`; the bias added in the compute dtype as `nnx.Linear` adds it (`_packable` leaves out Linears
+    with a `preferred_element_type` or `precision`)."""
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         packed = packed_for(self, PACKED, inputs)
@@ -188,8 +189,6 @@ class PackedLinear(nnx.Linear):
             return super().__call__(inputs, out_sharding)
         dot = PackedDot(self.in_features, self.out_features)
         y = dot(inputs.astype(packed.dtype), packed, (((inputs.ndim - 1,), (0,)), ((), ())))
-        if self.preferred_element_type is not None:
-            y = y.astype(self.preferred_element_type)
         if self.bias is not None:
             y = y + self.bias[...].astype(packed.dtype)
         return y
@@ -198,6 +197,8 @@ class PackedLinear(nnx.Linear):
 def _packable(path: tuple, module) -> str | None:
     """The compute dtype name of a Linear whose matmul can go to oneDNN, else None."""
     if type(module) is not nnx.Linear or "kv_b_proj" in path:  # MLA reads kv_b_proj's kernel directly
+        return None
+    if module.preferred_element_type is not None or module.precision is not None:  # PackedLinear has neither
         return None
     if module.kernel.ndim != 2:  # scanned layers' stacked kernels [L, in, out]
         return None
@@ -229,7 +230,9 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
             packed[module] = _packed(module, "kernel", dtype)
         grouped = getattr(type(module), GROUPED, ())
         dtype = jnp.dtype(module.config.compute_dtype).name if grouped else None
-        if dtype in dtypes and all(getattr(module, f"{name}_scale_inv", None) is None for name in grouped):
+        if dtype in dtypes and all(
+            getattr(module, name).ndim == 3 and getattr(module, f"{name}_scale_inv", None) is None for name in grouped
+        ):  # not scanned layers' [L, R, in, out], not FP8
             packed[module] = {name: _packed(module, name, dtype, stacked=True) for name in grouped}
     if tied is not None and tied.dtype is not None and jnp.dtype(tied.dtype).name in dtypes:
         packed[tied] = _packed(tied, "embedding", jnp.dtype(tied.dtype).name, transpose=True)
@@ -266,19 +269,20 @@ class swapped:
     `nnx.split` of a packed copy)."""
 
     def __init__(self, packed: dict):
-        self.packed, self.saved = packed, []
+        self.packed, self.saved = packed, []  # saved: (module, class, {attribute: value before or _MISSING})
 
     def __enter__(self):
         try:
             for module, kernel in self.packed.items():
-                self.saved.append((module, type(module), list(vars(module))))
+                before = {}
+                self.saved.append((module, type(module), before))
                 if isinstance(kernel, dict):  # an experts module's stacked kernels
                     for name, stacked in kernel.items():
-                        setattr(module, f"{PACKED}_{name}", nnx.Param(stacked))
+                        _set(module, f"{PACKED}_{name}", nnx.Param(stacked), before)
                     continue
                 embed = isinstance(module, nnx.Embed)
-                setattr(module, TIED_HEAD if embed else PACKED, nnx.Param(kernel))
-                setattr(module, MIN_ROWS_ATTRIBUTE, min_rows(kernel.dtype.name, kernel.nbytes))
+                _set(module, TIED_HEAD if embed else PACKED, nnx.Param(kernel), before)
+                _set(module, MIN_ROWS_ATTRIBUTE, min_rows(kernel.dtype.name, kernel.nbytes), before)
                 if not embed:
                     module.__class__ = PackedLinear
         except BaseException:
@@ -287,8 +291,20 @@ class swapped:
         return self
 
     def __exit__(self, *exc):
-        for module, cls, attributes in reversed(self.saved):
-            for attribute in set(vars(module)) - set(attributes):
-                delattr(module, attribute)
+        for module, cls, before in reversed(self.saved):
+            for attribute, value in before.items():
+                if value is _MISSING:
+                    delattr(module, attribute)
+                else:
+                    setattr(module, attribute, value)
             module.__class__ = cls
         self.saved.clear()
+
+
+_MISSING = object()
+
+
+def _set(module: nnx.Module, attribute: str, value, before: dict) -> None:
+    """setattr, recording in `before` what `attribute` held first (`_MISSING`: nothing)."""
+    before.setdefault(attribute, vars(module).get(attribute, _MISSING))
+    setattr(module, attribute, value)

@@ -7,7 +7,8 @@
 //   MtpOnednnGroupedMatmul(x [M, K], packed [R, P],  the grouped matmul of jax.lax.ragged_dot: rows
 //     group_sizes s32 [R]) -> y [M, N]               offset_r .. offset_r + g_r - 1 of x times expert r's
 //                                                    packed weight (P elements each), experts in order;
-//                                                    rows past the groups are zeros
+//                                                    rows past the groups are zeros; each group computed
+//                                                    in power-of-two row chunks (few primitives)
 //
 // Both for bf16 (fp32 accumulation inside oneDNN, rounded once to bf16) and f32. The packed layout of a
 // (K, N, dtype) is the one oneDNN picks for kLayoutRows rows; every M then uses a primitive created for
@@ -208,13 +209,19 @@ ffi::Error GroupedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi:
       if (rows < 0 || offset + rows > M)
         return ffi::Error::InvalidArgument(
             "mtp_onednn_grouped_matmul: group sizes must be non-negative and sum to at most M");
-      if (rows == 0 || N == 0) continue;
-      auto m = GetMatmul(rows, K, N, dt);
-      memory src(m->src, ctx().eng, const_cast<char*>(xs + offset * K * item));
-      memory wei(m->wei, ctx().eng, ws + r * per_expert);
-      memory dst(m->dst, ctx().eng, ys + offset * N * item);
-      m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
-      offset += rows;
+      // A group in chunks of powers of two (its binary digits, largest first): group sizes change with
+      // the data, and a primitive per size ever seen would be created inside steps and kept; this way at
+      // most log2(M) + 1 row counts per weight shape.
+      for (int64_t chunk = int64_t{1} << 62; chunk > 0 && N > 0; chunk >>= 1) {
+        if (!(rows & chunk)) continue;
+        auto m = GetMatmul(chunk, K, N, dt);
+        memory src(m->src, ctx().eng, const_cast<char*>(xs + offset * K * item));
+        memory wei(m->wei, ctx().eng, ws + r * per_expert);
+        memory dst(m->dst, ctx().eng, ys + offset * N * item);
+        m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+        offset += chunk;
+      }
+      if (N == 0) offset += rows;
     }
     strm.wait();
   } catch (const std::exception& err) {
