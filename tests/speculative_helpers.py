@@ -28,6 +28,16 @@ from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.model import init_model, sequence_positions
 from mtp_jax.mtp import MAIN_PARAMS, initial_hidden, mtp_forward_full
 
+# The MoE fields of the test suite's tiny MoE models (test_onednn, test_scan, test_sharding, test_architectures):
+# 8 routed experts of width 16, 2 per token, one shared; layer 0 dense.
+TINY_MOE = dict(
+    ffn_type="moe",
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
 CFG = ModelConfig(
     vocab_size=8,
     hidden_size=32,

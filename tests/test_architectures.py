@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from speculative_helpers import drive, oracle_drafts  # the speculative suite's draft oracle and step driver
+from speculative_helpers import TINY_MOE, drive, oracle_drafts  # the speculative suite's draft oracle and step driver
 
 from mtp_jax.cache import fill_stale
 from mtp_jax.config import ModelConfig
@@ -31,13 +31,8 @@ _COMMON = dict(
     num_attention_heads=4,
     max_position_embeddings=128,
     num_nextn_predict_layers=2,
-    ffn_type="moe",
-    moe_intermediate_size=16,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
     initializer_range=0.2,
+    **TINY_MOE,
 )
 CONFIGS = {
     "deepseek_v3": ModelConfig(

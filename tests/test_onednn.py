@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from speculative_helpers import TINY_MOE
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.decode.engine import DecodeEngine
@@ -298,14 +299,7 @@ def test_grouped_matmul_equals_ragged_dot(dtype):
         onednn.grouped_matmul(xs[0], packed, jnp.zeros((3,), jnp.int32), 40)
 
 
-MOE = TINY.replace(
-    ffn_type="moe",
-    moe_intermediate_size=16,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
+MOE = TINY.replace(**TINY_MOE)
 
 
 @built

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from speculative_helpers import TINY_MOE
 
 from mtp_jax import checkpoints as checkpoint
 from mtp_jax.cache import StackedCache, capacity, fill_stale
@@ -36,19 +37,11 @@ _COMMON = dict(
     num_nextn_predict_layers=1,
     initializer_range=0.2,
 )
-_MOE = dict(
-    ffn_type="moe",
-    moe_intermediate_size=16,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
 CONFIGS = {
     "llama": ModelConfig(**_COMMON, num_key_value_heads=2),
     "deepseek_v3": ModelConfig(
         **_COMMON,
-        **_MOE,
+        **TINY_MOE,
         num_key_value_heads=4,
         attention_type="mla",
         q_lora_rank=24,
@@ -62,7 +55,7 @@ CONFIGS = {
     ),
     "glm4_moe": ModelConfig(
         **_COMMON,
-        **_MOE,
+        **TINY_MOE,
         num_key_value_heads=2,
         head_dim=16,
         partial_rotary_factor=0.5,

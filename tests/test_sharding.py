@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from speculative_helpers import TINY_MOE
 
 from mtp_jax import sharding
 from mtp_jax.cache import StackedCache, logical_axes
@@ -28,20 +29,12 @@ _COMMON = dict(
     max_position_embeddings=64,
     num_nextn_predict_layers=1,
 )
-_MOE = dict(
-    ffn_type="moe",
-    moe_intermediate_size=16,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
 CONFIGS = {
     "llama": ModelConfig(**_COMMON, num_key_value_heads=2),
     "qwen2": ModelConfig(**_COMMON, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
     "deepseek_v3": ModelConfig(
         **_COMMON,
-        **_MOE,
+        **TINY_MOE,
         num_key_value_heads=4,
         attention_type="mla",
         q_lora_rank=24,
@@ -52,7 +45,7 @@ CONFIGS = {
     ),
     "deepseek_v2_lite": ModelConfig(
         **_COMMON,
-        **_MOE,
+        **TINY_MOE,
         num_key_value_heads=4,
         attention_type="mla",
         kv_lora_rank=16,
@@ -62,7 +55,7 @@ CONFIGS = {
     ),
     "glm4_moe": ModelConfig(
         **_COMMON,
-        **_MOE,
+        **TINY_MOE,
         num_key_value_heads=2,
         head_dim=16,
         partial_rotary_factor=0.5,
