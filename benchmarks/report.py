@@ -59,3 +59,4 @@ def run_models(args, prefix: str, fields: dict, markdown: Callable, run_model: C
     args.on_row = on_row
     for model in args.models:
         done += run_model(model, args)
+        jax.clear_caches()  # each model's compiled programs hold XLA:CPU memory maps (vm.max_map_count)
