@@ -242,14 +242,14 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
 def _packed(module: nnx.Module, name: str, dtype: str, transpose: bool = False, stacked: bool = False) -> jax.Array:
     """`pack` of `module`'s parameter `name` in `dtype` (transposed first, or each of a stacked [R, in, out]
     kernel's R, if asked), or the packing made earlier from the same array (`_PACKED`)."""
-    kernel = getattr(module, name).get_value()
+    original = getattr(module, name).get_value()
     known = _PACKED.get(module, {}).get(name)
-    if known is not None and known[0]() is kernel and known[1].dtype == dtype:
+    if known is not None and known[0]() is original and known[1].dtype == dtype:
         return known[1]
-    kernel = kernel.astype(dtype)
+    kernel = original.astype(dtype)
     out = _pack_stacked(kernel) if stacked else _pack_jit(kernel.T if transpose else kernel)
-    if isinstance(getattr(module, name).get_value(), jax.Array):  # a numpy kernel can change in place
-        _PACKED.setdefault(module, {})[name] = (weakref.ref(getattr(module, name).get_value()), out)
+    if isinstance(original, jax.Array):  # a numpy kernel can change in place: never reused
+        _PACKED.setdefault(module, {})[name] = (weakref.ref(original), out)
     return out
 
 
