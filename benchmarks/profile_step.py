@@ -28,6 +28,7 @@ from pathlib import Path
 import bench_speculative as bench  # this directory is on sys.path when run as a script
 import jax
 import numpy as np
+from report import cpu_name
 
 import mtp_jax
 from mtp_jax.decode import speculative
@@ -164,6 +165,7 @@ def main() -> None:
     meta = dict(
         date=str(date.today()),
         device=device,
+        cpu=cpu_name(),
         jax=jax.__version__,
         model=args.preset or args.model or "demo",
         batch=args.batch,

@@ -11,12 +11,19 @@ from pathlib import Path
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    """The CPU's model name with its family and model numbers (/proc/cpuinfo: "AMD EPYC (family 26, model 2)",
+    which tells Zen 4 (25) from Zen 5 (26) where the name does not), else what `platform` says."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        fields = {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "model name" not in fields:
         return platform.processor() or platform.machine()
+    if "cpu family" not in fields or "model" not in fields:
+        return fields["model name"]
+    return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
 
 
 def write_report(out: str | Path, name: str, meta: dict, rows: list[dict], table: str) -> None:

@@ -60,8 +60,10 @@ import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # benchmarks/: report
 
 import convert  # noqa: E402
+from report import cpu_name  # noqa: E402
 
 import mtp_jax  # noqa: E402
 from mtp_jax.checkpoints import load_hf_checkpoint  # noqa: E402
@@ -357,18 +359,15 @@ def run_model(name: str, args, work: Path, deadline: float, log_dir: Path) -> tu
 
 
 def machine() -> dict:
-    cpu = ""
     flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
             if line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return dict(
-        cpu=cpu,
+        cpu=cpu_name(),
         cpu_count=os.cpu_count(),
         affinity=sorted(os.sched_getaffinity(0)),
         isa=sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))[:8],
