@@ -109,5 +109,9 @@ def test_arrays_of_ids_and_frequent_tokens():
         SpeculativeConfig(draft_vocab=np.ones(3, np.float32))
     assert frequent_tokens(np.array([[5, 5, 3], [3, 5, 9]]), 2) == (3, 5)
     assert frequent_tokens([[1, 1], [2]], 4) == (0, 1, 2, 3)  # unseen ids fill up, lowest first
+    assert frequent_tokens([[7, 7], [], [2]], 1) == (7,)  # an empty document (a tokenized "") counts nothing
+    assert frequent_tokens([[], []], 2) == (0, 1)
+    with pytest.raises(ValueError, match="ints >= 0"):
+        frequent_tokens([[1.5], []], 2)
     with pytest.raises(ValueError, match="ints >= 0"):
         frequent_tokens([[1, -1]], 2)

@@ -140,6 +140,40 @@ def test_write_at_in_narrow_floats_is_the_scatter(dtype):
     np.testing.assert_array_equal(got[1], np.concatenate([values[1:], np.zeros(4)]))  # position -1 dropped
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_embed_is_the_tables_rows_and_copies_no_table_in_a_loop(dtype):
+    """`Transformer.embed` returns exactly `nnx.Embed`'s rows (bits compared: NaN, inf and -0.0 included),
+    and a loop of lookups (as `DecodeEngine.run`'s) carries no float32 copy of a bf16 table (XLA:CPU's
+    gather converts the table; hoisted out of the loop, that conversion copied all of it every run)."""
+    config = ModelConfig.from_name("tiny").replace(dtype=dtype, param_dtype=dtype)
+    model = init_model(config, seed=2)
+    table = model.embed_tokens.embedding[...]
+    model.embed_tokens.embedding.set_value(table.at[3, 0].set(jnp.nan).at[3, 1].set(jnp.inf).at[4, 2].set(-0.0))
+    tokens = jnp.asarray([[3, 4, 0, config.vocab_size - 1], [4, 4, 1, 3]], jnp.int32)
+    got = np.asarray(model.embed(tokens))
+    expected = np.asarray(nnx.Embed.__call__(model.embed_tokens, tokens))
+    assert got.dtype == expected.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), expected.view(f"u{got.itemsize}"))
+
+    graph, state = nnx.split(model)
+
+    def loop(state, tokens):
+        def body(i, total):
+            return total + nnx.merge(graph, state).embed((tokens + i) % config.vocab_size).astype(jnp.float32).sum()
+
+        return jax.lax.fori_loop(0, 3, body, jnp.float32(0))
+
+    text = jax.jit(loop).lower(state, tokens).compile().as_text()
+    full = f"f32[{config.vocab_size},{config.hidden_size}]"
+    carried = [line for line in text.splitlines() if "tuple(" in line and full in line]
+    assert not carried if dtype == "bfloat16" else carried  # a bf16 table's float32 copy: none (fp32: the table)
+    rows = jnp.asarray([[5, 6]], jnp.int32)  # rows 5 .. 8 over the loop: finite
+    reference = sum(
+        float(expected_rows.astype(jnp.float32).sum()) for expected_rows in (table[5:7], table[6:8], table[7:9])
+    )
+    assert float(jax.jit(loop)(state, rows)) == pytest.approx(reference, rel=1e-5)
+
+
 def test_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelConfig.from_name("tiny", num_key_value_heads=3)

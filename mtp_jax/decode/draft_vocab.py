@@ -108,7 +108,8 @@ def frequent_tokens(tokens, size: int) -> tuple[int, ...]:
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     arrays = [np.asarray(tokens)] if hasattr(tokens, "__array__") else [np.asarray(t) for t in tokens]
-    flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)
+    arrays = [a.ravel() for a in arrays if a.size]  # an empty document ([] is a float64 array) counts nothing
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     if flat.size and (not np.issubdtype(flat.dtype, np.integer) or flat.min() < 0):
         raise ValueError(f"tokens must be token ids (ints >= 0), got {flat.dtype} values down to {flat.min()}")
     counts = np.bincount(flat.astype(np.int64), minlength=int(size))
