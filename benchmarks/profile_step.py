@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="weights and compute dtype (default: the model's)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--top", type=int, default=TOP_OPS, help="how many of the costliest ops to list")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -147,7 +148,9 @@ def main() -> None:
         prompts = mtp_jax.training.data.heldout_prompts(tokenizer, args.batch, args.prompt_tokens)
     capacity = args.prompt_tokens + args.new_tokens + 16
     plain_engine = DecodeEngine(model)
-    rows = [profile(plain_engine, bench.prefill_of(plain_engine, prompts, args.new_tokens, capacity), "plain")]
+    rows = [
+        profile(plain_engine, bench.prefill_of(plain_engine, prompts, args.new_tokens, capacity), "plain", args.top)
+    ]
 
     if args.preset:  # oracle drafts: the plain greedy output
         plain = mtp_jax.generate(model, prompts, max_new_tokens=args.new_tokens, max_length=capacity)
@@ -156,7 +159,7 @@ def main() -> None:
         engine = DecodeEngine(model, SpeculativeConfig(method=args.method, num_speculative_tokens=k))
         spec_state = bench.prefill_of(engine, prompts, args.new_tokens, capacity)
     method = engine.speculative.method
-    rows.append(profile(engine, spec_state, f"{method} K={k}"))
+    rows.append(profile(engine, spec_state, f"{method} K={k}", args.top))
     device = jax.devices()[0].device_kind.replace(" ", "_")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

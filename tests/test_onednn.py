@@ -107,6 +107,50 @@ def test_bad_operands_are_refused_with_the_reason():
         jax.vmap(lambda a, p: onednn.PackedDot(64, 48)(a, p, DN))(x.reshape(2, 2, 64), batched).block_until_ready()
 
 
+# Weights and row counts on both sides of the extension's thread rule (`UseThreads`: every core from 2 MiB,
+# from 1 MiB at 8 Mi multiply-adds): (rows, fan_in, fan_out, dtype).
+THREAD_CASES = (
+    (1, 512, 768, "float32"),  # 1.5 MiB, 0.4 Mi multiply-adds: one thread
+    (32, 512, 768, "float32"),  # 1.5 MiB, 12 Mi: every core
+    (3, 1024, 768, "float32"),  # 3 MiB: every core
+    (32, 1024, 768, "bfloat16"),  # 1.5 MiB, 24 Mi: every core
+    (4, 1024, 1536, "bfloat16"),  # 3 MiB: every core
+)
+THREADS_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, "tests")
+from test_onednn import THREAD_CASES, operands
+from mtp_jax.layers import onednn
+dn = (((1,), (0,)), ((), ()))
+out = {}
+for i, (rows, fan_in, fan_out, dtype) in enumerate(THREAD_CASES):
+    x, w = operands(rows, fan_in, fan_out, jnp.dtype(dtype), seed=i)
+    y = jax.jit(lambda x, p: onednn.PackedDot(fan_in, fan_out)(x, p, dn))(x, onednn.pack(w))
+    out[str(i)] = np.asarray(y.astype(jnp.float32))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@built
+def test_thread_count_changes_no_number(tmp_path):
+    """Matmuls the thread rule runs on one thread and on every core equal `dot_general`, and give the same
+    bits when forced onto one thread (`MTP_JAX_ONEDNN_THREADS=1`, read once per process: two processes)."""
+    import os
+    import subprocess
+    import sys
+
+    results = []
+    for threads in ("", "1"):
+        env = {**os.environ, "MTP_JAX_ONEDNN_THREADS": threads}
+        path = tmp_path / f"threads{threads or 'all'}.npz"
+        subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        results.append(np.load(path))
+    for i, (rows, fan_in, fan_out, dtype) in enumerate(THREAD_CASES):
+        x, w = operands(rows, fan_in, fan_out, jnp.dtype(dtype), seed=i)
+        assert_matches(jnp.asarray(results[0][str(i)]).astype(x.dtype), x, w)
+        np.testing.assert_array_equal(results[0][str(i)], results[1][str(i)])
+
+
 def assert_close(got, ref, dtype):
     """float32 within reduction-order rounding, bfloat16 within one rounding of the largest element."""
     tol = 1e-5 if dtype == "float32" else 2**-7

@@ -15,7 +15,8 @@
 // that fixed layout, so one packed copy serves every row count. The packed bytes are an ordinary XLA
 // buffer owned by the caller (no cache keyed by pointers: a weight that changes must be packed again).
 //
-// Threads: one OpenMP thread per call on a weight under 1 MiB, every core from 1 MiB (see UseThreads).
+// Threads: every core for a weight of 2 MiB or more, or of 1 MiB or more in a call of 8 Mi multiply-adds
+// (M x K x N) or more; one thread otherwise (see UseThreads).
 //
 // C entry points (for ctypes): mtp_onednn_packed_bytes(K, N, dtype) is the packed buffer's size in bytes
 // (dtype 0: f32, 1: bf16), mtp_onednn_impl(M, K, N, dtype, buf, len) writes the name of the
@@ -56,22 +57,28 @@ Ctx& ctx() {
 std::mutex g_mu;
 
 // oneDNN's OpenMP threads for one call on the calling (XLA) thread: MTP_JAX_ONEDNN_THREADS (default every
-// core, or OMP_NUM_THREADS) for a weight of at least MTP_JAX_ONEDNN_PARALLEL_BYTES (default 1 MiB), else 1. Small weights are
-// done sooner than OpenMP wakes its workers, and idle workers spin, taking cores from XLA's own pool; a
-// large one streams faster on every core (benchmarks/bench_onednn.py, 2 cores: the medium preset's
-// 2-64 MiB weights 1.2-1.6x faster on two threads than one). omp_set_num_threads sets the calling
-// thread's value only; oneDNN fixes a primitive's thread count when it is created, so every primitive is
-// created after UseThreads for its weight.
-int EnvInt(const char* name, int fallback) {
+// core, or OMP_NUM_THREADS) for a weight of at least MTP_JAX_ONEDNN_PARALLEL_BYTES (default 2 MiB), and for
+// a weight of 1 MiB or more once the call's M x K x N reaches MTP_JAX_ONEDNN_PARALLEL_MACS (default 8 Mi);
+// else one. A small call is done sooner than OpenMP wakes its workers, and idle workers spin, taking cores
+// from XLA's own pool; a large weight streams faster on every core, and a many-row call is compute-bound
+// (benchmarks/bench_onednn.py, 2 cores: the medium preset's 2-64 MiB weights 1.2-1.6x faster on two threads
+// than one; on Zen 5, one thread for the small preset's 1-2 MiB bf16 weights made its one-row step 1.0 ->
+// 0.8 ms, while its 32-row eagle step needs both; docs/benchmarks.md, 2026-12-07). omp_set_num_threads
+// sets the calling thread's value only; oneDNN fixes a primitive's thread count when it is created, and a
+// primitive is cached per (M, K, N, dtype), which decide the count, so each is created after UseThreads.
+int64_t EnvInt(const char* name, int64_t fallback) {
   const char* s = std::getenv(name);
-  int v = s ? std::atoi(s) : 0;
+  int64_t v = s ? std::atoll(s) : 0;
   return v > 0 ? v : fallback;
 }
 
-void UseThreads(size_t weight_bytes) {
-  static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 1 << 20);
-  static const int threads = EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads());  // OMP_NUM_THREADS
-  omp_set_num_threads(weight_bytes >= parallel_bytes ? threads : 1);
+void UseThreads(size_t weight_bytes, int64_t M, int64_t K, int64_t N) {
+  static const int threads = static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads()));
+  static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
+  static const int64_t parallel_macs = EnvInt("MTP_JAX_ONEDNN_PARALLEL_MACS", 8 << 20);
+  constexpr size_t kMinParallelBytes = 1 << 20;
+  bool parallel = weight_bytes >= parallel_bytes || (weight_bytes >= kMinParallelBytes && M * K * N >= parallel_macs);
+  omp_set_num_threads(parallel ? threads : 1);
 }
 
 memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
@@ -162,7 +169,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   if (M == 0 || N == 0) return ffi::Error::Success();
   try {
-    UseThreads(packed.size_bytes());
+    UseThreads(packed.size_bytes(), M, K, N);
     auto m = GetMatmul(M, K, N, dt);
     if (packed.size_bytes() != m->wei.get_size())
       return ffi::Error::InvalidArgument(
@@ -202,7 +209,6 @@ ffi::Error GroupedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi:
     if (static_cast<size_t>(pd[1]) * item != per_expert)
       return ffi::Error::InvalidArgument(
           "mtp_onednn_grouped_matmul: each expert's packed weight must be mtp_onednn_packed_bytes(K, N)");
-    UseThreads(per_expert);
     dnnl::stream strm(ctx().eng);
     for (int64_t r = 0; r < R; ++r) {
       int64_t rows = groups[r];
@@ -214,6 +220,7 @@ ffi::Error GroupedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi:
       // most log2(M) + 1 row counts per weight shape.
       for (int64_t chunk = int64_t{1} << 62; chunk > 0 && N > 0; chunk >>= 1) {
         if (!(rows & chunk)) continue;
+        UseThreads(per_expert, chunk, K, N);
         auto m = GetMatmul(chunk, K, N, dt);
         memory src(m->src, ctx().eng, const_cast<char*>(xs + offset * K * item));
         memory wei(m->wei, ctx().eng, ws + r * per_expert);
@@ -244,7 +251,7 @@ int64_t mtp_onednn_packed_bytes(int64_t K, int64_t N, int dtype) {
 
 int mtp_onednn_impl(int64_t M, int64_t K, int64_t N, int dtype, char* buf, int len) {
   try {
-    UseThreads(PackedDesc(K, N, FromCode(dtype)).get_size());
+    UseThreads(PackedDesc(K, N, FromCode(dtype)).get_size(), M, K, N);
     std::string s = GetMatmul(M, K, N, FromCode(dtype))->impl;
     std::snprintf(buf, len, "%s", s.c_str());
     return 0;
