@@ -169,7 +169,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   if (M == 0 || N == 0) return ffi::Error::Success();
   try {
-    UseThreads(packed.size_bytes(), M, K, N);
+    UseThreads(PackedDesc(K, N, dt).get_size(), M, K, N);  // the layout's bytes: a bad buffer fails below
     auto m = GetMatmul(M, K, N, dt);
     if (packed.size_bytes() != m->wei.get_size())
       return ffi::Error::InvalidArgument(
