@@ -3,6 +3,10 @@
 packs its kernels and decodes the same tokens; the pure-XLA fallback when the extension is absent or
 turned off. Tests needing the compiled extension skip without it (CI builds it: `.ci/run`)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,10 +140,6 @@ np.savez(sys.argv[1], **out)
 def test_thread_count_changes_no_number(tmp_path):
     """Matmuls the thread rule runs on one thread and on every core equal `dot_general`, also when forced onto
     one thread (`MTP_JAX_ONEDNN_THREADS=1`, read once per process: two processes)."""
-    import os
-    import subprocess
-    import sys
-
     results = []
     for threads in ("", "1"):
         env = {**os.environ, "MTP_JAX_ONEDNN_THREADS": threads}
