@@ -65,14 +65,18 @@ std::mutex g_mu;
 // than one; on Zen 5, one thread for the small preset's 1-2 MiB bf16 weights made its one-row step 1.0 ->
 // 0.8 ms, while its 32-row eagle step needs both; docs/benchmarks.md, 2026-12-07). omp_set_num_threads
 // sets the calling thread's value only; oneDNN fixes a primitive's thread count when it is created, and a
-// primitive is cached per (M, K, N, dtype), which decide the count, so each is created after UseThreads.
+// primitive is cached per (M, K, N, dtype), which alone decide the count (the weight's bytes are its packed
+// layout's), so each is created after UseThreads.
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* s = std::getenv(name);
   int64_t v = s ? std::atoll(s) : 0;
   return v > 0 ? v : fallback;
 }
 
-void UseThreads(size_t weight_bytes, int64_t M, int64_t K, int64_t N) {
+memory::desc PackedDesc(int64_t K, int64_t N, memory::data_type dt);
+
+void UseThreads(int64_t M, int64_t K, int64_t N, memory::data_type dt) {
+  size_t weight_bytes = PackedDesc(K, N, dt).get_size();
   static const int threads = static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads()));
   static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
   static const int64_t parallel_macs = EnvInt("MTP_JAX_ONEDNN_PARALLEL_MACS", 8 << 20);
@@ -169,7 +173,7 @@ ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   if (M == 0 || N == 0) return ffi::Error::Success();
   try {
-    UseThreads(PackedDesc(K, N, dt).get_size(), M, K, N);  // the layout's bytes: a bad buffer fails below
+    UseThreads(M, K, N, dt);
     auto m = GetMatmul(M, K, N, dt);
     if (packed.size_bytes() != m->wei.get_size())
       return ffi::Error::InvalidArgument(
@@ -220,7 +224,7 @@ ffi::Error GroupedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Buffer<ffi:
       // most log2(M) + 1 row counts per weight shape.
       for (int64_t chunk = int64_t{1} << 62; chunk > 0 && N > 0; chunk >>= 1) {
         if (!(rows & chunk)) continue;
-        UseThreads(per_expert, chunk, K, N);
+        UseThreads(chunk, K, N, dt);
         auto m = GetMatmul(chunk, K, N, dt);
         memory src(m->src, ctx().eng, const_cast<char*>(xs + offset * K * item));
         memory wei(m->wei, ctx().eng, ws + r * per_expert);
@@ -251,7 +255,7 @@ int64_t mtp_onednn_packed_bytes(int64_t K, int64_t N, int dtype) {
 
 int mtp_onednn_impl(int64_t M, int64_t K, int64_t N, int dtype, char* buf, int len) {
   try {
-    UseThreads(PackedDesc(K, N, FromCode(dtype)).get_size(), M, K, N);
+    UseThreads(M, K, N, FromCode(dtype));
     std::string s = GetMatmul(M, K, N, FromCode(dtype))->impl;
     std::snprintf(buf, len, "%s", s.c_str());
     return 0;
