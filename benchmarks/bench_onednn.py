@@ -3,7 +3,8 @@ decode step by decode step: what `DecodeEngine` gains when it packs its kernels.
 
 Per model (the bundled demo model, with its trained MTP head; the small and medium presets, random
 weights), dtype (bf16: the weights rounded, `bench_dtype.models`) and batch: engines built with
-`MTP_JAX_ONEDNN=0` (XLA) and with the engine's default routing (`--onednn 1`: bfloat16 at every row count,
+`MTP_JAX_ONEDNN=0` (XLA; `--baseline matmuls`: oneDNN's matmuls with XLA's attention, to time the attention
+alone) and with the engine's default routing (`--onednn 1`: bfloat16 at every row count and bf16 attention,
 float32 from `onednn.MIN_ROWS` rows) or `--onednn all` (every row count), plain greedy and eagle K=3, timed
 in the engine's own loop (`DecodeEngine.run`, ms per step = loop time / steps; the prefill timed apart),
 interleaved over --rounds, fastest kept. Greedy tokens of the two paths are compared. eagle's speedup over
@@ -11,7 +12,7 @@ plain is decode time per generated token (acceptance included: random heads acce
 model's trained head more).
 
     python benchmarks/bench_onednn.py [--models demo small medium] [--batch-sizes 1 8] [--rounds 3]
-        [--onednn 1|all] [--float32-min-rows N]
+        [--onednn 1|all] [--baseline 0|matmuls] [--float32-min-rows N]
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
 from mtp_jax.layers import onednn
 
-PATHS = {"xla": "0", "onednn": "1"}  # MTP_JAX_ONEDNN per column; --onednn sets the second
+PATHS = {"xla": "0", "onednn": "1"}  # MTP_JAX_ONEDNN per column; --baseline sets the first, --onednn the second
+BASELINES = {
+    "0": "XLA:CPU (`MTP_JAX_ONEDNN=0`)",
+    "matmuls": "the same matmuls with XLA's attention (`MTP_JAX_ONEDNN=matmuls`; columns `xla`)",
+}
 
 
 def engine_for(model, spec, path: str) -> DecodeEngine:
@@ -119,7 +124,7 @@ def run_model(name: str, args) -> list[dict]:
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"`DecodeEngine` with its Linear kernels packed for oneDNN (`MTP_JAX_ONEDNN={meta['onednn']}`"
-        f"{meta['min_rows_note']}) vs XLA:CPU (`MTP_JAX_ONEDNN=0`), on {meta['cpu']} ({meta['cores']} cores, "
+        f"{meta['min_rows_note']}) vs {BASELINES[meta.get('baseline', '0')]}, on {meta['cpu']} ({meta['cores']} cores, "
         f"shared), {meta['date']}, jax {meta['jax']}, "
         f"load average {meta['load_average']} at start, {meta['load_average_end']} at end. ms per decode step "
         f"in `DecodeEngine.run` ({meta['new_tokens']} new tokens after a {meta['prompt_tokens']}-token prompt; "
@@ -136,9 +141,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         step = {k: v[1] for k, v in r["ms"].items()}
         token = {k: v[2] for k, v in r["ms"].items()}
         lines.append(
-            f"| {r['model']} | {r['dtype']} | {r['batch']} | {step['plain xla']:.1f} | {step['plain onednn']:.1f} "
-            f"| {step['plain xla'] / step['plain onednn']:.2f}x | {step['eagle3 xla']:.1f} "
-            f"| {step['eagle3 onednn']:.1f} | {step['eagle3 xla'] / step['eagle3 onednn']:.2f}x "
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {step['plain xla']:.2f} | {step['plain onednn']:.2f} "
+            f"| {step['plain xla'] / step['plain onednn']:.2f}x | {step['eagle3 xla']:.2f} "
+            f"| {step['eagle3 onednn']:.2f} | {step['eagle3 xla'] / step['eagle3 onednn']:.2f}x "
             f"| {step['eagle3 xla'] / step['plain xla']:.2f} | {step['eagle3 onednn'] / step['plain onednn']:.2f} "
             f"| {token['plain xla'] / token['eagle3 xla']:.2f}x "
             f"| {token['plain onednn'] / token['eagle3 onednn']:.2f}x "
@@ -157,12 +162,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--onednn", default="1", choices=["1", "all"], help="MTP_JAX_ONEDNN of the oneDNN column")
     parser.add_argument(
+        "--baseline",
+        default="0",
+        choices=["0", "matmuls"],
+        help="MTP_JAX_ONEDNN of the first column: 0 (XLA alone) or matmuls (oneDNN's matmuls, XLA's attention)",
+    )
+    parser.add_argument(
         "--float32-min-rows", type=int, default=None, help="onednn.MIN_ROWS['float32'] for this run (default: as set)"
     )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None, help="report name (default onednn_engine_<device>_<date>)")
     args = parser.parse_args()
-    PATHS["onednn"] = args.onednn
+    PATHS["onednn"], PATHS["xla"] = args.onednn, args.baseline
     if args.float32_min_rows is not None:
         onednn.MIN_ROWS["float32"] = args.float32_min_rows
     if onednn._extension() is None:
@@ -173,6 +184,7 @@ def main() -> None:
         rounds=args.rounds,
         omp_num_threads=os.environ.get("OMP_NUM_THREADS", ""),
         onednn=args.onednn,
+        baseline=args.baseline,
         min_rows=dict(onednn.MIN_ROWS),
         min_rows_note=""
         if args.onednn == "all"

@@ -90,19 +90,24 @@ def masked_attention(
     operand = q.dtype if half else jnp.float32  # see the module docstring's "Precision"
     qg = q.astype(operand).reshape(batch, num_queries, num_kv_heads, group, head_dim)  # [B, T, G, H/G, D]
     scores = jnp.einsum("btgjd,bsgd->bgjts", qg, k.astype(operand), preferred_element_type=jnp.float32)
-    scores = scores * scale  # [B, G, H/G, T, S] float32
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.exp(scores - peak)  # masked entries are exactly 0
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    weights = masked_softmax(scores * scale, mask[:, None, None])  # [B, G, H/G, T, S] float32
     # The values head-major first ([B, G, S, Dv], whole Dv rows moved): left to itself XLA:CPU computes
     # this product transposed, out^T = v^T w^T, through a [B, G, Dv, S] copy of the cache 2-3x slower.
     v_heads = jnp.swapaxes(v.astype(operand), 1, 2)
     out = jnp.einsum("bgjts,bgse->bgjte", weights.astype(operand), v_heads, preferred_element_type=jnp.float32)
     out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, G, H/G, Dv]
     return out.reshape(batch, num_queries, num_heads, v.shape[-1]).astype(q.dtype)  # [B, T, H, Dv]
+
+
+def masked_softmax(scores: Float[Array, "... S"], mask: Bool[Array, "... S"]) -> Float[Array, "... S"]:
+    """Softmax over the last axis of float32 `scores` where `mask` (broadcast to them) holds, exactly 0 where
+    it does not (even for NaN scores); a row with nothing unmasked is all zeros."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)  # masked entries are exactly 0
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(denom > 0, denom, 1.0)
 
 
 def gather_pages(pages: Float[Array, "N P ..."], block_table: Int[Array, "B W"]) -> Float[Array, "B S ..."]:

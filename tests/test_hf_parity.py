@@ -25,6 +25,7 @@ from hf_reference import (
 from mtp_jax.checkpoints import load_hf_checkpoint, save_hf_checkpoint
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.decode.generation import SamplingParams, generate
+from mtp_jax.layers.ffn import split_gate_up, swiglu
 from mtp_jax.model import Transformer, sequence_positions
 
 TINY = dict(
@@ -196,3 +197,23 @@ def test_generate_matches_transformers_generate(tmp_path):
         max_length=prompts.shape[1] + 32,
     )
     assert result.tokens == expected.tolist()
+
+
+def test_swiglu_rounds_as_torch_does_in_bfloat16():
+    """HF's `act_fn(gate_proj(x)) * up_proj(x)` in bfloat16: torch computes silu in float32 and rounds it once,
+    then rounds the product once. `swiglu` does the same (the exponentials' last float32 bit aside); jax's
+    bfloat16 silu, which rounds each of its ops, does not."""
+    rng = np.random.default_rng(0)
+    gate_up = jnp.asarray(rng.standard_normal((64, 2 * 4096)) * 4, jnp.bfloat16)
+    gate, up = split_gate_up(gate_up)
+    expected = torch.nn.functional.silu(torch.tensor(np.asarray(gate, np.float32)).bfloat16())
+    expected = (expected * torch.tensor(np.asarray(up, np.float32)).bfloat16()).float().numpy()
+    got = np.asarray(swiglu(gate_up), np.float32)
+    assert swiglu(gate_up).dtype == jnp.bfloat16
+    assert np.mean(got == expected) > 0.999
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(expected), 1e-30))) - 7)
+    assert (np.abs(got - expected) <= ulp).all()
+    per_op = np.asarray(jax.nn.silu(gate) * up, np.float32)
+    assert np.mean(per_op == expected) < 0.95
+    f32 = gate_up.astype(jnp.float32)
+    np.testing.assert_array_equal(swiglu(f32), jax.nn.silu(split_gate_up(f32)[0]) * split_gate_up(f32)[1])

@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mtp_jax.cache import KVCache, PagedCache
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
+from mtp_jax.layers import onednn
 from mtp_jax.layers.fused import qkv_layout
 from mtp_jax.layers.linear import linear
 from mtp_jax.layers.norm import RMSNorm
@@ -193,6 +194,8 @@ class Attention(nnx.Module):
     attention output is multiplied by sigmoid(gate) before `o_proj`.
     """
 
+    onednn_attention = False  # `onednn.ATTENTION`: a CPU engine's copy computes `attend` by `onednn.attention`
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, g = config.resolved_head_dim, config.num_attention_heads, config.num_key_value_heads
@@ -250,6 +253,8 @@ class Attention(nnx.Module):
             lengths, scale, impl = positions[:, -1] + 1, c.attention_scale, c.attention_impl
             if isinstance(cache, PagedCache):
                 out = attend_paged(q, cache, lengths, scale=scale, impl=impl)  # [B, T, H, D]
+            elif impl == "auto" and onednn.attends(self, q, cache.k, cache.v):  # a CPU engine's copy
+                out = onednn.attention(q, cache.k, cache.v, lengths, scale=scale)  # [B, T, H, D]
             else:
                 out = attend(q, cache.k, cache.v, lengths, scale=scale, impl=impl)  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only

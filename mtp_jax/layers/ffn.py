@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
@@ -17,6 +18,15 @@ def split_gate_up(gate_up: Float[Array, "... 2I"]) -> tuple[Float[Array, "... I"
     shard of the 2I axis is whole (gate, up) pairs, so it stays on its device."""
     pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)  # [..., I, 2]
     return pairs[..., 0], pairs[..., 1]
+
+
+def swiglu(gate_up: Float[Array, "... 2I"]) -> Float[Array, "... I"]:
+    """`silu(gate) * up` [..., I] of an interleaved `gate_up_proj` output [..., 2I] (`split_gate_up`), in its
+    dtype, as torch computes HF's `act_fn(gate_proj(x)) * up_proj(x)` in half precision: silu in float32
+    rounded once, then the product rounded once. (`jax.nn.silu` on bfloat16 rounds each of its five ops: off
+    torch by a rounding now and then, and 1.4-2.5x slower on XLA:CPU.) float32 is unchanged."""
+    gate, up = split_gate_up(gate_up)
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 class MLP(nnx.Module):
@@ -48,5 +58,4 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = split_gate_up(self.gate_up_proj(x))  # [..., I] each
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))

@@ -45,6 +45,7 @@ from mtp_jax.layers.fused import FusedLayout
 from mtp_jax.layers.linear import compute_kernel, linear
 from mtp_jax.layers.norm import RMSNorm
 from mtp_jax.layers.rope import apply_rope
+from pallas_kernels.attention_reference import masked_softmax
 
 # DeepSeek-V3 (its reference code and `transformers`) builds q_a_layernorm and kv_a_layernorm with
 # RMSNorm's default epsilon, not config.rms_norm_eps.
@@ -251,7 +252,7 @@ class MLAttention(nnx.Module):
             k_nope, v = kv_heads[..., :nope], kv_heads[..., nope:]  # [B, S, H, N], [B, S, H, V]
             scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)  # [B, H, T, S]
             scores += jnp.einsum("bthr,bsr->bhts", q_rope, cached_rope.astype(acc))  # [B, H, T, S]
-            weights = _masked_softmax(scores * softmax_scale(c), visible)  # [B, H, T, S]
+            weights = masked_softmax(scores * softmax_scale(c), visible[:, None])  # [B, H, T, S]
             out = jnp.einsum("bhts,bshv->bthv", weights, v)  # [B, T, H, V]
         out = out.reshape(batch, num_new, heads * v_dim).astype(x.dtype)  # [B, T, H V]
         return self.o_proj(out), cache
@@ -328,7 +329,7 @@ def _latent_weighted_sum(
     latent, k_rope = latent.astype(q_latent.dtype), k_rope.astype(q_rope.dtype)
     scores = jnp.einsum("bthc,bsc->bhts", q_latent, latent)  # [B, H, T, S]
     scores += jnp.einsum("bthr,bsr->bhts", q_rope, k_rope)  # [B, H, T, S]
-    weights = _masked_softmax(scores * scale, visible)  # [B, H, T, S]
+    weights = masked_softmax(scores * scale, visible[:, None])  # [B, H, T, S]
     return jnp.einsum("bhts,bsc->bthc", weights, latent)  # [B, T, H, C]
 
 
@@ -343,11 +344,3 @@ def _live_entries(
     return jnp.where(live, view.latent, 0), jnp.where(live, view.k_rope, 0), visible
 
 
-def _masked_softmax(scores: Float[Array, "B H T S"], visible: Bool[Array, "B T S"]) -> Float[Array, "B H T S"]:
-    """Softmax over S where `visible`; masked weights are exactly 0 and a row with nothing visible is all 0."""
-    scores = jnp.where(visible[:, None], scores, -jnp.inf)  # [B, H, T, S]
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.exp(scores - peak)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    return weights / jnp.where(denom > 0, denom, 1.0)

@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.layers import onednn
-from mtp_jax.layers.ffn import MLP, split_gate_up
+from mtp_jax.layers.ffn import MLP, swiglu
 from mtp_jax.layers.fp8 import dequantize, quantize
 from mtp_jax.layers.fused import FusedLayout, gate_up_layout
 from mtp_jax.layers.linear import linear
@@ -283,8 +283,7 @@ def _expert_sum(
         return onednn.grouped_matmul(lhs, packed_kernel, group_sizes, kernel.shape[-1])
 
     xs = x.astype(gate_up.dtype)[order // top_k]  # [M, E], the token of each sorted assignment
-    gate, up = split_gate_up(grouped(xs, gate_up, packed[0]))  # [M, I] each
-    ys = grouped(jax.nn.silu(gate) * up, down, packed[1])  # [M, E]
+    ys = grouped(swiglu(grouped(xs, gate_up, packed[0])), down, packed[1])  # [M, I] -> [M, E]
     inverse = jnp.argsort(order)  # [M], sorted position of each assignment
     y = ys[inverse].reshape(num_tokens, top_k, -1)  # [N, k, E]
     y = jnp.where(mine.reshape(num_tokens, top_k, 1), y, 0)  # other devices' experts: nothing here

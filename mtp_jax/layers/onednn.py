@@ -1,4 +1,5 @@
-"""oneDNN's matmul over pre-packed weights for the CPU decode step (optional; issue 26).
+"""oneDNN's matmul over pre-packed weights, and its attention over the KV cache, for the CPU decode step
+(optional; issue 26).
 
 XLA:CPU computes the decode step's few-row bfloat16 matmuls at 2-5x the time oneDNN's matmul takes once
 its weight is reordered ("packed") into the blocked layout oneDNN prefers (`benchmarks/bench_gemm.py`,
@@ -21,6 +22,12 @@ kernel packed, at every row count (XLA:CPU's `ragged_dot` multiplies every row b
 routed: FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_kernel`, for the absorbed
 per-head einsums), scanned layers' stacked kernels, and every engine on a mesh (sharded kernels).
 
+The attention of a bfloat16 engine's GQA layers (`Attention`, whose class declares `ATTENTION`) goes to
+`attention` too: one FFI call per layer (scores, masked softmax and weighted sum in oneDNN, the caches read
+in their own layout) where XLA:CPU converts both caches to float32 head-major copies every step (the
+demo model's batch-8 step 1.2-1.3x faster on Zen 5; the medium preset's within noise). Paged caches
+(serving), MLA and float32 (no faster) stay on XLA; `MTP_JAX_ONEDNN=matmuls` keeps every attention there.
+
 Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
 float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
 """
@@ -35,16 +42,21 @@ from functools import cache
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
-ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS
+ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS;
+# "matmuls": MIN_ROWS, the attention's products left to XLA
 MIN_ROWS = {"bfloat16": 1, "float32": 8}  # the default: a matmul goes to oneDNN from this many rows,
 LARGE_BYTES, LARGE_MIN_ROWS = 16 << 20, 2  # and a float32 kernel of 16 MiB or more from 2 rows
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
+_ATTENTION = "mtp_onednn_attention"
 PACKED = "packed_kernel"  # the attribute a Linear's packed kernel is swapped in as (`PackedLinear`)
 TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
 GROUPED = "grouped_kernels"  # a module's class attribute: names of its stacked [R, in, out] expert kernels
 MIN_ROWS_ATTRIBUTE = "onednn_min_rows"  # static int beside either: rows from which the packed copy is used
+ATTENTION = "onednn_attention"  # a module's class attribute (False) that `swapped` sets True: `attends`
 
 
 @cache
@@ -58,6 +70,7 @@ def _extension():
     jax.ffi.register_ffi_target(_PACK, jax.ffi.pycapsule(ext.PACK), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(ext.MATMUL), platform="cpu")
     jax.ffi.register_ffi_target(_GROUPED, jax.ffi.pycapsule(ext.GROUPED), platform="cpu")
+    jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(ext.ATTENTION), platform="cpu")
     return ext
 
 
@@ -82,8 +95,8 @@ def fast_dtypes() -> tuple[str, ...]:
 
 def _setting() -> str:
     setting = os.environ.get(ENV, "1").strip().lower()
-    if setting not in ("0", "off", "1", "on", "", "all"):
-        raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on or all")
+    if setting not in ("0", "off", "1", "on", "", "all", "matmuls"):
+        raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on, all or matmuls")
     return setting
 
 
@@ -142,6 +155,48 @@ def grouped_matmul(lhs: jax.Array, packed: jax.Array, group_sizes: jax.Array, fa
     return jax.ffi.ffi_call(_GROUPED, out, vmap_method="sequential")(lhs, packed, group_sizes.astype(jnp.int32))
 
 
+def attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S G D"],
+    v: Float[Array, "B S G Dv"],
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "B T H Dv"]:
+    """`pallas_kernels.verify_attention_reference` in oneDNN (`mtp_onednn_attention`), the caches read where
+    they lie.
+
+    Same arguments, convention and result ([B, T, H, Dv] in q's dtype; a query with nothing to attend gets
+    zeros; stale cache entries, Inf or NaN included, never reach it); q, k and v share one dtype, float32 or
+    bfloat16 (ValueError otherwise). Each KV head's T x H/G query rows go through oneDNN's matmul against a
+    strided view of the [B, S, G, D] keys (float32 sums, times `scale`), its softmax (the masked weights
+    exactly 0, the others rounded to q's dtype) and its matmul with the values: the reference's numbers up to
+    the summation order and the exponential's last bit. XLA:CPU would copy both caches head-major, in float32
+    for bf16, on every layer and step.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads, value_dim = k.shape[2], v.shape[-1]
+    if not q.dtype == k.dtype == v.dtype or q.dtype.name not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"attention: q, k and v must share one dtype, float32 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    group = num_heads // num_kv_heads
+    rows = num_queries * group  # per KV head: row t H/G + j is query head g H/G + j of new token t
+    qg = q.reshape(batch, num_queries, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B, G, T, H/G, D]
+    out = jax.ffi.ffi_call(
+        _ATTENTION, jax.ShapeDtypeStruct((batch, num_kv_heads, rows, value_dim), jnp.float32), vmap_method="sequential"
+    )(
+        qg.reshape(batch, num_kv_heads, rows, head_dim),
+        k,
+        v,
+        lengths.astype(jnp.int32),
+        scale=np.float32(head_dim**-0.5 if scale is None else scale),
+        num_queries=np.int64(num_queries),
+    )
+    out = out.reshape(batch, num_kv_heads, num_queries, group, value_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, num_queries, num_heads, value_dim).astype(q.dtype)  # [B, T, H, Dv]
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedDot:
     """An `nnx.Linear.dot_general` whose right operand is `pack(kernel)` for a [fan_in, fan_out] kernel:
@@ -165,6 +220,12 @@ class PackedDot:
         out = jax.ShapeDtypeStruct((*lhs.shape[:-1], self.fan_out), lhs.dtype)
         y = jax.ffi.ffi_call(_MATMUL, out, vmap_method="expand_dims")(lhs, rhs)
         return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def attends(module: nnx.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether `module`'s attention over this q and cache goes to `attention`: `swapped` flagged it (a CPU
+    engine's copy, `ATTENTION`) and q, k and v are all bfloat16 (a float32 cache, say, stays on XLA)."""
+    return getattr(module, ATTENTION, False) and q.dtype == k.dtype == v.dtype == jnp.bfloat16
 
 
 def packed_for(module: nnx.Module, attribute: str, x: jax.Array) -> jax.Array | None:
@@ -218,8 +279,10 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
     """Packs the kernels of `model`'s routable Linears (`routed_dtypes`), the stacked expert kernels of
     its modules that name them in a class attribute `GROUPED` (MoE `Experts`; not FP8 ones), and the
     transposed table of `tied` (a tied head's embedding, used as `x @ embedding.T`): {module: packed
-    kernel, or for experts {name: packed [R, P]}}, reusing an earlier packing of the same array. The
-    caller swaps them in with `swapped`; empty when nothing is routed."""
+    kernel, or for experts {name: packed [R, P]}}, reusing an earlier packing of the same array; and
+    {module: `ATTENTION`} for each attention module computing in bfloat16 whose class declares `ATTENTION`
+    (False), unless `MTP_JAX_ONEDNN=matmuls` (float32 attention stays on XLA: no faster in oneDNN on Zen 5).
+    The caller swaps them in with `swapped`; empty when nothing is routed."""
     dtypes = routed_dtypes()
     if not dtypes:
         return {}
@@ -234,6 +297,9 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
             getattr(module, name).ndim == 3 and getattr(module, f"{name}_scale_inv", None) is None for name in grouped
         ):  # not scanned layers' [L, R, in, out], not FP8
             packed[module] = {name: _packed(module, name, dtype, stacked=True) for name in grouped}
+        attention = getattr(type(module), ATTENTION, None) is False and _setting() != "matmuls"
+        if attention and "bfloat16" in dtypes and jnp.dtype(module.config.compute_dtype).name == "bfloat16":
+            packed[module] = ATTENTION  # no weight: its attention's products go to oneDNN (`attends`)
     if tied is not None and tied.dtype is not None and jnp.dtype(tied.dtype).name in dtypes:
         packed[tied] = _packed(tied, "embedding", jnp.dtype(tied.dtype).name, transpose=True)
     return packed
@@ -264,9 +330,9 @@ class swapped:
     """Context manager: inside it, each Linear of `packed` (`pack_params`) is a `PackedLinear` holding its
     packed kernel as the parameter `PACKED`, each tied embedding its packed transpose as `TIED_HEAD`
     (which `Transformer.head` then uses), both with the row count from which to use it
-    (`MIN_ROWS_ATTRIBUTE`, `min_rows` of the kernel's dtype), and each experts module its packed stacked
-    kernels as `PACKED`_name (`packed_grouped`, every row count); on exit the modules are as before (for
-    `nnx.split` of a packed copy)."""
+    (`MIN_ROWS_ATTRIBUTE`, `min_rows` of the kernel's dtype), each experts module its packed stacked
+    kernels as `PACKED`_name (`packed_grouped`, every row count), and each attention module `ATTENTION`
+    set True (`attends`); on exit the modules are as before (for `nnx.split` of a packed copy)."""
 
     def __init__(self, packed: dict):
         self.packed, self.saved = packed, []  # saved: (module, class, {attribute: value before or _MISSING})
@@ -276,6 +342,9 @@ class swapped:
             for module, kernel in self.packed.items():
                 before = {}
                 self.saved.append((module, type(module), before))
+                if kernel is ATTENTION:
+                    _set(module, ATTENTION, True, before)
+                    continue
                 if isinstance(kernel, dict):  # an experts module's stacked kernels
                     for name, stacked in kernel.items():
                         _set(module, f"{PACKED}_{name}", nnx.Param(stacked), before)

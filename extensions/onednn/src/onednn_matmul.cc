@@ -35,24 +35,15 @@
 
 #include <omp.h>
 
-#include "oneapi/dnnl/dnnl.hpp"
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
+using namespace mtp_onednn;
 
 namespace {
 
 constexpr int64_t kLayoutRows = 16;
-
-struct Ctx {
-  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
-};
-
-Ctx& ctx() {
-  static Ctx* c = new Ctx();  // never destroyed: no destruction-order issues at exit
-  return *c;
-}
 
 std::mutex g_mu;
 
@@ -67,22 +58,14 @@ std::mutex g_mu;
 // sets the calling thread's value only; oneDNN fixes a primitive's thread count when it is created, and a
 // primitive is cached per (M, K, N, dtype), which alone decide the count (the weight's bytes are its packed
 // layout's), so each is created after UseThreads.
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* s = std::getenv(name);
-  int64_t v = s ? std::atoll(s) : 0;
-  return v > 0 ? v : fallback;
-}
-
 memory::desc PackedDesc(int64_t K, int64_t N, memory::data_type dt);
 
 void UseThreads(int64_t M, int64_t K, int64_t N, memory::data_type dt) {
   size_t weight_bytes = PackedDesc(K, N, dt).get_size();
-  static const int threads = static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads()));
   static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
-  static const int64_t parallel_macs = EnvInt("MTP_JAX_ONEDNN_PARALLEL_MACS", 8 << 20);
   constexpr size_t kMinParallelBytes = 1 << 20;
-  bool parallel = weight_bytes >= parallel_bytes || (weight_bytes >= kMinParallelBytes && M * K * N >= parallel_macs);
-  omp_set_num_threads(parallel ? threads : 1);
+  bool parallel = weight_bytes >= parallel_bytes || (weight_bytes >= kMinParallelBytes && M * K * N >= ParallelMacs());
+  omp_set_num_threads(parallel ? Threads() : 1);
 }
 
 memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
@@ -124,18 +107,6 @@ std::shared_ptr<Matmul> GetMatmul(int64_t M, int64_t K, int64_t N, memory::data_
   m->prim = dnnl::matmul(pd);
   std::lock_guard<std::mutex> lock(g_mu);
   return cache.emplace(key, m).first->second;
-}
-
-bool DataType(ffi::DataType et, memory::data_type* dt) {
-  if (et == ffi::DataType::BF16) {
-    *dt = memory::data_type::bf16;
-    return true;
-  }
-  if (et == ffi::DataType::F32) {
-    *dt = memory::data_type::f32;
-    return true;
-  }
-  return false;
 }
 
 memory::data_type FromCode(int dtype) { return dtype == 1 ? memory::data_type::bf16 : memory::data_type::f32; }

@@ -1,0 +1,57 @@
+// What the handlers of onednn_matmul.cc and onednn_attention.cc share: the CPU engine, the dtypes they
+// take, and the thread knobs read from the environment.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+
+#include <omp.h>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace mtp_onednn {
+
+struct Ctx {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+};
+
+inline Ctx& ctx() {
+  static Ctx* c = new Ctx();  // never destroyed: no destruction-order issues at exit
+  return *c;
+}
+
+// A positive integer from the environment, else `fallback` (unset, 0 or garbage keep the default).
+inline int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  int64_t v = s ? std::atoll(s) : 0;
+  return v > 0 ? v : fallback;
+}
+
+// oneDNN's OpenMP threads for a call that uses more than one: MTP_JAX_ONEDNN_THREADS, default every core
+// (or OMP_NUM_THREADS).
+inline int Threads() {
+  static const int threads = static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads()));
+  return threads;
+}
+
+// The multiply-adds from which a call is worth every core: MTP_JAX_ONEDNN_PARALLEL_MACS, default 8 Mi.
+inline int64_t ParallelMacs() {
+  static const int64_t macs = EnvInt("MTP_JAX_ONEDNN_PARALLEL_MACS", 8 << 20);
+  return macs;
+}
+
+// bf16 and f32 map to oneDNN's types; false for any other.
+inline bool DataType(xla::ffi::DataType et, dnnl::memory::data_type* dt) {
+  if (et == xla::ffi::DataType::BF16) {
+    *dt = dnnl::memory::data_type::bf16;
+    return true;
+  }
+  if (et == xla::ffi::DataType::F32) {
+    *dt = dnnl::memory::data_type::f32;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace mtp_onednn

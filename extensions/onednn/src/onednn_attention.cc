@@ -1,0 +1,226 @@
+// mtp_jax_onednn: the decode step's attention over the KV cache where it lies, in one XLA FFI call.
+//
+//   MtpOnednnAttention(q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths s32 [B]; scale, num_queries T)
+//       -> f32 [B, G, M, Dv]
+//
+// Row m of KV head g is query head g M/T + m % (M/T) of new token t = m / (M/T) (the caller puts q's heads
+// that read KV head g together), and sees cache positions s < lengths[b] - T + t + 1 (the verify window's
+// causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Three oneDNN
+// primitives and a reorder: the scores as a batched matmul over (B, G) whose keys are a strided view of the
+// cache (times `scale` on the f32 sum), the masked softmax over S (softmax_accurate in f32, the weights then
+// rounded once to q's dtype), and the weighted sum as a second batched matmul over the values' strided view. XLA:CPU would copy
+// both caches head-major first (in f32, for bf16) on every layer and step, and compute the softmax in six
+// fusions. q, k, v share one dtype, bf16 (products exact, summed in f32) or f32; a query with nothing to
+// see gets zeros.
+//
+// Stale values: the weights of entries at or past lengths[b] are exactly 0, but a stale value that is Inf
+// or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
+// here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
+//
+// Threads: every core (MTP_JAX_ONEDNN_THREADS) for a product of MTP_JAX_ONEDNN_PARALLEL_MACS multiply-adds or
+// more, one below; the softmax runs on the count its scores' product set.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+using namespace mtp_onednn;
+
+namespace {
+
+std::mutex g_attention_mu;
+
+enum class Product { kScores, kValues };
+
+struct Primitive {
+  dnnl::matmul prim;
+  dnnl::softmax_forward softmax;
+  dnnl::reorder round;
+  memory::desc src, wei, dst;
+};
+
+// A cached primitive of one product: src [B, G, M, C] (C: D or S) times the cache viewed as [B, G, C, N]
+// (N: S or Dv) into f32 [B, G, M, N].
+std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D,
+                                      memory::data_type dt, float scale) {
+  static std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, float>, std::shared_ptr<Primitive>>
+      cache;
+  auto key = std::make_tuple(static_cast<int>(kind), B, G, M, S, D, static_cast<int>(dt), scale);
+  {
+    std::lock_guard<std::mutex> lock(g_attention_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  bool scores = kind == Product::kScores;
+  int64_t C = scores ? D : S, N = scores ? S : D;
+  auto p = std::make_shared<Primitive>();
+  p->src = memory::desc({B, G, M, C}, dt, memory::format_tag::abcd);
+  // The cache [B, S, G, D] as [B, G, D, S] (keys: position s at stride G D) or [B, G, S, D] (values).
+  memory::dims strides = scores ? memory::dims{S * G * D, D, 1, G * D} : memory::dims{S * G * D, D, G * D, 1};
+  p->wei = memory::desc({B, G, C, N}, dt, strides);
+  p->dst = memory::desc({B, G, M, N}, memory::data_type::f32, memory::format_tag::abcd);
+  dnnl::primitive_attr attr;
+  if (scale != 1.0f) {  // the scores times the softmax scale, in f32 on the sum as the reference does
+    dnnl::post_ops ops;
+    ops.append_eltwise(dnnl::algorithm::eltwise_linear, scale, 0.0f);
+    attr.set_post_ops(ops);
+  }
+  p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(ctx().eng, p->src, p->wei, p->dst, attr));
+  std::lock_guard<std::mutex> lock(g_attention_mu);
+  return cache.emplace(key, p).first->second;
+}
+
+// One product; throws what oneDNN throws. The calling thread's OpenMP count is set before the primitive
+// is fetched (oneDNN fixes it when the primitive is created) and holds for its run.
+void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D, memory::data_type dt, void* a,
+         void* cache, void* out, float scale) {
+  omp_set_num_threads(B * G * M * S * D >= ParallelMacs() ? Threads() : 1);
+  auto p = GetProduct(kind, B, G, M, S, D, dt, scale);
+  dnnl::stream strm(ctx().eng);
+  memory src(p->src, ctx().eng, a), wei(p->wei, ctx().eng, cache), dst(p->dst, ctx().eng, out);
+  p->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+  strm.wait();
+}
+
+float Load(const void* base, int64_t i, bool bf16) {
+  if (!bf16) return static_cast<const float*>(base)[i];
+  uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// softmax over S of the scores [R, S] f32, in place (the entries past a row's visible ones were set to -inf,
+// which oneDNN's exp takes to exactly 0), then rounded into `weights` [R, S] of `dt` by a reorder: oneDNN's
+// softmax into bf16 rounds twice (it keeps the exponentials in dst before scaling them), the reference once.
+void Softmax(int64_t R, int64_t S, memory::data_type dt, float* scores, void* weights) {
+  static std::map<std::tuple<int64_t, int64_t, int>, std::shared_ptr<Primitive>> cache;
+  auto key = std::make_tuple(R, S, static_cast<int>(dt));
+  std::shared_ptr<Primitive> p;
+  {
+    std::lock_guard<std::mutex> lock(g_attention_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) p = it->second;
+  }
+  if (!p) {
+    p = std::make_shared<Primitive>();
+    p->src = memory::desc({R, S}, memory::data_type::f32, memory::format_tag::ab);
+    p->dst = memory::desc({R, S}, dt, memory::format_tag::ab);
+    dnnl::softmax_forward::primitive_desc pd(ctx().eng, dnnl::prop_kind::forward_inference,
+                                             dnnl::algorithm::softmax_accurate, p->src, p->src, 1);
+    p->softmax = dnnl::softmax_forward(pd);
+    if (dt != memory::data_type::f32) p->round = dnnl::reorder(dnnl::reorder::primitive_desc(ctx().eng, p->src, ctx().eng, p->dst));
+    std::lock_guard<std::mutex> lock(g_attention_mu);
+    p = cache.emplace(key, p).first->second;
+  }
+  dnnl::stream strm(ctx().eng);
+  memory src(p->src, ctx().eng, scores), dst(p->dst, ctx().eng, weights);
+  if (dt == memory::data_type::f32) {
+    p->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+  } else {
+    p->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, src}});
+    p->round.execute(strm, src, dst);
+  }
+  strm.wait();
+}
+
+ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                         ffi::Result<ffi::AnyBuffer> out, float scale, int64_t T) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lengths.dimensions(),
+       od = out->dimensions();
+  memory::data_type dt;
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || ld.size() != 1 || kd[0] != qd[0] ||
+      kd[2] != qd[1] || kd[3] != qd[3] || vd[0] != qd[0] || vd[1] != kd[1] || vd[2] != qd[1] || ld[0] != qd[0] ||
+      od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != vd[3])
+    return ffi::Error::InvalidArgument(
+        "mtp_onednn_attention: expected q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths [B] and out "
+        "[B, G, M, Dv]");
+  if (!DataType(q.element_type(), &dt) || k.element_type() != q.element_type() ||
+      v.element_type() != q.element_type() || out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(
+        "mtp_onednn_attention: q, k and v must share one dtype, bf16 or f32, and out be f32");
+  int64_t B = qd[0], G = qd[1], M = qd[2], D = qd[3], S = kd[1], Dv = vd[3];
+  if (T <= 0 || M % T != 0)
+    return ffi::Error::InvalidArgument("mtp_onednn_attention: num_queries must divide q's rows M");
+  float* o = static_cast<float*>(out->untyped_data());
+  if (out->element_count() == 0) return ffi::Error::Success();
+  if (S == 0) {
+    std::memset(o, 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  // Scratch for the scores and weights, kept per thread between calls.
+  thread_local std::vector<float> scores;
+  thread_local std::vector<float> weights;  // bf16 weights take the first half
+  scores.resize(B * G * M * S);
+  weights.resize(B * G * M * S);
+  const int32_t* len = lengths.typed_data();
+  int64_t J = M / T;  // row m of KV head g is new token m / J's query head g J + m % J
+  try {
+    if (D == 0)
+      std::fill(scores.begin(), scores.end(), 0.0f);
+    else
+      Run(Product::kScores, B, G, M, S, D, dt, q.untyped_data(), k.untyped_data(), scores.data(), scale);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t m = 0; m < M; ++m) {  // query t sees positions < lengths[b] - T + t + 1
+          int64_t visible = std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
+          float* row = scores.data() + ((b * G + g) * M + m) * S;
+          std::fill(row + visible, row + S, -std::numeric_limits<float>::infinity());
+        }
+    Softmax(B * G * M, S, dt, scores.data(), weights.data());
+    size_t item = dt == memory::data_type::bf16 ? 2 : 4;
+    for (int64_t b = 0; b < B; ++b)  // a query that sees nothing: weights 0 (oneDNN's are NaN there)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t m = 0; m < M; ++m)
+          if (int64_t{len[b]} - T + m / J + 1 <= 0)
+            std::memset(reinterpret_cast<char*>(weights.data()) + ((b * G + g) * M + m) * S * item, 0, S * item);
+    Run(Product::kValues, B, G, M, S, Dv, dt, weights.data(), v.untyped_data(), o, 1.0f);
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("mtp_onednn_attention: ") + err.what());
+  }
+  bool bf16 = dt == memory::data_type::bf16;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < G; ++g) {
+      float* block = o + (b * G + g) * M * Dv;
+      bool finite = true;
+      for (int64_t i = 0; i < M * Dv && finite; ++i) finite = std::isfinite(block[i]);
+      if (finite) continue;
+      // Not finite: again over the valid entries only, so a stale Inf / NaN value cannot leak.
+      int64_t valid = std::clamp<int64_t>(len[b], 0, S);
+      for (int64_t m = 0; m < M; ++m) {
+        int64_t row = ((b * G + g) * M + m) * S;
+        for (int64_t e = 0; e < Dv; ++e) {
+          float sum = 0.0f;
+          for (int64_t s = 0; s < valid; ++s)
+            sum += Load(weights.data(), row + s, bf16) * Load(v.untyped_data(), ((b * S + s) * G + g) * Dv + e, bf16);
+          block[m * Dv + e] = sum;
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("num_queries"));

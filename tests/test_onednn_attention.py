@@ -1,0 +1,137 @@
+"""The decode step's attention products in oneDNN (`mtp_jax.layers.onednn.attention`, extension
+`extensions/onednn`): equal to `verify_attention_reference` within bfloat16 rounding for every query/KV
+head grouping, row count and length the step meets (a query with nothing to attend, a verify window past
+the capacity), inside jit and vmap; stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
+GQA attention there and `MTP_JAX_ONEDNN=matmuls` or float32 keep it on XLA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_onednn import TINY, built, decode, tiny
+
+from mtp_jax.cache import KVCache
+from mtp_jax.decode.speculative import SpeculativeConfig
+from mtp_jax.layers import onednn
+from mtp_jax.layers.attention import Attention
+from pallas_kernels.attention_reference import verify_attention_reference
+
+# (batch, new tokens T, query heads H, KV heads G, capacity S, head dim D, value dim Dv, lengths)
+CASES = (
+    (2, 1, 4, 2, 12, 16, 16, (1, 12)),  # one new token: a decode step
+    (3, 4, 6, 2, 20, 32, 32, (4, 20, 2)),  # a verify window; row 2's first two queries see nothing: zeros
+    (1, 3, 3, 3, 9, 16, 8, (11,)),  # one query head per KV head, the window past the capacity, Dv != D
+    (2, 5, 8, 1, 33, 64, 64, (17, 33)),  # one KV head for all (MQA)
+)
+
+
+def operands(batch, num_new, heads, kv_heads, capacity, dim, value_dim, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, num_new, heads, dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((batch, capacity, kv_heads, dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((batch, capacity, kv_heads, value_dim)), jnp.bfloat16)
+    return q, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def assert_equal_within_rounding(got, ref):
+    """Both sum exact bf16 products in float32 (another order) and round the softmax weights and the result
+    to bf16: at most a few bf16 steps of the largest value apart, most elements equal."""
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=2**-6, atol=2**-6 * np.abs(ref).max())
+    assert np.mean(got == ref) > 0.9
+
+
+@built
+@pytest.mark.parametrize("case", CASES, ids=["decode", "verify", "past-capacity", "mqa"])
+def test_attention_equals_the_reference(case):
+    q, k, v, lengths = operands(*case)
+    got = jax.jit(onednn.attention)(q, k, v, lengths)
+    ref = verify_attention_reference(q, k, v, lengths)
+    assert got.dtype == jnp.bfloat16
+    assert_equal_within_rounding(got, ref)
+    empty = np.asarray(ref, np.float32) == 0  # the queries with nothing to attend: exactly zero in both
+    assert (np.asarray(got, np.float32)[empty] == 0).all()
+    scaled = onednn.attention(q, k, v, lengths, scale=0.3)
+    assert_equal_within_rounding(scaled, verify_attention_reference(q, k, v, lengths, scale=0.3))
+
+
+@built
+def test_attention_under_vmap_equals_each_call():
+    q, k, v, lengths = operands(*CASES[1])
+    stacked = [jnp.stack([x, x[::-1]]) for x in (q, k, v, lengths)]
+    got = jax.jit(jax.vmap(onednn.attention))(*stacked)
+    for i in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(got[i], np.float32), np.asarray(onednn.attention(*[x[i] for x in stacked]), np.float32)
+        )
+
+
+@built
+def test_stale_inf_and_nan_never_leak():
+    """Entries at or past a row's length may hold anything (rejected drafts, a previous request's values):
+    Inf and NaN there give the result of a clean cache. A NaN in a valid value does reach the output."""
+    q, k, v, lengths = operands(*CASES[1])
+    stale = np.arange(k.shape[1])[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
+    poisoned_k = jnp.where(stale[:, :, None, None], jnp.nan, k)
+    poisoned_v = jnp.where(
+        stale[:, :, None, None],
+        jnp.asarray([jnp.inf, jnp.nan], jnp.bfloat16)[np.arange(k.shape[1]) % 2][None, :, None, None],
+        v,
+    )
+    clean = onednn.attention(q, k, v, lengths)
+    got = onednn.attention(q, poisoned_k, poisoned_v, lengths)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert_equal_within_rounding(got, clean)
+    assert_equal_within_rounding(got, verify_attention_reference(q, poisoned_k, poisoned_v, lengths))
+    bad = v.at[1, 0, 0, 0].set(jnp.nan)  # row 1's first entry, valid for all its queries, KV head 0
+    out = np.asarray(onednn.attention(q, k, bad, lengths), np.float32)
+    assert np.isnan(out[1, :, :3, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, :, 3:]).all()
+
+
+@built
+def test_bad_operands_are_refused_with_the_reason():
+    q, k, v, lengths = operands(*CASES[0])
+    with pytest.raises(ValueError, match="share one dtype"):
+        onednn.attention(q, k.astype(jnp.float32), v, lengths)
+    with pytest.raises(ValueError, match="share one dtype, float32 or bfloat16"):
+        onednn.attention(*(x.astype(jnp.float16) for x in (q, k, v)), lengths)
+
+
+def calls_attention(module, dtype) -> bool:
+    x = jnp.ones((2, 3, TINY.hidden_size), dtype)
+    cache = KVCache.init(module.config, 2, 16, dtype)
+    positions = jnp.asarray([[4, 5, 6], [0, 1, 2]], jnp.int32)
+    text = jax.jit(lambda x, c: module(x, positions, c)).lower(x, cache).as_text()
+    return "mtp_onednn_attention" in text
+
+
+@built
+def test_bfloat16_engines_route_their_attention(monkeypatch):
+    """`pack_params` flags every GQA attention module of a bfloat16 model (not a float32 one, not with
+    `MTP_JAX_ONEDNN=matmuls`), `swapped` sets the flag for the engine's copy only, and a flagged module
+    computes the reference's numbers; the engine's speculative greedy tokens equal its plain ones."""
+    monkeypatch.delenv(onednn.ENV, raising=False)
+    model = tiny("bfloat16")
+    packed = onednn.pack_params(model)
+    flagged = [m for m, p in packed.items() if p is onednn.ATTENTION]
+    assert len(flagged) == 3 and all(isinstance(m, Attention) for m in flagged)
+    layer = flagged[0]
+    cache = KVCache.init(layer.config, 2, 16, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, TINY.hidden_size)), jnp.bfloat16)
+    positions = jnp.asarray([[4, 5, 6], [0, 1, 2]], jnp.int32)
+    xla, xla_cache = layer(x, positions, cache)
+    with onednn.swapped(packed):
+        assert calls_attention(layer, jnp.bfloat16)
+        got, got_cache = layer(x, positions, cache)
+    assert not calls_attention(layer, jnp.bfloat16) and onednn.ATTENTION not in vars(layer)
+    assert_equal_within_rounding(got, xla)
+    np.testing.assert_array_equal(np.asarray(got_cache.k, np.float32), np.asarray(xla_cache.k, np.float32))
+
+    _, plain = decode(model)
+    _, eagle = decode(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3))
+    assert eagle == plain
+    monkeypatch.setenv(onednn.ENV, "matmuls")
+    assert not any(p is onednn.ATTENTION for p in onednn.pack_params(model).values())
+    monkeypatch.delenv(onednn.ENV)
+    assert not any(p is onednn.ATTENTION for p in onednn.pack_params(tiny("float32")).values())
