@@ -4,6 +4,10 @@ head grouping, row count and length the step meets (a query with nothing to atte
 the capacity), inside jit and vmap; stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
 GQA attention there and `MTP_JAX_ONEDNN=matmuls` or float32 keep it on XLA."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +20,7 @@ from mtp_jax.layers import onednn
 from mtp_jax.layers.attention import Attention
 from pallas_kernels.attention_reference import verify_attention_reference
 
+ROOT = Path(__file__).resolve().parent.parent
 # (batch, new tokens T, query heads H, KV heads G, capacity S, head dim D, value dim Dv, lengths)
 CASES = (
     (2, 1, 4, 2, 12, 16, 16, (1, 12)),  # one new token: a decode step
@@ -135,3 +140,33 @@ def test_bfloat16_engines_route_their_attention(monkeypatch):
     assert not any(p is onednn.ATTENTION for p in onednn.pack_params(model).values())
     monkeypatch.delenv(onednn.ENV)
     assert not any(p is onednn.ATTENTION for p in onednn.pack_params(tiny("float32")).values())
+
+
+@built
+def test_overflowing_scores_and_odd_scales_match_the_reference():
+    """Visible scores that overflow to -inf from finite operands leave nothing to attend: zeros, as the
+    reference's softmax gives (oneDNN's alone gives NaN). Scales are told apart by their bits: a NaN scale's
+    call gives NaN and leaves a later call of the same shape with another scale alone."""
+    q = jnp.full((1, 2, 2, 4), 1e38, jnp.bfloat16)
+    k = jnp.full((1, 4, 1, 4), -1e38, jnp.bfloat16)
+    v = jnp.ones((1, 4, 1, 4), jnp.bfloat16)
+    lengths = jnp.asarray([4], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(onednn.attention(q, k, v, lengths), np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(verify_attention_reference(q, k, v, lengths), np.float32), 0.0)
+    q, k, v, lengths = operands(*CASES[0])
+    assert np.isnan(np.asarray(onednn.attention(q, k, v, lengths, scale=float("nan")), np.float32)).all()
+    assert_equal_within_rounding(
+        onednn.attention(q, k, v, lengths, scale=0.5), verify_attention_reference(q, k, v, lengths, scale=0.5)
+    )
+
+
+@built
+def test_a_fresh_process_can_call_attention_first():
+    """`attention` registers the extension's targets itself (nothing else packed first)."""
+    script = (
+        "import jax.numpy as jnp; from mtp_jax.layers import onednn; x = jnp.ones((1, 1, 2, 8), jnp.bfloat16); "
+        "print(float(onednn.attention(x, x, x, jnp.ones((1,), jnp.int32))[0, 0, 0, 0]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1.0"

@@ -342,5 +342,3 @@ def _live_entries(
     live = (s[None, :] <= positions[:, -1:])[:, :, None]  # [B, S, 1]
     visible = s[None, None, :] <= positions[:, :, None]  # [B, T, S]
     return jnp.where(live, view.latent, 0), jnp.where(live, view.k_rope, 0), visible
-
-

@@ -166,16 +166,19 @@ def attention(
     """`pallas_kernels.verify_attention_reference` in oneDNN (`mtp_onednn_attention`), the caches read where
     they lie.
 
-    Same arguments, convention and result ([B, T, H, Dv] in q's dtype; a query with nothing to attend gets
-    zeros; stale cache entries, Inf or NaN included, never reach it); q, k and v share one dtype, float32 or
-    bfloat16 (ValueError otherwise). Each KV head's T x H/G query rows go through oneDNN's matmul against a
-    strided view of the [B, S, G, D] keys (float32 sums, times `scale`), its softmax (the masked weights
-    exactly 0, the others rounded to q's dtype) and its matmul with the values: the reference's numbers up to
-    the summation order and the exponential's last bit. XLA:CPU would copy both caches head-major, in float32
-    for bf16, on every layer and step.
+    Same arguments, convention and result ([B, T, H, Dv] in q's dtype; a query with nothing to attend, or
+    whose visible scores are all -inf, gets zeros; stale cache entries, Inf or NaN included, never reach it);
+    q, k and v share one dtype, float32 or bfloat16 (ValueError otherwise); RuntimeError without the
+    extension. Each KV head's T x H/G query rows go through oneDNN's matmul against a strided view of the
+    [B, S, G, D] keys (float32 sums, times `scale`), its softmax (the masked weights exactly 0, the others
+    rounded to q's dtype) and its matmul with the values: the reference's numbers up to the summation order
+    and the exponential's last bit. XLA:CPU would copy both caches head-major, in float32 for bf16, on every
+    layer and step. The call's scratch (scores and weights, 2 x [B, G, T H/G, S] float32) is an XLA buffer.
     """
     batch, num_queries, num_heads, head_dim = q.shape
-    num_kv_heads, value_dim = k.shape[2], v.shape[-1]
+    cache_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
+    if _extension() is None:
+        raise RuntimeError("mtp_jax.layers.onednn.attention: the mtp_jax_onednn extension is not installed")
     if not q.dtype == k.dtype == v.dtype or q.dtype.name not in ("float32", "bfloat16"):
         raise ValueError(
             f"attention: q, k and v must share one dtype, float32 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -183,9 +186,11 @@ def attention(
     group = num_heads // num_kv_heads
     rows = num_queries * group  # per KV head: row t H/G + j is query head g H/G + j of new token t
     qg = q.reshape(batch, num_queries, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B, G, T, H/G, D]
-    out = jax.ffi.ffi_call(
-        _ATTENTION, jax.ShapeDtypeStruct((batch, num_kv_heads, rows, value_dim), jnp.float32), vmap_method="sequential"
-    )(
+    results = (
+        jax.ShapeDtypeStruct((batch, num_kv_heads, rows, value_dim), jnp.float32),
+        jax.ShapeDtypeStruct((2, batch, num_kv_heads, rows, cache_len), jnp.float32),  # the call's scratch
+    )
+    out, _ = jax.ffi.ffi_call(_ATTENTION, results, vmap_method="sequential")(
         qg.reshape(batch, num_kv_heads, rows, head_dim),
         k,
         v,

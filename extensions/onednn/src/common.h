@@ -2,6 +2,7 @@
 // take, and the thread knobs read from the environment.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 
@@ -39,6 +40,16 @@ inline int Threads() {
 inline int64_t ParallelMacs() {
   static const int64_t macs = EnvInt("MTP_JAX_ONEDNN_PARALLEL_MACS", 8 << 20);
   return macs;
+}
+
+// Whether a oneDNN call runs on every core (else one thread): an operand streamed from memory of
+// MTP_JAX_ONEDNN_PARALLEL_BYTES (default 2 MiB) or more, or of 1 MiB or more in a call of ParallelMacs()
+// multiply-adds or more. A small call is done sooner than OpenMP wakes its workers, and idle workers spin,
+// taking cores from XLA's own pool (docs/benchmarks.md, 2026-12-07).
+inline bool EveryCore(size_t bytes, int64_t macs) {
+  static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
+  constexpr size_t kMinParallelBytes = 1 << 20;
+  return bytes >= parallel_bytes || (bytes >= kMinParallelBytes && macs >= ParallelMacs());
 }
 
 // bf16 and f32 map to oneDNN's types; false for any other.

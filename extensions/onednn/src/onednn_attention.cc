@@ -1,7 +1,8 @@
 // mtp_jax_onednn: the decode step's attention over the KV cache where it lies, in one XLA FFI call.
 //
 //   MtpOnednnAttention(q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths s32 [B]; scale, num_queries T)
-//       -> f32 [B, G, M, Dv]
+//       -> out f32 [B, G, M, Dv], scratch f32 [2, B, G, M, S] (the scores and the weights: XLA's buffer, so
+//          that nothing here outlives the call)
 //
 // Row m of KV head g is query head g M/T + m % (M/T) of new token t = m / (M/T) (the caller puts q's heads
 // that read KV head g together), and sees cache positions s < lengths[b] - T + t + 1 (the verify window's
@@ -11,14 +12,14 @@
 // rounded once to q's dtype), and the weighted sum as a second batched matmul over the values' strided view. XLA:CPU would copy
 // both caches head-major first (in f32, for bf16) on every layer and step, and compute the softmax in six
 // fusions. q, k, v share one dtype, bf16 (products exact, summed in f32) or f32; a query with nothing to
-// see gets zeros.
+// see, or whose visible scores are all -inf, gets zeros (as the reference's masked_softmax gives).
 //
 // Stale values: the weights of entries at or past lengths[b] are exactly 0, but a stale value that is Inf
 // or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
 // here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
 //
-// Threads: every core (MTP_JAX_ONEDNN_THREADS) for a product of MTP_JAX_ONEDNN_PARALLEL_MACS multiply-adds or
-// more, one below; the softmax runs on the count its scores' product set.
+// Threads: the matmuls' rule (EveryCore) over the call's two caches and its multiply-adds, for all of its
+// primitives; each primitive cache is keyed by what decides that count.
 
 #include <algorithm>
 #include <cmath>
@@ -30,7 +31,6 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "common.h"
 
@@ -51,13 +51,19 @@ struct Primitive {
   memory::desc src, wei, dst;
 };
 
+uint32_t Bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;  // a map key: NaN compares unordered, its bits do not
+}
+
 // A cached primitive of one product: src [B, G, M, C] (C: D or S) times the cache viewed as [B, G, C, N]
-// (N: S or Dv) into f32 [B, G, M, N].
+// (N: S or D) into f32 [B, G, M, N], the sums times `scale`; created on `threads` threads.
 std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D,
-                                      memory::data_type dt, float scale) {
-  static std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, float>, std::shared_ptr<Primitive>>
-      cache;
-  auto key = std::make_tuple(static_cast<int>(kind), B, G, M, S, D, static_cast<int>(dt), scale);
+                                      memory::data_type dt, float scale, int threads) {
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
+  static std::map<Key, std::shared_ptr<Primitive>> cache;
+  Key key{static_cast<int>(kind), B, G, M, S, D, static_cast<int>(dt), Bits(scale), threads};
   {
     std::lock_guard<std::mutex> lock(g_attention_mu);
     auto it = cache.find(key);
@@ -82,16 +88,37 @@ std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_
   return cache.emplace(key, p).first->second;
 }
 
-// One product; throws what oneDNN throws. The calling thread's OpenMP count is set before the primitive
-// is fetched (oneDNN fixes it when the primitive is created) and holds for its run.
-void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D, memory::data_type dt, void* a,
-         void* cache, void* out, float scale) {
-  omp_set_num_threads(B * G * M * S * D >= ParallelMacs() ? Threads() : 1);
-  auto p = GetProduct(kind, B, G, M, S, D, dt, scale);
+// One product; throws what oneDNN throws.
+void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D, memory::data_type dt, const void* a,
+         const void* cache, float* out, float scale, int threads) {
+  auto p = GetProduct(kind, B, G, M, S, D, dt, scale, threads);
   dnnl::stream strm(ctx().eng);
-  memory src(p->src, ctx().eng, a), wei(p->wei, ctx().eng, cache), dst(p->dst, ctx().eng, out);
+  memory src(p->src, ctx().eng, const_cast<void*>(a)), wei(p->wei, ctx().eng, const_cast<void*>(cache)),
+      dst(p->dst, ctx().eng, out);
   p->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
   strm.wait();
+}
+
+// The softmax over S of the scores [R, S] into the f32 `weights` [R, S] (the entries past a row's visible ones
+// were set to -inf, which oneDNN's exp takes to exactly 0); for bf16 the caller rounds them once with `Round`
+// (oneDNN's softmax into bf16 rounds twice: it keeps the exponentials in dst before scaling them).
+std::shared_ptr<Primitive> GetSoftmax(int64_t R, int64_t S, memory::data_type dt, int threads) {
+  static std::map<std::tuple<int64_t, int64_t, int, int>, std::shared_ptr<Primitive>> cache;
+  auto key = std::make_tuple(R, S, static_cast<int>(dt), threads);
+  {
+    std::lock_guard<std::mutex> lock(g_attention_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto p = std::make_shared<Primitive>();
+  p->src = memory::desc({R, S}, memory::data_type::f32, memory::format_tag::ab);
+  p->dst = memory::desc({R, S}, dt, memory::format_tag::ab);
+  p->softmax = dnnl::softmax_forward(dnnl::softmax_forward::primitive_desc(
+      ctx().eng, dnnl::prop_kind::forward_inference, dnnl::algorithm::softmax_accurate, p->src, p->src, 1));
+  if (dt != memory::data_type::f32)
+    p->round = dnnl::reorder(dnnl::reorder::primitive_desc(ctx().eng, p->src, ctx().eng, p->dst));
+  std::lock_guard<std::mutex> lock(g_attention_mu);
+  return cache.emplace(key, p).first->second;
 }
 
 float Load(const void* base, int64_t i, bool bf16) {
@@ -102,51 +129,19 @@ float Load(const void* base, int64_t i, bool bf16) {
   return f;
 }
 
-// softmax over S of the scores [R, S] f32, in place (the entries past a row's visible ones were set to -inf,
-// which oneDNN's exp takes to exactly 0), then rounded into `weights` [R, S] of `dt` by a reorder: oneDNN's
-// softmax into bf16 rounds twice (it keeps the exponentials in dst before scaling them), the reference once.
-void Softmax(int64_t R, int64_t S, memory::data_type dt, float* scores, void* weights) {
-  static std::map<std::tuple<int64_t, int64_t, int>, std::shared_ptr<Primitive>> cache;
-  auto key = std::make_tuple(R, S, static_cast<int>(dt));
-  std::shared_ptr<Primitive> p;
-  {
-    std::lock_guard<std::mutex> lock(g_attention_mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) p = it->second;
-  }
-  if (!p) {
-    p = std::make_shared<Primitive>();
-    p->src = memory::desc({R, S}, memory::data_type::f32, memory::format_tag::ab);
-    p->dst = memory::desc({R, S}, dt, memory::format_tag::ab);
-    dnnl::softmax_forward::primitive_desc pd(ctx().eng, dnnl::prop_kind::forward_inference,
-                                             dnnl::algorithm::softmax_accurate, p->src, p->src, 1);
-    p->softmax = dnnl::softmax_forward(pd);
-    if (dt != memory::data_type::f32) p->round = dnnl::reorder(dnnl::reorder::primitive_desc(ctx().eng, p->src, ctx().eng, p->dst));
-    std::lock_guard<std::mutex> lock(g_attention_mu);
-    p = cache.emplace(key, p).first->second;
-  }
-  dnnl::stream strm(ctx().eng);
-  memory src(p->src, ctx().eng, scores), dst(p->dst, ctx().eng, weights);
-  if (dt == memory::data_type::f32) {
-    p->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
-  } else {
-    p->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, src}});
-    p->round.execute(strm, src, dst);
-  }
-  strm.wait();
-}
-
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                         ffi::Result<ffi::AnyBuffer> out, float scale, int64_t T) {
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> scratch, float scale,
+                         int64_t T) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lengths.dimensions(),
-       od = out->dimensions();
+       od = out->dimensions(), sd = scratch->dimensions();
   memory::data_type dt;
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || ld.size() != 1 || kd[0] != qd[0] ||
       kd[2] != qd[1] || kd[3] != qd[3] || vd[0] != qd[0] || vd[1] != kd[1] || vd[2] != qd[1] || ld[0] != qd[0] ||
-      od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != vd[3])
+      od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != vd[3] || sd.size() != 5 || sd[0] != 2 ||
+      sd[1] != qd[0] || sd[2] != qd[1] || sd[3] != qd[2] || sd[4] != kd[1])
     return ffi::Error::InvalidArgument(
-        "mtp_onednn_attention: expected q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths [B] and out "
-        "[B, G, M, Dv]");
+        "mtp_onednn_attention: expected q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths [B], out "
+        "[B, G, M, Dv] and scratch [2, B, G, M, S]");
   if (!DataType(q.element_type(), &dt) || k.element_type() != q.element_type() ||
       v.element_type() != q.element_type() || out->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument(
@@ -160,37 +155,49 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     std::memset(o, 0, out->size_bytes());
     return ffi::Error::Success();
   }
-  // Scratch for the scores and weights, kept per thread between calls.
-  thread_local std::vector<float> scores;
-  thread_local std::vector<float> weights;  // bf16 weights take the first half
-  scores.resize(B * G * M * S);
-  weights.resize(B * G * M * S);
+  bool bf16 = dt == memory::data_type::bf16;
+  size_t item = bf16 ? 2 : 4;
+  int threads = EveryCore(B * S * G * (D + Dv) * item, B * G * M * S * (D + Dv)) ? Threads() : 1;
+  omp_set_num_threads(threads);  // the calling thread's count, for every primitive below (created with it)
+  int64_t R = B * G * M, J = M / T;  // row m of KV head g: new token m / J's query head g J + m % J
+  float* scores = scratch->typed_data();
+  float* weights = scores + R * S;
   const int32_t* len = lengths.typed_data();
-  int64_t J = M / T;  // row m of KV head g is new token m / J's query head g J + m % J
+  auto visible = [&](int64_t row) {  // cache positions row (b, g, m) sees: < lengths[b] - T + t + 1
+    int64_t b = row / (G * M), m = row % M;
+    return std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
+  };
+  void* rounded = weights;  // the weights in q's dtype: f32 in place, bf16 over the scores (no longer read)
   try {
     if (D == 0)
-      std::fill(scores.begin(), scores.end(), 0.0f);
+      std::fill(scores, scores + R * S, 0.0f);
     else
-      Run(Product::kScores, B, G, M, S, D, dt, q.untyped_data(), k.untyped_data(), scores.data(), scale);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t m = 0; m < M; ++m) {  // query t sees positions < lengths[b] - T + t + 1
-          int64_t visible = std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
-          float* row = scores.data() + ((b * G + g) * M + m) * S;
-          std::fill(row + visible, row + S, -std::numeric_limits<float>::infinity());
-        }
-    Softmax(B * G * M, S, dt, scores.data(), weights.data());
-    size_t item = dt == memory::data_type::bf16 ? 2 : 4;
-    for (int64_t b = 0; b < B; ++b)  // a query that sees nothing: weights 0 (oneDNN's are NaN there)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t m = 0; m < M; ++m)
-          if (int64_t{len[b]} - T + m / J + 1 <= 0)
-            std::memset(reinterpret_cast<char*>(weights.data()) + ((b * G + g) * M + m) * S * item, 0, S * item);
-    Run(Product::kValues, B, G, M, S, Dv, dt, weights.data(), v.untyped_data(), o, 1.0f);
+      Run(Product::kScores, B, G, M, S, D, dt, q.untyped_data(), k.untyped_data(), scores, scale, threads);
+    for (int64_t row = 0; row < R; ++row)
+      std::fill(scores + row * S + visible(row), scores + (row + 1) * S, -std::numeric_limits<float>::infinity());
+    auto soft = GetSoftmax(R, S, dt, threads);
+    dnnl::stream strm(ctx().eng);
+    memory src(soft->src, ctx().eng, scores), dst(soft->src, ctx().eng, weights);
+    soft->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+    strm.wait();
+    // A row with nothing visible, or only -inf scores: oneDNN's weights are NaN, the reference's zeros.
+    for (int64_t row = 0; row < R; ++row) {
+      float* w = weights + row * S;
+      if (visible(row) > 0 && std::isfinite(w[0])) continue;
+      const float* x = scores + row * S;
+      if (std::all_of(x, x + visible(row), [](float s) { return s == -std::numeric_limits<float>::infinity(); }))
+        std::fill(w, w + S, 0.0f);
+    }
+    if (bf16) {
+      rounded = scores;
+      memory half(soft->dst, ctx().eng, rounded);
+      soft->round.execute(strm, dst, half);
+      strm.wait();
+    }
+    Run(Product::kValues, B, G, M, S, Dv, dt, rounded, v.untyped_data(), o, 1.0f, threads);
   } catch (const std::exception& err) {
     return ffi::Error::Internal(std::string("mtp_onednn_attention: ") + err.what());
   }
-  bool bf16 = dt == memory::data_type::bf16;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < G; ++g) {
       float* block = o + (b * G + g) * M * Dv;
@@ -204,7 +211,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
         for (int64_t e = 0; e < Dv; ++e) {
           float sum = 0.0f;
           for (int64_t s = 0; s < valid; ++s)
-            sum += Load(weights.data(), row + s, bf16) * Load(v.untyped_data(), ((b * S + s) * G + g) * Dv + e, bf16);
+            sum += Load(rounded, row + s, bf16) * Load(v.untyped_data(), ((b * S + s) * G + g) * Dv + e, bf16);
           block[m * Dv + e] = sum;
         }
       }
@@ -222,5 +229,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("num_queries"));

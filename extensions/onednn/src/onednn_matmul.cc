@@ -61,11 +61,7 @@ std::mutex g_mu;
 memory::desc PackedDesc(int64_t K, int64_t N, memory::data_type dt);
 
 void UseThreads(int64_t M, int64_t K, int64_t N, memory::data_type dt) {
-  size_t weight_bytes = PackedDesc(K, N, dt).get_size();
-  static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
-  constexpr size_t kMinParallelBytes = 1 << 20;
-  bool parallel = weight_bytes >= parallel_bytes || (weight_bytes >= kMinParallelBytes && M * K * N >= ParallelMacs());
-  omp_set_num_threads(parallel ? Threads() : 1);
+  omp_set_num_threads(EveryCore(PackedDesc(K, N, dt).get_size(), M * K * N) ? Threads() : 1);
 }
 
 memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
