@@ -21,6 +21,10 @@ from mtp_jax.layers.attention import Attention
 from pallas_kernels.attention_reference import verify_attention_reference
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(
+    onednn._extension() is not None and "bfloat16" not in onednn.fast_dtypes(),
+    reason="oneDNN has no fast bf16 matmul on this CPU (AVX512-BF16 or AMX): bf16 attention is not routed here",
+)
 # (batch, new tokens T, query heads H, KV heads G, capacity S, head dim D, value dim Dv, lengths)
 CASES = (
     (2, 1, 4, 2, 12, 16, 16, (1, 12)),  # one new token: a decode step
