@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_onednn import TINY, built, decode, tiny
+from test_onednn import TINY, built, decode, fast_bf16, tiny
 
 from mtp_jax.cache import KVCache
 from mtp_jax.decode.speculative import SpeculativeConfig
@@ -21,10 +21,7 @@ from mtp_jax.layers.attention import Attention
 from pallas_kernels.attention_reference import verify_attention_reference
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(
-    onednn._extension() is not None and "bfloat16" not in onednn.fast_dtypes(),
-    reason="oneDNN has no fast bf16 matmul on this CPU (AVX512-BF16 or AMX): bf16 attention is not routed here",
-)
+pytestmark = fast_bf16  # bf16 attention is routed only where oneDNN has a fast bf16 matmul
 # (batch, new tokens T, query heads H, KV heads G, capacity S, head dim D, value dim Dv, lengths)
 CASES = (
     (2, 1, 4, 2, 12, 16, 16, (1, 12)),  # one new token: a decode step
