@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers import onednn
 from pallas_kernels.attention_reference import gather_pages
 
 
@@ -187,7 +188,9 @@ class PagedCache:
     def write(self, positions: Int[Array, "B T"], *new: jax.Array) -> PagedCache:
         """The cache with `new` (the pool class's `write` arguments, each [B, T, ...]) at `positions` (int32
         [B, T]) of each row, through the block table; positions outside the table's W x P, or in a sentinel
-        entry, are dropped."""
+        entry, are dropped. A bf16 / fp16 / fp8 pool on the CPU is written in place (`onednn.write_rows`, as
+        `write_at`): XLA:CPU's scatter would convert all of it, every layer and step (a serving step grew with
+        max_batch x max_length: 29-33 ms against 2.9 at 1024 positions, demo bf16, 8 rows; docs/benchmarks.md)."""
         table, size = self.block_table, self.page_size
         num_pages = jax.tree.leaves(self.pool)[0].shape[0]
         index = jnp.clip(positions // size, 0, table.shape[1] - 1)
@@ -198,6 +201,8 @@ class PagedCache:
         def scatter(pool: jax.Array, values: jax.Array) -> jax.Array:
             rows = pool.reshape(num_pages * size, *pool.shape[2:])
             values = values.reshape(flat.shape[0], *values.shape[2:]).astype(pool.dtype)
+            if onednn.writes_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
+                return onednn.write_rows(pool, flat, values)
             return rows.at[flat].set(values, mode="drop").reshape(pool.shape)
 
         fields = [f.name for f in dataclasses.fields(self.pool)]
@@ -315,7 +320,8 @@ SELECT_WRITES = 16  # `write_at` on the CPU backend: narrow floats written with 
 
 
 def _select_write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """`write_at` as one select over the cache (CPU backend, narrow floats, T <= SELECT_WRITES).
+    """`write_at` as one select over the cache (CPU backend without the extension's in-place write, narrow
+    floats, T <= SELECT_WRITES).
 
     XLA:CPU scatters a half-precision or FP8 array by converting all of it to float32 and back (two
     float32 copies of the layer's cache per write; measured 2026-12-03: with the attention's own copies,
@@ -344,15 +350,22 @@ def _select_write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax
 
 
 def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], positions: Int[Array, "B T"]) -> jax.Array:
-    """`cache` with `new[b, t]` written at position `positions[b, t]` of row b.
+    """`cache` with `new[b, t]` written at position `positions[b, t]` of row b (a position written twice
+    keeps the later token).
 
-    Positions outside [0, S) are dropped, never clamped or wrapped.
+    Positions outside [0, S) are dropped, never clamped or wrapped. A bf16 / fp16 / fp8 cache on the CPU
+    is written in place by the extension's `onednn.write_rows` where `onednn.writes_rows` says so (XLA:CPU
+    would convert the whole cache to float32 and back); else by one select (`_select_write`) or XLA's scatter.
     """
     new = new.astype(cache.dtype)
+    batch, length = cache.shape[:2]
+    positions = jnp.where(positions < 0, length, positions)  # negative would wrap: send past the end
+    if onednn.writes_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
+        flat = jnp.where(positions < length, jnp.arange(batch)[:, None] * length + positions, batch * length)
+        return onednn.write_rows(cache, flat.reshape(-1), new.reshape(-1, *new.shape[2:]))
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
     if narrow and new.shape[1] <= SELECT_WRITES and jax.default_backend() == "cpu":
         return _select_write(cache, new, positions)
-    positions = jnp.where(positions < 0, cache.shape[1], positions)  # negative would wrap: send past the end
     # Per row (vmap: the scatter's batch dimension), so a batch sharded over devices scatters locally.
     return jax.vmap(lambda c, n, p: c.at[p].set(n, mode="drop"))(cache, new, positions)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from mtp_jax.cache import KVCache, PagedCache
+from mtp_jax.cache import KVCache, PagedCache, dense_view
 from mtp_jax.config import ATTENTION_IMPLS, ModelConfig
 from mtp_jax.layers import onednn
 from mtp_jax.layers.fused import qkv_layout
@@ -251,10 +251,12 @@ class Attention(nnx.Module):
         cache = cache.write(positions, k, v)
         if segment_ids is None:  # `attend` counts each row's entries including the T new ones
             lengths, scale, impl = positions[:, -1] + 1, c.attention_scale, c.attention_impl
-            if isinstance(cache, PagedCache):
+            read = cache.pool if isinstance(cache, PagedCache) else cache
+            if impl == "auto" and onednn.attends(self, q, read.k, read.v):  # a CPU engine's copy
+                read = dense_view(cache)  # a paged cache's rows gathered (no paged kernel on the CPU)
+                out = onednn.attention(q, read.k, read.v, lengths, scale=scale)  # [B, T, H, D]
+            elif isinstance(cache, PagedCache):
                 out = attend_paged(q, cache, lengths, scale=scale, impl=impl)  # [B, T, H, D]
-            elif impl == "auto" and onednn.attends(self, q, cache.k, cache.v):  # a CPU engine's copy
-                out = onednn.attention(q, cache.k, cache.v, lengths, scale=scale)  # [B, T, H, D]
             else:
                 out = attend(q, cache.k, cache.v, lengths, scale=scale, impl=impl)  # [B, T, H, D]
         else:  # whole packed sequences from an empty cache (training): attend within each segment only

@@ -25,8 +25,14 @@ per-head einsums), scanned layers' stacked kernels, and every engine on a mesh (
 The attention of a bfloat16 engine's GQA layers (`Attention`, whose class declares `ATTENTION`) goes to
 `attention` too: one FFI call per layer (scores, masked softmax and weighted sum in oneDNN, the caches read
 in their own layout) where XLA:CPU converts both caches to float32 head-major copies every step (the
-demo model's batch-8 step 1.2-1.3x faster on Zen 5; the medium preset's within noise). Paged caches
-(serving), MLA and float32 (no faster) stay on XLA; `MTP_JAX_ONEDNN=matmuls` keeps every attention there.
+demo model's batch-8 step 1.2-1.3x faster on Zen 5; the medium preset's within noise); a paged cache
+(serving) is gathered first (`PagedCache.view`). MLA and float32 (no faster) stay on XLA;
+`MTP_JAX_ONEDNN=matmuls` keeps every attention there.
+
+Cache writes: a bf16 / fp16 / fp8 cache (dense or paged) is written in place by `write_rows` (the
+`mtp_write_rows` call, no oneDNN in it: the new rows copied into the cache's own buffer), where XLA:CPU
+converts the whole cache to float32 and back on every scatter or dynamic-update-slice (`writes_rows` says
+where: the CPU, no mesh, any engine, not only a swapped copy).
 
 Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
 float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
@@ -51,7 +57,7 @@ ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtype
 MIN_ROWS = {"bfloat16": 1, "float32": 8}  # the default: a matmul goes to oneDNN from this many rows,
 LARGE_BYTES, LARGE_MIN_ROWS = 16 << 20, 2  # and a float32 kernel of 16 MiB or more from 2 rows
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
-_ATTENTION = "mtp_onednn_attention"
+_ATTENTION, _WRITE_ROWS = "mtp_onednn_attention", "mtp_write_rows"
 PACKED = "packed_kernel"  # the attribute a Linear's packed kernel is swapped in as (`PackedLinear`)
 TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
 GROUPED = "grouped_kernels"  # a module's class attribute: names of its stacked [R, in, out] expert kernels
@@ -71,6 +77,7 @@ def _extension():
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(ext.MATMUL), platform="cpu")
     jax.ffi.register_ffi_target(_GROUPED, jax.ffi.pycapsule(ext.GROUPED), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(ext.ATTENTION), platform="cpu")
+    jax.ffi.register_ffi_target(_WRITE_ROWS, jax.ffi.pycapsule(ext.WRITE_ROWS), platform="cpu")
     return ext
 
 
@@ -225,6 +232,62 @@ class PackedDot:
         out = jax.ShapeDtypeStruct((*lhs.shape[:-1], self.fan_out), lhs.dtype)
         y = jax.ffi.ffi_call(_MATMUL, out, vmap_method="expand_dims")(lhs, rhs)
         return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def writes_rows(cache: jax.Array) -> bool:
+    """Whether a write into `cache` goes to `write_rows` here: a floating dtype narrower than float32 (XLA:CPU
+    scatters those in float32, converting the whole cache both ways on every write; it writes float32 and
+    integers in place itself), the CPU backend, the extension installed, `MTP_JAX_ONEDNN` not "0"/"off", and
+    no context mesh (the call is opaque to GSPMD, which would gather a sharded cache onto every device)."""
+    narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
+    if not narrow or _setting() in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
+        return False
+    return jax.sharding.get_abstract_mesh().empty
+
+
+def write_rows(cache: jax.Array, index: Int[Array, " U"], rows: jax.Array) -> jax.Array:
+    """`cache` [..., *row] with row `index[u]` set to `rows[u]` ([U, *row], cast to cache's dtype), in place:
+    the cache seen as R rows of shape `row` (its leading axes flattened, row-major), as
+    `cache.reshape(R, *row).at[index].set(rows, mode="drop").reshape(cache.shape)`; in order (a row written
+    twice keeps the later one), indices outside [0, R) dropped. Through the `mtp_write_rows` FFI call, its
+    result aliased to `cache`, which is passed in its own shape (XLA copies an operand it reshaped): only
+    the U rows move when `cache` is donated or dead after the call. ValueError when rows' trailing shape is
+    not cache's; RuntimeError without the extension."""
+    if _extension() is None:
+        raise RuntimeError("mtp_jax.layers.onednn.write_rows: the mtp_jax_onednn extension is not installed")
+    row = rows.shape[1:]
+    if (
+        index.ndim != 1
+        or rows.shape[0] != index.shape[0]
+        or cache.ndim <= len(row)
+        or cache.shape[cache.ndim - len(row) :] != row
+    ):
+        raise ValueError(
+            f"write_rows: expected cache [..., *row], index [U] and rows [U, *row], got cache {list(cache.shape)}, "
+            f"index {list(index.shape)}, rows {list(rows.shape)}"
+        )
+    return _write_rows(cache, index.astype(jnp.int32), rows.astype(cache.dtype))
+
+
+@jax.custom_jvp
+def _write_rows(cache: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    call = jax.ffi.ffi_call(_WRITE_ROWS, out, input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(cache, index, rows)
+
+
+@_write_rows.defjvp
+def _write_rows_jvp(primals, tangents):
+    """The tangent is the same write of the tangents, as a gather and a select (which `jax.grad` transposes; a
+    scatter-set with repeated indices it does not): a model's training forward writes its caches too."""
+    cache, index, rows = primals
+    cache_dot, _, rows_dot = tangents
+    flat = cache_dot.reshape(-1, *rows.shape[1:])  # [R, *row]
+    index = jnp.where(index < 0, flat.shape[0], index)  # dropped, as the call drops it (jnp would wrap it)
+    source = jnp.full(flat.shape[:1], -1, jnp.int32).at[index].max(jnp.arange(index.shape[0]), mode="drop")
+    hit = (source >= 0).reshape(-1, *(1,) * (rows.ndim - 1))  # the last u written at each row, -1: none
+    written = jnp.where(hit, rows_dot[jnp.maximum(source, 0)], flat)
+    return _write_rows(cache, index, rows), written.reshape(cache.shape)
 
 
 def attends(module: nnx.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

@@ -1,7 +1,7 @@
 """The oneDNN matmul (`mtp_jax.layers.onednn`) and meshes: an engine on a mesh keeps XLA's sharded matmuls
-(its kernels are not packed), and a packed matmul (and the experts' grouped one) inside a jitted function
-over rows sharded on 8 fake CPU devices computes what `jax.lax.dot_general` (`ragged_dot`) does (the
-custom call sees whole operands)."""
+(its kernels are not packed) and XLA's cache writes, and a packed matmul (and the experts' grouped one) inside
+a jitted function over rows sharded on 8 fake CPU devices computes what `jax.lax.dot_general` (`ragged_dot`)
+does (the custom call sees whole operands)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.layers import onednn
 from mtp_jax.model import init_model
-from mtp_jax.sharding import make_mesh
+from mtp_jax.sharding import make_mesh, on_mesh
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -27,6 +27,10 @@ def test_an_engine_on_a_mesh_keeps_its_kernels_and_a_packed_matmul_takes_sharded
     if onednn._extension() is None:  # nothing else to check without the extension: its absence is the fallback
         assert onednn.routed_dtypes() == ()
         return
+    cache = jnp.zeros((8, 16, 2, 8), jnp.bfloat16)  # a cache write on a mesh stays XLA's (GSPMD partitions it)
+    assert onednn.writes_rows(cache)
+    with on_mesh(mesh):
+        assert not onednn.writes_rows(cache)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 40)) * 0.125, jnp.bfloat16)

@@ -1,0 +1,149 @@
+"""KV cache writes in place on the CPU (`mtp_jax.layers.onednn.write_rows`, the `mtp_write_rows` FFI call of
+`extensions/onednn`): a bf16 / fp16 / fp8 cache's new rows copied into its own buffer, where XLA:CPU would
+convert the whole cache to float32 and back on every write. Equal to a sequential write (later rows win,
+indices outside the cache dropped) for every dtype, inside jit and vmap and under `jax.grad`; compiled
+without a copy of a donated cache; `write_at` and `PagedCache.write` give exactly what XLA's path gives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_onednn import built
+
+from mtp_jax.cache import KVCache, PagedCache, write_at
+from mtp_jax.layers import onednn
+
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float32, jnp.int32)
+
+
+def sequential(cache, index, rows):
+    """The reference: row index[u] of the cache's flattened leading axes set to rows[u], u in order."""
+    out = np.array(cache).reshape(-1, *rows.shape[1:])
+    for u, r in enumerate(np.asarray(index)):
+        if 0 <= r < out.shape[0]:
+            out[r] = np.asarray(rows[u])
+    return out.reshape(cache.shape)
+
+
+def operands(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    cache = jnp.asarray(rng.standard_normal((3, 5, 2, 4)) * 4, jnp.float32).astype(dtype)  # 15 rows of [2, 4]
+    index = jnp.asarray([7, -1, 0, 14, 15, 7, 100, 3], jnp.int32)  # 7 twice (the later wins), 3 dropped
+    rows = jnp.asarray(rng.standard_normal((8, 2, 4)) * 4, jnp.float32).astype(dtype)
+    return cache, index, rows
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint8)
+
+
+@built
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_write_rows_writes_each_row_in_order_and_drops_indices_outside(dtype):
+    cache, index, rows = operands(dtype)
+    expected = sequential(cache, index, rows)
+    for got in (onednn.write_rows(cache, index, rows), jax.jit(onednn.write_rows)(cache, index, rows)):
+        assert got.dtype == cache.dtype and got.shape == cache.shape
+        np.testing.assert_array_equal(bits(got), bits(expected))
+    # the cache is a value: the caller's array is unchanged when not donated
+    np.testing.assert_array_equal(bits(cache), bits(operands(dtype)[0]))
+
+
+@built
+def test_write_rows_under_vmap_and_with_one_element_rows():
+    cache, index, rows = operands(jnp.bfloat16)
+    batched = jax.vmap(onednn.write_rows, in_axes=(0, None, None))(jnp.stack([cache, cache + 1]), index, rows)
+    np.testing.assert_array_equal(bits(batched[1]), bits(sequential(cache + 1, index, rows)))
+    flat = cache.reshape(-1)  # rows [U]: each row one element
+    got = onednn.write_rows(flat, index, rows[:, 0, 0])
+    np.testing.assert_array_equal(bits(got), bits(sequential(flat, index, rows[:, 0, 0])))
+
+
+@built
+def test_a_donated_cache_is_written_without_a_copy():
+    cache = jnp.zeros((64, 16, 2, 8), jnp.bfloat16)  # a page pool [N, P, G, D]
+    index, rows = jnp.asarray([5, 700], jnp.int32), jnp.ones((2, 2, 8), jnp.bfloat16)
+    write = jax.jit(onednn.write_rows, donate_argnums=0)
+    hlo = write.lower(cache, index, rows).compile().as_text()
+    assert "mtp_write_rows" in hlo and " copy(" not in hlo and "convert" not in hlo
+    got = np.asarray(write(cache, index, rows), np.float32).reshape(-1, 2, 8)
+    assert (got[[5, 700]] == 1).all() and got.sum() == 2 * 16
+
+
+@built
+def test_write_rows_names_a_shape_mismatch():
+    cache, index, rows = operands(jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"write_rows: expected cache \[\.\.\., \*row\].*rows \[8, 4, 2\]"):
+        onednn.write_rows(cache, index, rows.reshape(8, 4, 2))
+    with pytest.raises(ValueError, match="index"):
+        onednn.write_rows(cache, index[:3], rows)
+
+
+def in_place(fn, *args):
+    """`fn(*args)` jitted, checked to write through `write_rows`."""
+    assert "mtp_write_rows" in jax.jit(fn).lower(*args).as_text()
+    return jax.jit(fn)(*args)
+
+
+def xla_path(monkeypatch, fn, *args):
+    """`fn(*args)` traced afresh with the extension turned off (`MTP_JAX_ONEDNN=0`): XLA's write."""
+    with monkeypatch.context() as patch:
+        patch.setenv(onednn.ENV, "0")
+        traced = jax.jit(lambda *a: fn(*a))  # a new function: traced now, not taken from jit's cache
+        assert "mtp_write_rows" not in traced.lower(*args).as_text()
+        return traced(*args)
+
+
+@built
+@pytest.mark.parametrize("num_new", (1, 4, 20), ids=("decode", "verify", "prefill"))
+def test_write_at_in_place_equals_xla(monkeypatch, num_new):
+    """A bf16 cache [B, S, G, D]: rows' positions run past S, a row's first position is negative, a row
+    writes one position twice; 20 tokens is past `SELECT_WRITES` (XLA's scatter there, its select below)."""
+    rng = np.random.default_rng(num_new)
+    cache = jnp.asarray(rng.standard_normal((3, 24, 2, 8)), jnp.bfloat16)
+    new = jnp.asarray(rng.standard_normal((3, num_new, 2, 8)), jnp.bfloat16)
+    positions = np.stack([np.arange(num_new) + 22, np.arange(num_new) - 1, np.arange(num_new) + 2])
+    positions[2, -1] = positions[2, 0]  # the later token wins
+    positions = jnp.asarray(positions, jnp.int32)
+    assert onednn.writes_rows(cache)
+    got = in_place(write_at, cache, new, positions)
+    np.testing.assert_array_equal(bits(got), bits(xla_path(monkeypatch, write_at, cache, new, positions)))
+    assert np.asarray(got[2, 2] == new[2, -1]).all()
+
+
+@built
+def test_paged_write_in_place_equals_xla(monkeypatch):
+    """A bf16 page pool: a row's table with a sentinel page (its writes dropped) and positions past its width."""
+    rng = np.random.default_rng(1)
+    pool = KVCache(*(jnp.asarray(rng.standard_normal((6, 4, 2, 8)), jnp.bfloat16) for _ in range(2)))
+    table = jnp.asarray([[2, 0], [5, 6]], jnp.int32)  # page 6 is past the pool's 6 pages: a sentinel
+    positions = jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32)  # row 1: 6-7 in the sentinel page, 8 past W x P
+    k, v = (jnp.asarray(rng.standard_normal((2, 3, 2, 8)), jnp.bfloat16) for _ in range(2))
+
+    def write(pool, k, v):
+        return PagedCache(pool, table).write(positions, k, v).pool
+
+    got = in_place(write, pool, k, v)
+    expected = xla_path(monkeypatch, write, pool, k, v)
+    for a, b in ((got.k, expected.k), (got.v, expected.v)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    np.testing.assert_array_equal(bits(got.k[2, 3]), bits(k[0, 0]))  # position 3 of row 0: page 2, offset 3
+    np.testing.assert_array_equal(bits(got.k[5]), bits(pool.k[5]))  # row 1's only real page, untouched
+
+
+@built
+def test_grad_through_an_in_place_write_equals_xla(monkeypatch):
+    """A training forward writes its caches too: `jax.grad` passes through the write (cache and new)."""
+    rng = np.random.default_rng(2)
+    cache = jnp.asarray(rng.standard_normal((2, 8, 2, 4)), jnp.bfloat16)
+    new = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.bfloat16)
+    positions = jnp.asarray([[1, 2, 2], [6, 7, 8]], jnp.int32)  # a position written twice, one past S
+
+    def loss(cache, new):
+        return jnp.sum(write_at(cache, new * 3, positions).astype(jnp.float32) ** 2)
+
+    got = in_place(jax.grad(loss, argnums=(0, 1)), cache, new)
+    expected = xla_path(monkeypatch, jax.grad(loss, argnums=(0, 1)), cache, new)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert not np.asarray(got[1][0, 1]).any()  # the overwritten token gets no gradient
