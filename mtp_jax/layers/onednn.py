@@ -354,7 +354,7 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
     dtypes = routed_dtypes()
     if not dtypes:
         return {}
-    packed = {}
+    packed, attends_here = {}, "bfloat16" in dtypes and _setting() != "matmuls"
     for path, module in nnx.iter_graph(model):  # iter_graph yields a shared module once
         dtype = _packable(path, module)
         if dtype in dtypes:
@@ -365,8 +365,8 @@ def pack_params(model: nnx.Module, tied: nnx.Embed | None = None) -> dict:
             getattr(module, name).ndim == 3 and getattr(module, f"{name}_scale_inv", None) is None for name in grouped
         ):  # not scanned layers' [L, R, in, out], not FP8
             packed[module] = {name: _packed(module, name, dtype, stacked=True) for name in grouped}
-        attention = getattr(type(module), ATTENTION, None) is False and _setting() != "matmuls"
-        if attention and "bfloat16" in dtypes and jnp.dtype(module.config.compute_dtype).name == "bfloat16":
+        attention = attends_here and getattr(type(module), ATTENTION, None) is False
+        if attention and jnp.dtype(module.config.compute_dtype).name == "bfloat16":
             packed[module] = ATTENTION  # no weight: its attention's products go to oneDNN (`attends`)
     if tied is not None and tied.dtype is not None and jnp.dtype(tied.dtype).name in dtypes:
         packed[tied] = _packed(tied, "embedding", jnp.dtype(tied.dtype).name, transpose=True)

@@ -1,10 +1,12 @@
 // What the handlers of onednn_matmul.cc and onednn_attention.cc share: the CPU engine, the dtypes they
-// take, and the thread knobs read from the environment.
+// take, the thread knobs read from the environment, and their primitive caches' lookup.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
+#include <utility>
 
 #include <omp.h>
 
@@ -50,6 +52,25 @@ inline bool EveryCore(size_t bytes, int64_t macs) {
   static const size_t parallel_bytes = EnvInt("MTP_JAX_ONEDNN_PARALLEL_BYTES", 2 << 20);
   constexpr size_t kMinParallelBytes = 1 << 20;
   return bytes >= parallel_bytes || (bytes >= kMinParallelBytes && macs >= ParallelMacs());
+}
+
+// The value cached under `key`, made by `make()` on its first call. `make` runs outside the lock (creating a
+// oneDNN primitive takes a while): two threads may both make one, and the first one stored is kept. A cache
+// holding kMaxCached entries starts over (a process meeting ever new shapes; values handed out stay valid:
+// they are shared_ptrs or descriptors held by value).
+constexpr size_t kMaxCached = 1024;
+
+template <typename Map, typename Make>
+typename Map::mapped_type Cached(Map& cache, std::mutex& mu, const typename Map::key_type& key, Make make) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto value = make();
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= kMaxCached) cache.clear();
+  return cache.emplace(key, std::move(value)).first->second;
 }
 
 // bf16 and f32 map to oneDNN's types; false for any other.

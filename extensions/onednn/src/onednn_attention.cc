@@ -64,28 +64,24 @@ std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
   static std::map<Key, std::shared_ptr<Primitive>> cache;
   Key key{static_cast<int>(kind), B, G, M, S, D, static_cast<int>(dt), Bits(scale), threads};
-  {
-    std::lock_guard<std::mutex> lock(g_attention_mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  bool scores = kind == Product::kScores;
-  int64_t C = scores ? D : S, N = scores ? S : D;
-  auto p = std::make_shared<Primitive>();
-  p->src = memory::desc({B, G, M, C}, dt, memory::format_tag::abcd);
-  // The cache [B, S, G, D] as [B, G, D, S] (keys: position s at stride G D) or [B, G, S, D] (values).
-  memory::dims strides = scores ? memory::dims{S * G * D, D, 1, G * D} : memory::dims{S * G * D, D, G * D, 1};
-  p->wei = memory::desc({B, G, C, N}, dt, strides);
-  p->dst = memory::desc({B, G, M, N}, memory::data_type::f32, memory::format_tag::abcd);
-  dnnl::primitive_attr attr;
-  if (scale != 1.0f) {  // the scores times the softmax scale, in f32 on the sum as the reference does
-    dnnl::post_ops ops;
-    ops.append_eltwise(dnnl::algorithm::eltwise_linear, scale, 0.0f);
-    attr.set_post_ops(ops);
-  }
-  p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(ctx().eng, p->src, p->wei, p->dst, attr));
-  std::lock_guard<std::mutex> lock(g_attention_mu);
-  return cache.emplace(key, p).first->second;
+  return Cached(cache, g_attention_mu, key, [&] {
+    bool scores = kind == Product::kScores;
+    int64_t C = scores ? D : S, N = scores ? S : D;
+    auto p = std::make_shared<Primitive>();
+    p->src = memory::desc({B, G, M, C}, dt, memory::format_tag::abcd);
+    // The cache [B, S, G, D] as [B, G, D, S] (keys: position s at stride G D) or [B, G, S, D] (values).
+    memory::dims strides = scores ? memory::dims{S * G * D, D, 1, G * D} : memory::dims{S * G * D, D, G * D, 1};
+    p->wei = memory::desc({B, G, C, N}, dt, strides);
+    p->dst = memory::desc({B, G, M, N}, memory::data_type::f32, memory::format_tag::abcd);
+    dnnl::primitive_attr attr;
+    if (scale != 1.0f) {  // the scores times the softmax scale, in f32 on the sum as the reference does
+      dnnl::post_ops ops;
+      ops.append_eltwise(dnnl::algorithm::eltwise_linear, scale, 0.0f);
+      attr.set_post_ops(ops);
+    }
+    p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(ctx().eng, p->src, p->wei, p->dst, attr));
+    return p;
+  });
 }
 
 // One product; throws what oneDNN throws.
@@ -104,21 +100,16 @@ void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D, me
 // (oneDNN's softmax into bf16 rounds twice: it keeps the exponentials in dst before scaling them).
 std::shared_ptr<Primitive> GetSoftmax(int64_t R, int64_t S, memory::data_type dt, int threads) {
   static std::map<std::tuple<int64_t, int64_t, int, int>, std::shared_ptr<Primitive>> cache;
-  auto key = std::make_tuple(R, S, static_cast<int>(dt), threads);
-  {
-    std::lock_guard<std::mutex> lock(g_attention_mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  auto p = std::make_shared<Primitive>();
-  p->src = memory::desc({R, S}, memory::data_type::f32, memory::format_tag::ab);
-  p->dst = memory::desc({R, S}, dt, memory::format_tag::ab);
-  p->softmax = dnnl::softmax_forward(dnnl::softmax_forward::primitive_desc(
-      ctx().eng, dnnl::prop_kind::forward_inference, dnnl::algorithm::softmax_accurate, p->src, p->src, 1));
-  if (dt != memory::data_type::f32)
-    p->round = dnnl::reorder(dnnl::reorder::primitive_desc(ctx().eng, p->src, ctx().eng, p->dst));
-  std::lock_guard<std::mutex> lock(g_attention_mu);
-  return cache.emplace(key, p).first->second;
+  return Cached(cache, g_attention_mu, std::make_tuple(R, S, static_cast<int>(dt), threads), [&] {
+    auto p = std::make_shared<Primitive>();
+    p->src = memory::desc({R, S}, memory::data_type::f32, memory::format_tag::ab);
+    p->dst = memory::desc({R, S}, dt, memory::format_tag::ab);
+    p->softmax = dnnl::softmax_forward(dnnl::softmax_forward::primitive_desc(
+        ctx().eng, dnnl::prop_kind::forward_inference, dnnl::algorithm::softmax_accurate, p->src, p->src, 1));
+    if (dt != memory::data_type::f32)
+      p->round = dnnl::reorder(dnnl::reorder::primitive_desc(ctx().eng, p->src, ctx().eng, p->dst));
+    return p;
+  });
 }
 
 float Load(const void* base, int64_t i, bool bf16) {

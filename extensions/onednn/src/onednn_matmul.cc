@@ -71,13 +71,11 @@ memory::desc Plain(int64_t rows, int64_t cols, memory::data_type dt) {
 // The packed weight layout of (K, N, dt), cached.
 memory::desc PackedDesc(int64_t K, int64_t N, memory::data_type dt) {
   static std::map<std::tuple<int64_t, int64_t, int>, memory::desc> cache;
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto key = std::make_tuple(K, N, static_cast<int>(dt));
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  memory::desc any({K, N}, dt, memory::format_tag::any);
-  dnnl::matmul::primitive_desc pd(ctx().eng, Plain(kLayoutRows, K, dt), any, Plain(kLayoutRows, N, dt));
-  return cache.emplace(key, pd.weights_desc()).first->second;
+  return Cached(cache, g_mu, std::make_tuple(K, N, static_cast<int>(dt)), [&] {
+    memory::desc any({K, N}, dt, memory::format_tag::any);
+    return dnnl::matmul::primitive_desc(ctx().eng, Plain(kLayoutRows, K, dt), any, Plain(kLayoutRows, N, dt))
+        .weights_desc();
+  });
 }
 
 struct Matmul {
@@ -88,21 +86,16 @@ struct Matmul {
 
 std::shared_ptr<Matmul> GetMatmul(int64_t M, int64_t K, int64_t N, memory::data_type dt) {
   static std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::shared_ptr<Matmul>> cache;
-  auto key = std::make_tuple(M, K, N, static_cast<int>(dt));
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  auto m = std::make_shared<Matmul>();
-  m->src = Plain(M, K, dt);
-  m->wei = PackedDesc(K, N, dt);
-  m->dst = Plain(M, N, dt);
-  dnnl::matmul::primitive_desc pd(ctx().eng, m->src, m->wei, m->dst);
-  m->impl = pd.impl_info_str();
-  m->prim = dnnl::matmul(pd);
-  std::lock_guard<std::mutex> lock(g_mu);
-  return cache.emplace(key, m).first->second;
+  return Cached(cache, g_mu, std::make_tuple(M, K, N, static_cast<int>(dt)), [&] {
+    auto m = std::make_shared<Matmul>();
+    m->src = Plain(M, K, dt);
+    m->wei = PackedDesc(K, N, dt);
+    m->dst = Plain(M, N, dt);
+    dnnl::matmul::primitive_desc pd(ctx().eng, m->src, m->wei, m->dst);
+    m->impl = pd.impl_info_str();
+    m->prim = dnnl::matmul(pd);
+    return m;
+  });
 }
 
 memory::data_type FromCode(int dtype) { return dtype == 1 ? memory::data_type::bf16 : memory::data_type::f32; }
