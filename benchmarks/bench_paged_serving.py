@@ -1,6 +1,6 @@
 """Paged KV caches in the serving engine: dense slots against pages, prefix caching, step time vs length.
 
-Engine level (`mtp_jax.serving.ServingEngine`, no HTTP server), the bundled demo model (fp32, greedy,
+Engine level (`mtp_jax.serving.ServingEngine`, no HTTP server), the bundled demo model (fp32 or --dtype, greedy,
 eagle drafting with K = --k), prompts cut from the held-out stdlib files' token ids (distinct slices of
 one stream), every request with `ignore_eos` and a fixed max_tokens. With --max-length above the demo's
 1024 positions its config is widened (default rope, computed per position): the weights are the trained
@@ -227,7 +227,7 @@ def markdown(meta: dict, mix: list[dict], prefix: list[dict], steps: list[dict],
         f"# Paged KV serving, {meta['model']}, {meta['cpu']} ({meta['cores']} cores), jax {meta['jax']}, "
         f"{meta['date']}",
         "",
-        f"fp32, greedy, eagle K={a['k']}, max_length {a['max_length']}, page_size {a['page_size']}, "
+        f"{a['dtype']}, greedy, eagle K={a['k']}, max_length {a['max_length']}, page_size {a['page_size']}, "
         f"prefill_chunk {a['prefill_chunk']}; KV budget M = {a['budget_rows']} x {a['max_length']} = "
         f"{meta['kv_tokens']} tokens. Shared CPU: compare within a table.",
         "",
@@ -312,6 +312,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script in minutes")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute")
     parser.add_argument("--out", default="benchmarks/results")
     for name, value in FULL.items():  # sizes: defaults from FULL (or SMOKE with --smoke)
         kind = dict(type=int, nargs="+" if isinstance(value, list) else 2) if isinstance(value, list | tuple) else {}
@@ -322,7 +323,7 @@ def main() -> None:
             setattr(args, name, value)
     begin = time.perf_counter()
 
-    model, tokenizer = mtp_jax.load_pretrained()
+    model, tokenizer = mtp_jax.load_pretrained(dtype=args.dtype)
     trained_positions = model.config.max_position_embeddings
     if args.max_length > trained_positions:
         if model.config.rope_scaling.rope_type != "default":
@@ -451,6 +452,7 @@ def main() -> None:
     rows += [dict(part="steps", **r) for r in steps] + [dict(part="adaptive", **r) for r in adaptive]
     some = "" if set(args.parts) == set(PARTS) else "_" + "_".join(args.parts)  # (one part's run keeps the others')
     name = f"paged_serving{some}_{device.replace(' ', '_')}_{meta['date']}" + ("_smoke" if args.smoke else "")
+    name += "" if args.dtype == "float32" else f"_{args.dtype}"
     table = markdown(meta, mix, prefix, steps, adaptive)
     write_report(args.out, name, meta, rows, table + f"\nTotal run time {meta['total_s']:.0f} s.\n")
 

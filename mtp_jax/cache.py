@@ -201,7 +201,7 @@ class PagedCache:
         def scatter(pool: jax.Array, values: jax.Array) -> jax.Array:
             rows = pool.reshape(num_pages * size, *pool.shape[2:])
             values = values.reshape(flat.shape[0], *values.shape[2:]).astype(pool.dtype)
-            if onednn.writes_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
+            if onednn.moves_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
                 return onednn.write_rows(pool, flat, values)
             return rows.at[flat].set(values, mode="drop").reshape(pool.shape)
 
@@ -212,7 +212,14 @@ class PagedCache:
     def view(self):
         """The pool class's dense cache of the bound rows: arrays [B, W x P, ...], row b's pages in table order
         (sentinel pages read as zeros): what the layer's attention reads."""
-        return jax.tree.map(lambda pool: gather_pages(pool, self.block_table), self.pool)
+        return jax.tree.map(self._gather, self.pool)
+
+    def _gather(self, pool: jax.Array) -> jax.Array:
+        if not onednn.moves_rows(pool):
+            return gather_pages(pool, self.block_table)
+        batch, width = self.block_table.shape  # a page per row: one memcpy each (XLA:CPU: element by element)
+        pages = onednn.gather_rows(pool, self.block_table.reshape(-1))  # [B W, P, ...]
+        return pages.reshape(batch, width * pool.shape[1], *pool.shape[2:])
 
 
 def _is_paged(node) -> bool:
@@ -354,13 +361,13 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     keeps the later token).
 
     Positions outside [0, S) are dropped, never clamped or wrapped. A bf16 / fp16 / fp8 cache on the CPU
-    is written in place by the extension's `onednn.write_rows` where `onednn.writes_rows` says so (XLA:CPU
+    is written in place by the extension's `onednn.write_rows` where `onednn.moves_rows` says so (XLA:CPU
     would convert the whole cache to float32 and back); else by one select (`_select_write`) or XLA's scatter.
     """
     new = new.astype(cache.dtype)
     batch, length = cache.shape[:2]
     positions = jnp.where(positions < 0, length, positions)  # negative would wrap: send past the end
-    if onednn.writes_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
+    if onednn.moves_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
         flat = jnp.where(positions < length, jnp.arange(batch)[:, None] * length + positions, batch * length)
         return onednn.write_rows(cache, flat.reshape(-1), new.reshape(-1, *new.shape[2:]))
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4

@@ -2,7 +2,8 @@
 `extensions/onednn`): a bf16 / fp16 / fp8 cache's new rows copied into its own buffer, where XLA:CPU would
 convert the whole cache to float32 and back on every write. Equal to a sequential write (later rows win,
 indices outside the cache dropped) for every dtype, inside jit and vmap and under `jax.grad`; compiled
-without a copy of a donated cache; `write_at` and `PagedCache.write` give exactly what XLA's path gives."""
+without a copy of a donated cache; `write_at` and `PagedCache.write` give exactly what XLA's path gives.
+A page pool's gather (`gather_rows`, `mtp_gather_rows`; `PagedCache.view`) equals `gather_pages` likewise."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from test_onednn import built
 
 from mtp_jax.cache import KVCache, PagedCache, write_at
 from mtp_jax.layers import onednn
+from pallas_kernels.attention_reference import gather_pages
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float32, jnp.int32)
 
@@ -105,7 +107,7 @@ def test_write_at_in_place_equals_xla(monkeypatch, num_new):
     positions = np.stack([np.arange(num_new) + 22, np.arange(num_new) - 1, np.arange(num_new) + 2])
     positions[2, -1] = positions[2, 0]  # the later token wins
     positions = jnp.asarray(positions, jnp.int32)
-    assert onednn.writes_rows(cache)
+    assert onednn.moves_rows(cache)
     got = in_place(write_at, cache, new, positions)
     np.testing.assert_array_equal(bits(got), bits(xla_path(monkeypatch, write_at, cache, new, positions)))
     assert np.asarray(got[2, 2] == new[2, -1]).all()
@@ -147,3 +149,40 @@ def test_grad_through_an_in_place_write_equals_xla(monkeypatch):
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert not np.asarray(got[1][0, 1]).any()  # the overwritten token gets no gradient
+
+
+@built
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gather_rows_equals_gather_pages(dtype):
+    """A block table with sentinel ids past the pool and below zero: their pages read as zeros."""
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.standard_normal((6, 4, 2, 8)) * 4, jnp.float32).astype(dtype)  # [N, P, G, D]
+    table = jnp.asarray([[2, 0, 6], [5, -1, 100]], jnp.int32)
+    expected = gather_pages(pool, table)
+    got = jax.jit(onednn.gather_rows)(pool, table.reshape(-1)).reshape(expected.shape)
+    np.testing.assert_array_equal(bits(got), bits(expected))
+    assert not np.asarray(got[1, 4:]).astype(np.float32).any()
+
+
+@built
+def test_a_paged_view_and_its_gradient_equal_xla(monkeypatch):
+    rng = np.random.default_rng(4)
+    pool = KVCache(*(jnp.asarray(rng.standard_normal((6, 4, 2, 8)), jnp.bfloat16) for _ in range(2)))
+    table = jnp.asarray([[2, 0], [5, 6]], jnp.int32)
+
+    def read(pool):
+        view = PagedCache(pool, table).view()
+        return jnp.sum(view.k.astype(jnp.float32) ** 2) + jnp.sum(view.v.astype(jnp.float32))
+
+    assert "mtp_gather_rows" in jax.jit(read).lower(pool).as_text()
+    np.testing.assert_array_equal(jax.jit(read)(pool), xla_path(monkeypatch, read, pool))
+    got, expected = jax.jit(jax.grad(read))(pool), xla_path(monkeypatch, jax.grad(read), pool)
+    for a, b in ((got.k, expected.k), (got.v, expected.v)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert not np.asarray(got.k[1], np.float32).any()  # page 1 is in no row: no gradient
+
+
+@built
+def test_gather_rows_names_a_bad_index():
+    with pytest.raises(ValueError, match=r"gather_rows: expected source \[N, \*row\] and index \[U\], got \[6, 4\]"):
+        onednn.gather_rows(jnp.zeros((6, 4), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32))

@@ -31,8 +31,9 @@ demo model's batch-8 step 1.2-1.3x faster on Zen 5; the medium preset's within n
 
 Cache writes: a bf16 / fp16 / fp8 cache (dense or paged) is written in place by `write_rows` (the
 `mtp_write_rows` call, no oneDNN in it: the new rows copied into the cache's own buffer), where XLA:CPU
-converts the whole cache to float32 and back on every scatter or dynamic-update-slice (`writes_rows` says
-where: the CPU, no mesh, any engine, not only a swapped copy).
+converts the whole cache to float32 and back on every scatter or dynamic-update-slice; a page pool's rows
+are gathered by `gather_rows` (a memcpy per page, where XLA:CPU gathers element by element through float32).
+`moves_rows` says where: the CPU, no mesh, any engine, not only a swapped copy.
 
 Numbers: float32 within reduction-order tolerance of XLA's; bfloat16 products exact and summed in
 float32 inside oneDNN, rounded once to bfloat16, as `dot_general` computes them.
@@ -57,7 +58,7 @@ ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtype
 MIN_ROWS = {"bfloat16": 1, "float32": 8}  # the default: a matmul goes to oneDNN from this many rows,
 LARGE_BYTES, LARGE_MIN_ROWS = 16 << 20, 2  # and a float32 kernel of 16 MiB or more from 2 rows
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
-_ATTENTION, _WRITE_ROWS = "mtp_onednn_attention", "mtp_write_rows"
+_ATTENTION, _WRITE_ROWS, _GATHER_ROWS = "mtp_onednn_attention", "mtp_write_rows", "mtp_gather_rows"
 PACKED = "packed_kernel"  # the attribute a Linear's packed kernel is swapped in as (`PackedLinear`)
 TIED_HEAD = "packed_attend"  # the attribute a tied embedding's packed transpose is swapped in as
 GROUPED = "grouped_kernels"  # a module's class attribute: names of its stacked [R, in, out] expert kernels
@@ -78,6 +79,7 @@ def _extension():
     jax.ffi.register_ffi_target(_GROUPED, jax.ffi.pycapsule(ext.GROUPED), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(ext.ATTENTION), platform="cpu")
     jax.ffi.register_ffi_target(_WRITE_ROWS, jax.ffi.pycapsule(ext.WRITE_ROWS), platform="cpu")
+    jax.ffi.register_ffi_target(_GATHER_ROWS, jax.ffi.pycapsule(ext.GATHER_ROWS), platform="cpu")
     return ext
 
 
@@ -234,9 +236,10 @@ class PackedDot:
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
-def writes_rows(cache: jax.Array) -> bool:
-    """Whether a write into `cache` goes to `write_rows` here: a floating dtype narrower than float32 (XLA:CPU
-    scatters those in float32, converting the whole cache both ways on every write; it writes float32 and
+def moves_rows(cache: jax.Array) -> bool:
+    """Whether writes into `cache` go to `write_rows` here, and a page pool's gather to `gather_rows`: a
+    floating dtype narrower than float32 (XLA:CPU scatters those in float32, converting the whole cache both
+    ways on every write, and gathers them element by element through float32; it writes float32 and
     integers in place itself), the CPU backend, the extension installed, `MTP_JAX_ONEDNN` not "0"/"off", and
     no context mesh (the call is opaque to GSPMD, which would gather a sharded cache onto every device)."""
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
@@ -288,6 +291,35 @@ def _write_rows_jvp(primals, tangents):
     hit = (source >= 0).reshape(-1, *(1,) * (rows.ndim - 1))  # the last u written at each row, -1: none
     written = jnp.where(hit, rows_dot[jnp.maximum(source, 0)], flat)
     return _write_rows(cache, index, rows), written.reshape(cache.shape)
+
+
+def gather_rows(source: jax.Array, index: Int[Array, " U"]) -> jax.Array:
+    """`source` [N, *row] at rows `index` (int [U]) -> [U, *row], zeros for an index outside [0, N): a paged
+    cache's `gather_pages` as `gather_rows(pool, block_table.reshape(-1))` (a row: one page). Through the
+    `mtp_gather_rows` FFI call (one memcpy per row, every core from 2 MiB). ValueError for a rank-0 source or
+    an index not 1-D; RuntimeError without the extension."""
+    if _extension() is None:
+        raise RuntimeError("mtp_jax.layers.onednn.gather_rows: the mtp_jax_onednn extension is not installed")
+    if source.ndim < 1 or index.ndim != 1:
+        raise ValueError(
+            f"gather_rows: expected source [N, *row] and index [U], got {list(source.shape)}, {list(index.shape)}"
+        )
+    return _gather_rows(source, index.astype(jnp.int32))
+
+
+@jax.custom_jvp
+def _gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((index.shape[0], *source.shape[1:]), source.dtype)
+    return jax.ffi.ffi_call(_GATHER_ROWS, out, vmap_method="sequential")(source, index)
+
+
+@_gather_rows.defjvp
+def _gather_rows_jvp(primals, tangents):
+    """The same gather of the tangent, by XLA (`jax.grad` transposes it)."""
+    source, index = primals
+    inside = ((index >= 0) & (index < source.shape[0])).reshape(-1, *(1,) * (source.ndim - 1))
+    tangent = jnp.where(inside, tangents[0][jnp.clip(index, 0, source.shape[0] - 1)], 0)
+    return _gather_rows(source, index), tangent.astype(tangents[0].dtype)
 
 
 def attends(module: nnx.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

@@ -28,9 +28,9 @@ def test_an_engine_on_a_mesh_keeps_its_kernels_and_a_packed_matmul_takes_sharded
         assert onednn.routed_dtypes() == ()
         return
     cache = jnp.zeros((8, 16, 2, 8), jnp.bfloat16)  # a cache write on a mesh stays XLA's (GSPMD partitions it)
-    assert onednn.writes_rows(cache)
+    assert onednn.moves_rows(cache)
     with on_mesh(mesh):
-        assert not onednn.writes_rows(cache)
+        assert not onednn.moves_rows(cache)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 40)) * 0.125, jnp.bfloat16)

@@ -1,12 +1,13 @@
 """oneDNN's matmul over pre-packed weights as XLA FFI CPU handlers, for `mtp_jax.layers.onednn`.
 
-The compiled library holds five handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
+The compiled library holds six handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
 [K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]) and
 `MtpOnednnGroupedMatmul` (x [M, K], R packed weights, group sizes [R] -> y [M, N], as
 `jax.lax.ragged_dot`); in `src/onednn_attention.cc`, `MtpOnednnAttention` (q [B, G, M, D], the caches
 [B, S, G, D] and [B, S, G, Dv], lengths [B] -> float32 [B, G, M, Dv]: the decode step's masked attention);
 bf16 or float32. In `src/cache_write.cc`, `MtpWriteRows` (cache [R, ...], index [U], rows [U, ...] ->
-the cache with those rows written in place, any dtype; no oneDNN).
+the cache with those rows written in place, any dtype; no oneDNN) and `MtpGatherRows` (source [N, ...],
+index [U] -> [U, ...], rows outside zero).
 This module only loads it; `mtp_jax` registers the targets and decides where to use them.
 """
 
@@ -37,7 +38,7 @@ def _load() -> ctypes.CDLL:
 
 LIB = _load()
 PACK, MATMUL, GROUPED = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul, LIB.MtpOnednnGroupedMatmul  # FFI handlers
-ATTENTION, WRITE_ROWS = LIB.MtpOnednnAttention, LIB.MtpWriteRows
+ATTENTION, WRITE_ROWS, GATHER_ROWS = LIB.MtpOnednnAttention, LIB.MtpWriteRows, LIB.MtpGatherRows
 
 
 def packed_bytes(fan_in: int, fan_out: int, dtype: str) -> int:
