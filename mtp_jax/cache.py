@@ -199,10 +199,10 @@ class PagedCache:
         flat = jnp.where(outside, num_pages * size, page * size + positions % size).reshape(-1)  # [B T]
 
         def scatter(pool: jax.Array, values: jax.Array) -> jax.Array:
-            rows = pool.reshape(num_pages * size, *pool.shape[2:])
             values = values.reshape(flat.shape[0], *values.shape[2:]).astype(pool.dtype)
             if onednn.moves_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
                 return onednn.write_rows(pool, flat, values)
+            rows = pool.reshape(num_pages * size, *pool.shape[2:])
             return rows.at[flat].set(values, mode="drop").reshape(pool.shape)
 
         fields = [f.name for f in dataclasses.fields(self.pool)]
