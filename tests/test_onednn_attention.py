@@ -96,6 +96,19 @@ def test_stale_inf_and_nan_never_leak():
 
 
 @built
+def test_attention_reads_only_as_far_as_the_longest_row():
+    """A cache of 200 positions whose rows hold 5 and 70 tokens: the products stop at 128 (the longest row
+    rounded up to 64 positions), equal to the reference over all 200; rows that all hold nothing give zeros."""
+    q, k, v, lengths = operands(2, 3, 4, 2, 200, 16, 16, (5, 70))
+    got = jax.jit(onednn.attention)(q, k, v, lengths)
+    assert_equal_within_rounding(got, verify_attention_reference(q, k, v, lengths))
+    far = jnp.where(np.arange(200)[None, :, None, None] >= 128, jnp.nan, v)  # stale values past the span
+    np.testing.assert_array_equal(np.asarray(onednn.attention(q, k, far, lengths)), np.asarray(got))
+    empty = jnp.zeros((2,), jnp.int32)
+    assert not np.asarray(onednn.attention(q, k, v, empty), np.float32).any()
+
+
+@built
 def test_bad_operands_are_refused_with_the_reason():
     q, k, v, lengths = operands(*CASES[0])
     with pytest.raises(ValueError, match="share one dtype"):

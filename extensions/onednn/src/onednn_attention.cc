@@ -18,7 +18,10 @@
 // or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
 // here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
 //
-// Threads: the matmuls' rule (EveryCore) over the call's two caches and its multiply-adds, for all of its
+// Only the first `span` positions are read: the longest row's length rounded up to kSpanStep (entries past a
+// row's length weigh exactly 0, so the result is the same as over all S).
+//
+// Threads: the matmuls' rule (EveryCore) over the bytes and multiply-adds of that span, for all of its
 // primitives; each primitive cache is keyed by what decides that count.
 
 #include <algorithm>
@@ -44,6 +47,11 @@ std::mutex g_attention_mu;
 
 enum class Product { kScores, kValues };
 
+// The products and the softmax run over the first `span` cache positions, the longest row's length rounded
+// up to a multiple of this: a long-allocated cache (a serving bucket, a generate call's max_length) is read
+// as far as its rows reach. Each span is its own primitive (cached), created once per process.
+constexpr int64_t kSpanStep = 64;
+
 struct Primitive {
   dnnl::matmul prim;
   dnnl::softmax_forward softmax;
@@ -57,16 +65,17 @@ uint32_t Bits(float x) {
   return bits;  // a map key: NaN compares unordered, its bits do not
 }
 
-// A cached primitive of one product: src [B, G, M, C] (C: D or S) times the cache viewed as [B, G, C, N]
-// (N: S or D) into f32 [B, G, M, N], the sums times `scale`; created on `threads` threads.
-std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D,
-                                      memory::data_type dt, float scale, int threads) {
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
+// A cached primitive of one product over the first `span` of the cache's S positions: src [B, G, M, C] (C: D
+// or span) times the cache [B, S, G, D] viewed as [B, G, C, N] (N: span or D) into f32 [B, G, M, N], the sums
+// times `scale`; created on `threads` threads.
+std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t span,
+                                      int64_t D, memory::data_type dt, float scale, int threads) {
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
   static std::map<Key, std::shared_ptr<Primitive>> cache;
-  Key key{static_cast<int>(kind), B, G, M, S, D, static_cast<int>(dt), Bits(scale), threads};
+  Key key{static_cast<int>(kind), B, G, M, S, span, D, static_cast<int>(dt), Bits(scale), threads};
   return Cached(cache, g_attention_mu, key, [&] {
     bool scores = kind == Product::kScores;
-    int64_t C = scores ? D : S, N = scores ? S : D;
+    int64_t C = scores ? D : span, N = scores ? span : D;
     auto p = std::make_shared<Primitive>();
     p->src = memory::desc({B, G, M, C}, dt, memory::format_tag::abcd);
     // The cache [B, S, G, D] as [B, G, D, S] (keys: position s at stride G D) or [B, G, S, D] (values).
@@ -85,9 +94,9 @@ std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_
 }
 
 // One product; throws what oneDNN throws.
-void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t D, memory::data_type dt, const void* a,
-         const void* cache, float* out, float scale, int threads) {
-  auto p = GetProduct(kind, B, G, M, S, D, dt, scale, threads);
+void Run(Product kind, int64_t B, int64_t G, int64_t M, int64_t S, int64_t span, int64_t D, memory::data_type dt,
+         const void* a, const void* cache, float* out, float scale, int threads) {
+  auto p = GetProduct(kind, B, G, M, S, span, D, dt, scale, threads);
   dnnl::stream strm(ctx().eng);
   memory src(p->src, ctx().eng, const_cast<void*>(a)), wei(p->wei, ctx().eng, const_cast<void*>(cache)),
       dst(p->dst, ctx().eng, out);
@@ -146,38 +155,46 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     std::memset(o, 0, out->size_bytes());
     return ffi::Error::Success();
   }
+  const int32_t* len = lengths.typed_data();
+  int64_t longest = 0;  // no row sees past it: the products stop at `span`, its multiple of kSpanStep
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(len[b], 0, S));
+  const int64_t span = std::min(S, (longest + kSpanStep - 1) / kSpanStep * kSpanStep);
+  if (span == 0) {  // nothing visible anywhere: zeros, as the reference gives
+    std::memset(o, 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
   bool bf16 = dt == memory::data_type::bf16;
   size_t item = bf16 ? 2 : 4;
-  int threads = EveryCore(B * S * G * (D + Dv) * item, B * G * M * S * (D + Dv)) ? Threads() : 1;
+  int threads = EveryCore(B * span * G * (D + Dv) * item, B * G * M * span * (D + Dv)) ? Threads() : 1;
   omp_set_num_threads(threads);  // the calling thread's count, for every primitive below (created with it)
   int64_t R = B * G * M, J = M / T;  // row m of KV head g: new token m / J's query head g J + m % J
-  float* scores = scratch->typed_data();
+  float* scores = scratch->typed_data();  // [R, span] each, in the scratch's first R x span entries
   float* weights = scores + R * S;
-  const int32_t* len = lengths.typed_data();
   auto visible = [&](int64_t row) {  // cache positions row (b, g, m) sees: < lengths[b] - T + t + 1
     int64_t b = row / (G * M), m = row % M;
-    return std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
+    return std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, span);
   };
   void* rounded = weights;  // the weights in q's dtype: f32 in place, bf16 over the scores (no longer read)
   try {
     if (D == 0)
-      std::fill(scores, scores + R * S, 0.0f);
+      std::fill(scores, scores + R * span, 0.0f);
     else
-      Run(Product::kScores, B, G, M, S, D, dt, q.untyped_data(), k.untyped_data(), scores, scale, threads);
+      Run(Product::kScores, B, G, M, S, span, D, dt, q.untyped_data(), k.untyped_data(), scores, scale, threads);
     for (int64_t row = 0; row < R; ++row)
-      std::fill(scores + row * S + visible(row), scores + (row + 1) * S, -std::numeric_limits<float>::infinity());
-    auto soft = GetSoftmax(R, S, dt, threads);
+      std::fill(scores + row * span + visible(row), scores + (row + 1) * span,
+                -std::numeric_limits<float>::infinity());
+    auto soft = GetSoftmax(R, span, dt, threads);
     dnnl::stream strm(ctx().eng);
     memory src(soft->src, ctx().eng, scores), dst(soft->src, ctx().eng, weights);
     soft->softmax.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
     strm.wait();
     // A row with nothing visible, or only -inf scores: oneDNN's weights are NaN, the reference's zeros.
     for (int64_t row = 0; row < R; ++row) {
-      float* w = weights + row * S;
+      float* w = weights + row * span;
       if (visible(row) > 0 && std::isfinite(w[0])) continue;
-      const float* x = scores + row * S;
+      const float* x = scores + row * span;
       if (std::all_of(x, x + visible(row), [](float s) { return s == -std::numeric_limits<float>::infinity(); }))
-        std::fill(w, w + S, 0.0f);
+        std::fill(w, w + span, 0.0f);
     }
     if (bf16) {
       rounded = scores;
@@ -185,7 +202,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       soft->round.execute(strm, dst, half);
       strm.wait();
     }
-    Run(Product::kValues, B, G, M, S, Dv, dt, rounded, v.untyped_data(), o, 1.0f, threads);
+    Run(Product::kValues, B, G, M, S, span, Dv, dt, rounded, v.untyped_data(), o, 1.0f, threads);
   } catch (const std::exception& err) {
     return ffi::Error::Internal(std::string("mtp_onednn_attention: ") + err.what());
   }
@@ -198,7 +215,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       // Not finite: again over the valid entries only, so a stale Inf / NaN value cannot leak.
       int64_t valid = std::clamp<int64_t>(len[b], 0, S);
       for (int64_t m = 0; m < M; ++m) {
-        int64_t row = ((b * G + g) * M + m) * S;
+        int64_t row = ((b * G + g) * M + m) * span;
         for (int64_t e = 0; e < Dv; ++e) {
           float sum = 0.0f;
           for (int64_t s = 0; s < valid; ++s)
