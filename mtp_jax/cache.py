@@ -369,7 +369,7 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     positions = jnp.where(positions < 0, length, positions)  # negative would wrap: send past the end
     if onednn.moves_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
         flat = jnp.where(positions < length, jnp.arange(batch)[:, None] * length + positions, batch * length)
-        return onednn.write_rows(cache, flat.reshape(-1), new.reshape(-1, *new.shape[2:]))
+        return onednn.write_rows(cache, flat.reshape(-1), new.reshape(batch * new.shape[1], *new.shape[2:]))
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
     if narrow and new.shape[1] <= SELECT_WRITES and jax.default_backend() == "cpu":
         return _select_write(cache, new, positions)

@@ -5,6 +5,9 @@ indices outside the cache dropped) for every dtype, inside jit and vmap and unde
 without a copy of a donated cache; `write_at` and `PagedCache.write` give exactly what XLA's path gives.
 A page pool's gather (`gather_rows`, `mtp_gather_rows`; `PagedCache.view`) equals `gather_pages` likewise."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +189,47 @@ def test_a_paged_view_and_its_gradient_equal_xla(monkeypatch):
 def test_gather_rows_names_a_bad_index():
     with pytest.raises(ValueError, match=r"gather_rows: expected source \[N, \*row\] and index \[U\], got \[6, 4\]"):
         onednn.gather_rows(jnp.zeros((6, 4), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32))
+
+
+@built
+def test_rows_of_no_elements_and_packed_sub_byte_dtypes_stay_correct(monkeypatch):
+    """A cache [B, S, G, 0] writes as XLA's does; 4-bit floats (two to a byte in XLA) are not routed, and
+    `write_rows` / `gather_rows` refuse them by name."""
+    empty = jnp.zeros((2, 8, 2, 0), jnp.bfloat16)
+    positions = jnp.asarray([[1, 2], [3, 9]], jnp.int32)
+    assert jax.jit(write_at)(empty, jnp.zeros((2, 2, 2, 0), jnp.bfloat16), positions).shape == empty.shape
+    fp4 = jnp.asarray(np.random.default_rng(5).standard_normal((2, 8, 2, 4)), jnp.float4_e2m1fn)
+    new = jnp.ones((2, 2, 2, 4), jnp.float4_e2m1fn)
+    assert not onednn.moves_rows(fp4)
+    got = jax.jit(write_at)(fp4, new, positions)
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(xla_path(monkeypatch, write_at, fp4, new, positions), np.float32)
+    )
+    with pytest.raises(ValueError, match="write_rows: dtype int4 packs several elements to a byte"):
+        onednn.write_rows(jnp.zeros((4, 2), jnp.int4), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2), jnp.int4))
+    with pytest.raises(ValueError, match="gather_rows: dtype float4_e2m1fn"):
+        onednn.gather_rows(fp4, jnp.zeros((1,), jnp.int32))
+
+
+STALE = """
+import sys, types, warnings
+import mtp_jax_onednn as real
+stale = types.ModuleType("mtp_jax_onednn")
+stale.__dict__.update({k: v for k, v in vars(real).items() if k != "GATHER_ROWS"})  # built before the gather
+sys.modules["mtp_jax_onednn"] = stale
+import jax.numpy as jnp
+from mtp_jax.cache import write_at
+from mtp_jax.layers import onednn
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert onednn._extension() is None and not onednn.moves_rows(jnp.zeros((1,), jnp.bfloat16))
+assert any("rebuild it" in str(w.message) for w in caught), [str(w.message) for w in caught]
+out = write_at(jnp.zeros((1, 4, 2), jnp.bfloat16), jnp.ones((1, 1, 2), jnp.bfloat16), jnp.asarray([[2]]))
+assert float(out.sum()) == 2.0
+"""
+
+
+@built
+def test_an_extension_older_than_mtp_jax_is_ignored_with_a_warning():
+    """Built before a handler this version calls: everything runs on XLA, and a warning says to rebuild."""
+    subprocess.run([sys.executable, "-c", STALE], check=True, timeout=300)
