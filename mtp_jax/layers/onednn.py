@@ -189,7 +189,7 @@ def attention(
     rounded to q's dtype) and its matmul with the values: the reference's numbers up to the summation order
     and the exponential's last bit. XLA:CPU would copy both caches head-major, in float32 for bf16, on every
     layer and step. The call's scratch (scores and weights, 2 x [B, G, T H/G, S] float32) is an XLA buffer;
-    the products stop at the longest row's length rounded up to 64 positions (nothing past it is read)."""
+    the products stop at the longest row's length rounded up to 64 positions (S / 32 for a longer cache)."""
     batch, num_queries, num_heads, head_dim = q.shape
     cache_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     if _extension() is None:

@@ -18,8 +18,8 @@
 // or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
 // here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
 //
-// Only the first `span` positions are read: the longest row's length rounded up to kSpanStep (entries past a
-// row's length weigh exactly 0, so the result is the same as over all S).
+// Only the first `span` positions are read: the longest row's length rounded up to kSpanStep positions, or to
+// S / kSpans for a long cache (entries past a row's length weigh exactly 0: the result is the same as over S).
 //
 // Threads: the matmuls' rule (EveryCore) over the bytes and multiply-adds of that span, for all of its
 // primitives; each primitive cache is keyed by what decides that count.
@@ -48,9 +48,10 @@ std::mutex g_attention_mu;
 enum class Product { kScores, kValues };
 
 // The products and the softmax run over the first `span` cache positions, the longest row's length rounded
-// up to a multiple of this: a long-allocated cache (a serving bucket, a generate call's max_length) is read
-// as far as its rows reach. Each span is its own primitive (cached), created once per process.
-constexpr int64_t kSpanStep = 64;
+// up to a multiple of kSpanStep, or of S / kSpans when that is larger: a long-allocated cache (a serving
+// bucket, a generate call's max_length) is read as far as its rows reach, in at most kSpans distinct spans
+// per capacity S (each span is its own primitive, cached, created once per process).
+constexpr int64_t kSpanStep = 64, kSpans = 32;
 
 struct Primitive {
   dnnl::matmul prim;
@@ -158,7 +159,8 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   const int32_t* len = lengths.typed_data();
   int64_t longest = 0;  // no row sees past it: the products stop at `span`, its multiple of kSpanStep
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(len[b], 0, S));
-  const int64_t span = std::min(S, (longest + kSpanStep - 1) / kSpanStep * kSpanStep);
+  const int64_t step = std::max(kSpanStep, (S / kSpans + kSpanStep - 1) / kSpanStep * kSpanStep);
+  const int64_t span = std::min(S, (longest + step - 1) / step * step);
   if (span == 0) {  // nothing visible anywhere: zeros, as the reference gives
     std::memset(o, 0, out->size_bytes());
     return ffi::Error::Success();
