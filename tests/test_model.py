@@ -8,6 +8,7 @@ from flax import nnx
 
 from mtp_jax.cache import SELECT_WRITES, fill_stale, write_at
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers import onednn
 from mtp_jax.model import init_model, sequence_positions
 
 
@@ -93,17 +94,24 @@ def test_write_at_never_lands_outside_the_cache():
     np.testing.assert_array_equal(out[:, :, 0, 0], [[0, 0, 1, 1], [1, 0, 0, 0]])
 
 
+@pytest.mark.parametrize("path", ["xla", "in_place"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
-def test_write_at_in_narrow_floats_is_the_scatter(dtype):
-    # On the CPU backend narrow float caches are written with one select, not a scatter: the same writes, in
-    # order (a position written twice keeps the later token: the select's rule; a scatter leaves
-    # it undefined), outside [0, S) dropped (INT32_MIN too), values kept (NaN stays NaN; XLA:CPU's select may
-    # canonicalise a bf16 or e5m2 NaN's payload, as its scatter does).
+def test_write_at_in_narrow_floats_is_the_scatter(dtype, path, monkeypatch):
+    # On the CPU backend narrow float caches are written in place by the oneDNN extension's `write_rows`
+    # ("in_place") or, without it, with one select, not a scatter ("xla"): the same writes, in order (a
+    # position written twice keeps the later token: the select's rule; a scatter leaves it undefined),
+    # outside [0, S) dropped (INT32_MIN too), values kept (NaN stays NaN; XLA:CPU's select may canonicalise
+    # a bf16 or e5m2 NaN's payload, as its scatter does).
     if jax.default_backend() != "cpu":
         pytest.skip(
             "write_at uses selects on the CPU backend only; elsewhere a scatter, "
             "whose order for a position written twice XLA leaves undefined"
         )
+    if path == "xla":
+        monkeypatch.setenv(onednn.ENV, "0")
+    elif not onednn.moves_rows(jnp.zeros((1,), dtype)):
+        pytest.skip("the optional oneDNN extension is not built here (pip install ./extensions/onednn)")
+    routine = "ffi_call" if path == "in_place" else "scatter"  # past SELECT_WRITES (a new lambda: traced afresh)
     rng = np.random.default_rng(0)
     cache = jnp.asarray(rng.standard_normal((3, 6, 2, 3)), dtype)
     new = jnp.asarray(rng.standard_normal((3, 4, 2, 3)), dtype).at[1, 2, 0, 1].set(jnp.nan)
@@ -123,17 +131,18 @@ def test_write_at_in_narrow_floats_is_the_scatter(dtype):
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
     one = write_at(cache, new[:, :1], positions[:, :1])  # a decode step's one token: its own path
     np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), written(positions[:, :1]))
-    assert "scatter" not in str(jax.make_jaxpr(write_at)(cache, new, positions))  # the select, not the scatter
+    jaxpr = str(jax.make_jaxpr(lambda *a: write_at(*a))(cache, new, positions))
+    assert "ffi_call" in jaxpr if path == "in_place" else "scatter" not in jaxpr  # the in-place call, or a select
     # MLA's latent cache has no head axis: [B, S, D].
     flat = write_at(cache[:, :, 0], new[:, :, 0], positions)
     np.testing.assert_array_equal(np.asarray(flat.astype(jnp.float32)), expected[:, :, 0])
-    # More tokens than SELECT_WRITES (a prefill) take the scatter: the same cache.
+    # More tokens than SELECT_WRITES (a prefill) take XLA's scatter, or the in-place call: the same cache.
     long = jnp.zeros((2, SELECT_WRITES + 4, 1, 1), dtype)
     exact = np.concatenate([1 + np.arange(8) / 8, 2 + np.arange(8) / 4, [4.0]])  # 17 values exact in fp8 too
     ramp = jnp.asarray(exact[: SELECT_WRITES + 1], dtype)[None, :, None, None]
     args = long, jnp.concatenate([ramp, ramp]), sequence_positions(2, SELECT_WRITES + 1, jnp.asarray([4, -1]))
     out = write_at(*args)
-    assert out.dtype == dtype and "scatter" in str(jax.make_jaxpr(write_at)(*args))
+    assert out.dtype == dtype and routine in str(jax.make_jaxpr(lambda *a: write_at(*a))(*args))
     values = np.asarray(ramp[0, :, 0, 0].astype(jnp.float32))
     got = np.asarray(out[..., 0, 0].astype(jnp.float32))
     np.testing.assert_array_equal(got[0], np.concatenate([np.zeros(4), values[:-1]]))  # position 20 dropped
