@@ -46,8 +46,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from mtp_jax import cpu_extension
 from mtp_jax.config import ModelConfig
-from mtp_jax.layers import onednn
 from pallas_kernels.attention_reference import gather_pages
 
 
@@ -188,7 +188,7 @@ class PagedCache:
     def write(self, positions: Int[Array, "B T"], *new: jax.Array) -> PagedCache:
         """The cache with `new` (the pool class's `write` arguments, each [B, T, ...]) at `positions` (int32
         [B, T]) of each row, through the block table; positions outside the table's W x P, or in a sentinel
-        entry, are dropped. A bf16 / fp16 / fp8 pool on the CPU is written in place (`onednn.write_rows`, as
+        entry, are dropped. A bf16 / fp16 / fp8 pool on the CPU is written in place (`cpu_extension.write_rows`, as
         `write_at`): XLA:CPU's scatter would convert all of it, every layer and step (a serving step grew with
         max_batch x max_length: 29-33 ms against 2.9 at 1024 positions, demo bf16, 8 rows; docs/benchmarks.md)."""
         table, size = self.block_table, self.page_size
@@ -200,8 +200,8 @@ class PagedCache:
 
         def scatter(pool: jax.Array, values: jax.Array) -> jax.Array:
             values = values.reshape(flat.shape[0], *values.shape[2:]).astype(pool.dtype)
-            if onednn.moves_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
-                return onednn.write_rows(pool, flat, values)
+            if cpu_extension.moves_rows(pool):  # in place (XLA:CPU would convert the whole pool to float32 and back)
+                return cpu_extension.write_rows(pool, flat, values)
             rows = pool.reshape(num_pages * size, *pool.shape[2:])
             return rows.at[flat].set(values, mode="drop").reshape(pool.shape)
 
@@ -215,10 +215,10 @@ class PagedCache:
         return jax.tree.map(self._gather, self.pool)
 
     def _gather(self, pool: jax.Array) -> jax.Array:
-        if not onednn.moves_rows(pool):
+        if not cpu_extension.moves_rows(pool):
             return gather_pages(pool, self.block_table)
         batch, width = self.block_table.shape  # a page per row: one memcpy each (XLA:CPU: element by element)
-        pages = onednn.gather_rows(pool, self.block_table.reshape(-1))  # [B W, P, ...]
+        pages = cpu_extension.gather_rows(pool, self.block_table.reshape(-1))  # [B W, P, ...]
         return pages.reshape(batch, width * pool.shape[1], *pool.shape[2:])
 
 
@@ -361,15 +361,15 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     keeps the later token).
 
     Positions outside [0, S) are dropped, never clamped or wrapped. A bf16 / fp16 / fp8 cache on the CPU
-    is written in place by the extension's `onednn.write_rows` where `onednn.moves_rows` says so (XLA:CPU
+    is written in place by the extension's `cpu_extension.write_rows` where `cpu_extension.moves_rows` says so (XLA:CPU
     would convert the whole cache to float32 and back); else by one select (`_select_write`) or XLA's scatter.
     """
     new = new.astype(cache.dtype)
     batch, length = cache.shape[:2]
     positions = jnp.where(positions < 0, length, positions)  # negative would wrap: send past the end
-    if onednn.moves_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
+    if cpu_extension.moves_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
         flat = jnp.where(positions < length, jnp.arange(batch)[:, None] * length + positions, batch * length)
-        return onednn.write_rows(cache, flat.reshape(-1), new.reshape(batch * new.shape[1], *new.shape[2:]))
+        return cpu_extension.write_rows(cache, flat.reshape(-1), new.reshape(batch * new.shape[1], *new.shape[2:]))
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
     if narrow and new.shape[1] <= SELECT_WRITES and jax.default_backend() == "cpu":
         return _select_write(cache, new, positions)

@@ -1,0 +1,149 @@
+"""The optional CPU extension `mtp_jax_onednn` (`extensions/onednn`): loading it and registering its FFI
+targets, the `MTP_JAX_ONEDNN` setting, and the KV cache rows it moves in place.
+
+`mtp_jax.layers.onednn` routes matmuls and attention to its oneDNN handlers. Here are the two calls with no
+oneDNN in them, which the caches (`mtp_jax.cache`) use directly: `write_rows` writes a bf16 / fp16 / fp8
+cache's new rows into its own buffer, where XLA:CPU converts the whole cache to float32 and back on every
+scatter or dynamic-update-slice, and `gather_rows` gathers a page pool one memcpy per page, where XLA:CPU
+gathers element by element through float32. `moves_rows` says where (docs/benchmarks.md, 2026-12-07).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS;
+# "matmuls": MIN_ROWS, the attention's products left to XLA
+_PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
+_ATTENTION, _WRITE_ROWS, _GATHER_ROWS = "mtp_onednn_attention", "mtp_write_rows", "mtp_gather_rows"
+
+
+@cache
+def _extension():
+    """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when it is not installed,
+    its libraries do not load (a missing libdnnl.so.3 / libgomp.so.1 is an OSError), or it was built before a
+    handler this version calls (a warning says to rebuild it)."""
+    targets = {_PACK: "PACK", _MATMUL: "MATMUL", _GROUPED: "GROUPED", _ATTENTION: "ATTENTION"}
+    targets |= {_WRITE_ROWS: "WRITE_ROWS", _GATHER_ROWS: "GATHER_ROWS"}
+    try:
+        import mtp_jax_onednn as ext
+
+        handlers = {target: getattr(ext, name) for target, name in targets.items()}
+    except (ImportError, OSError):
+        return None
+    except AttributeError as missing:  # the package, or its compiled library, older than this mtp_jax
+        message = f"mtp_jax_onednn is older than mtp_jax ({missing}): rebuild it (pip install ./extensions/onednn)"
+        warnings.warn(message + "; everything runs on XLA until then", RuntimeWarning, stacklevel=2)
+        return None
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return ext
+
+
+def _setting() -> str:
+    setting = os.environ.get(ENV, "1").strip().lower()
+    if setting not in ("0", "off", "1", "on", "", "all", "matmuls"):
+        raise ValueError(f"{ENV}={setting!r}: expected 0/off, 1/on, all or matmuls")
+    return setting
+
+
+def moves_rows(cache: jax.Array) -> bool:
+    """Whether writes into `cache` go to `write_rows` here, and a page pool's gather to `gather_rows`: a
+    floating dtype of 8 or 16 bits (XLA:CPU scatters those in float32, converting the whole cache both
+    ways on every write, and gathers them element by element through float32; it writes float32 and
+    integers in place itself), the CPU backend, the extension installed, `MTP_JAX_ONEDNN` not "0"/"off", and
+    no context mesh (the call is opaque to GSPMD, which would gather a sharded cache onto every device)."""
+    narrow = jnp.issubdtype(cache.dtype, jnp.floating) and jax.dtypes.itemsize_bits(cache.dtype) in (8, 16)
+    if not narrow or _setting() in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
+        return False
+    return jax.sharding.get_abstract_mesh().empty
+
+
+def _check_whole_bytes(name: str, dtype) -> None:
+    if jax.dtypes.itemsize_bits(dtype) % 8:  # XLA packs them; the handlers count one byte per element
+        raise ValueError(f"{name}: dtype {jnp.dtype(dtype).name} packs several elements to a byte; not supported")
+
+
+def write_rows(cache: jax.Array, index: Int[Array, " U"], rows: jax.Array) -> jax.Array:
+    """`cache` [..., *row] with row `index[u]` set to `rows[u]` ([U, *row], cast to cache's dtype), in place:
+    the cache seen as R rows of shape `row` (its leading axes flattened, row-major), as
+    `cache.reshape(R, *row).at[index].set(rows, mode="drop").reshape(cache.shape)`, in order (a row written
+    twice keeps the later one), every index outside [0, R) dropped (a negative one too, which jnp wraps).
+    Any dtype of whole bytes. Through the `mtp_write_rows` FFI call, its result aliased to `cache`, which is
+    passed in its own shape (XLA copies an operand it reshaped): only the U rows move when `cache` is donated
+    or dead after the call. ValueError when rows' trailing shape is not cache's, or for 4-bit and 2-bit
+    types (XLA packs several to a byte); RuntimeError without the extension."""
+    if _extension() is None:
+        raise RuntimeError("mtp_jax.layers.onednn.write_rows: the mtp_jax_onednn extension is not installed")
+    _check_whole_bytes("write_rows", cache.dtype)
+    row = rows.shape[1:]
+    if (
+        index.ndim != 1
+        or rows.shape[0] != index.shape[0]
+        or cache.ndim <= len(row)
+        or cache.shape[cache.ndim - len(row) :] != row
+    ):
+        raise ValueError(
+            f"write_rows: expected cache [..., *row], index [U] and rows [U, *row], got cache {list(cache.shape)}, "
+            f"index {list(index.shape)}, rows {list(rows.shape)}"
+        )
+    return _write_rows(cache, index.astype(jnp.int32), rows.astype(cache.dtype))
+
+
+@jax.custom_jvp
+def _write_rows(cache: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    call = jax.ffi.ffi_call(_WRITE_ROWS, out, input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(cache, index, rows)
+
+
+@_write_rows.defjvp
+def _write_rows_jvp(primals, tangents):
+    """The tangent is the same write of the tangents, as a gather and a select (which `jax.grad` transposes; a
+    scatter-set with repeated indices it does not): a model's training forward writes its caches too."""
+    cache, index, rows = primals
+    cache_dot, _, rows_dot = tangents
+    row = rows.shape[1:]
+    flat = cache_dot.reshape(math.prod(cache.shape[: cache.ndim - len(row)]), *row)  # [R, *row]
+    index = jnp.where(index < 0, flat.shape[0], index)  # dropped, as the call drops it (jnp would wrap it)
+    source = jnp.full(flat.shape[:1], -1, jnp.int32).at[index].max(jnp.arange(index.shape[0]), mode="drop")
+    hit = (source >= 0).reshape(-1, *(1,) * (rows.ndim - 1))  # the last u written at each row, -1: none
+    written = jnp.where(hit, rows_dot[jnp.maximum(source, 0)], flat)
+    return _write_rows(cache, index, rows), written.reshape(cache.shape)
+
+
+def gather_rows(source: jax.Array, index: Int[Array, " U"]) -> jax.Array:
+    """`source` [N, *row] at rows `index` (int [U]) -> [U, *row], zeros for an index outside [0, N): a paged
+    cache's `gather_pages` as `gather_rows(pool, block_table.reshape(-1))` (a row: one page). Through the
+    `mtp_gather_rows` FFI call (one memcpy per row, every core from 2 MiB). ValueError for a rank-0 source or
+    an index not 1-D, or a dtype of less than a byte; RuntimeError without the extension."""
+    if _extension() is None:
+        raise RuntimeError("mtp_jax.layers.onednn.gather_rows: the mtp_jax_onednn extension is not installed")
+    _check_whole_bytes("gather_rows", source.dtype)
+    if source.ndim < 1 or index.ndim != 1:
+        raise ValueError(
+            f"gather_rows: expected source [N, *row] and index [U], got {list(source.shape)}, {list(index.shape)}"
+        )
+    return _gather_rows(source, index.astype(jnp.int32))
+
+
+@jax.custom_jvp
+def _gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((index.shape[0], *source.shape[1:]), source.dtype)
+    return jax.ffi.ffi_call(_GATHER_ROWS, out, vmap_method="sequential")(source, index)
+
+
+@_gather_rows.defjvp
+def _gather_rows_jvp(primals, tangents):
+    """The same gather of the tangent, by XLA (`jax.grad` transposes it)."""
+    source, index = primals
+    inside = ((index >= 0) & (index < source.shape[0])).reshape(-1, *(1,) * (source.ndim - 1))
+    tangent = jnp.where(inside, tangents[0][jnp.clip(index, 0, source.shape[0] - 1)], 0)
+    return _gather_rows(source, index), tangent.astype(tangents[0].dtype)
