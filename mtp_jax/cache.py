@@ -193,6 +193,7 @@ class PagedCache:
         max_batch x max_length: 29-33 ms against 2.9 at 1024 positions, demo bf16, 8 rows; docs/benchmarks.md)."""
         table, size = self.block_table, self.page_size
         num_pages = jax.tree.leaves(self.pool)[0].shape[0]
+        positions = _widened(positions)
         index = jnp.clip(positions // size, 0, table.shape[1] - 1)
         page = jnp.take_along_axis(table, index, axis=1)  # [B, T]
         outside = (positions < 0) | (positions >= table.shape[1] * size) | (page >= num_pages) | (page < 0)
@@ -356,6 +357,12 @@ def _select_write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax
     return jnp.where(source >= 0, taken, cache)
 
 
+def _widened(positions: jax.Array) -> jax.Array:
+    """Positions of an integer type narrower than int32 as int32: compared with a capacity that type cannot
+    hold (int8 against 200), jnp would cast the capacity into the narrow type instead."""
+    return positions.astype(jnp.int32) if jnp.iinfo(positions.dtype).bits < 32 else positions
+
+
 def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], positions: Int[Array, "B T"]) -> jax.Array:
     """`cache` with `new[b, t]` written at position `positions[b, t]` of row b (a position written twice
     keeps the later token).
@@ -366,10 +373,14 @@ def write_at(cache: Float[Array, "B S ..."], new: Float[Array, "B T ..."], posit
     """
     new = new.astype(cache.dtype)
     batch, length = cache.shape[:2]
+    positions = _widened(positions)
+    if positions.shape[1] == 0:  # no new tokens (XLA's select below would reduce over none)
+        return cache
     positions = jnp.where(positions < 0, length, positions)  # negative would wrap: send past the end
     if cpu_extension.moves_rows(cache):  # in place: position p of row b is row b S + p of the cache's B x S
         flat = jnp.where(positions < length, jnp.arange(batch)[:, None] * length + positions, batch * length)
-        return cpu_extension.write_rows(cache, flat.reshape(-1), new.reshape(batch * new.shape[1], *new.shape[2:]))
+        rows = jnp.broadcast_to(new, (batch, positions.shape[1], *cache.shape[2:]))  # as XLA's paths broadcast it
+        return cpu_extension.write_rows(cache, flat.reshape(-1), rows.reshape(flat.size, *cache.shape[2:]))
     narrow = jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
     if narrow and new.shape[1] <= SELECT_WRITES and jax.default_backend() == "cpu":
         return _select_write(cache, new, positions)

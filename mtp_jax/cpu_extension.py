@@ -94,7 +94,19 @@ def write_rows(cache: jax.Array, index: Int[Array, " U"], rows: jax.Array) -> ja
             f"write_rows: expected cache [..., *row], index [U] and rows [U, *row], got cache {list(cache.shape)}, "
             f"index {list(index.shape)}, rows {list(rows.shape)}"
         )
-    return _write_rows(cache, index.astype(jnp.int32), rows.astype(cache.dtype))
+    count = math.prod(cache.shape[: cache.ndim - len(row)])
+    return _write_rows(cache, _index32("write_rows", index, count), rows.astype(cache.dtype))
+
+
+def _index32(name: str, index: jax.Array, count: int) -> jax.Array:
+    """`index` as the handlers' int32, an entry outside [0, `count`) of a wider type sent to -1 (dropped, or
+    zeros) rather than wrapped into range by the cast; ValueError for a non-integer index."""
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ValueError(f"{name}: index must be an integer array, got {index.dtype}")
+    info = jnp.iinfo(index.dtype)
+    if info.min >= jnp.iinfo(jnp.int32).min and info.max <= jnp.iinfo(jnp.int32).max:
+        return index.astype(jnp.int32)
+    return jnp.where((index >= 0) & (index < count), index, -1).astype(jnp.int32)
 
 
 @jax.custom_jvp
@@ -110,6 +122,8 @@ def _write_rows_jvp(primals, tangents):
     scatter-set with repeated indices it does not): a model's training forward writes its caches too."""
     cache, index, rows = primals
     cache_dot, _, rows_dot = tangents
+    if index.shape[0] == 0:  # nothing written: the tangent passes through (no row to gather from)
+        return _write_rows(cache, index, rows), cache_dot
     row = rows.shape[1:]
     flat = cache_dot.reshape(math.prod(cache.shape[: cache.ndim - len(row)]), *row)  # [R, *row]
     index = jnp.where(index < 0, flat.shape[0], index)  # dropped, as the call drops it (jnp would wrap it)
@@ -131,7 +145,7 @@ def gather_rows(source: jax.Array, index: Int[Array, " U"]) -> jax.Array:
         raise ValueError(
             f"gather_rows: expected source [N, *row] and index [U], got {list(source.shape)}, {list(index.shape)}"
         )
-    return _gather_rows(source, index.astype(jnp.int32))
+    return _gather_rows(source, _index32("gather_rows", index, source.shape[0]))
 
 
 @jax.custom_jvp

@@ -155,6 +155,80 @@ def test_grad_through_an_in_place_write_equals_xla(monkeypatch):
 
 
 @built
+@pytest.mark.parametrize("kind", (jnp.int8, jnp.uint8, jnp.int16), ids=lambda d: jnp.dtype(d).name)
+def test_positions_of_a_narrow_integer_type_are_written_as_xla_writes_them(monkeypatch, kind):
+    """Positions in a type that cannot hold the capacity (int8 against 200 positions): every position is
+    written, densely and through pages (jnp would cast the capacity into the positions' type otherwise)."""
+    rng = np.random.default_rng(3)
+    cache = jnp.asarray(rng.standard_normal((1, 200, 1, 4)), jnp.bfloat16)
+    new = jnp.asarray(rng.standard_normal((1, 2, 1, 4)), jnp.bfloat16)
+    positions = jnp.asarray([[5, 100]], kind)
+    got = in_place(write_at, cache, new, positions)
+    np.testing.assert_array_equal(bits(got), bits(xla_path(monkeypatch, write_at, cache, new, positions)))
+    np.testing.assert_array_equal(bits(got[0, [5, 100]]), bits(new[0]))
+    pool = KVCache(*(jnp.zeros((4, 64, 1, 4), jnp.bfloat16) for _ in range(2)))  # W x P = 256 positions
+    table = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
+    written = PagedCache(pool, table).write(positions, new, new).view().k
+    np.testing.assert_array_equal(bits(written[0, [5, 100]]), bits(new[0]))
+
+
+@built
+def test_a_write_of_no_rows_passes_the_cache_and_its_gradient_through(monkeypatch):
+    """T = 0 new tokens: `write_at` returns the cache (XLA's select reduced over none), and `jax.grad` through
+    a paged write of them (an empty `write_rows`, whose tangent rule had no row to gather) is the cache's
+    gradient as if nothing were written, as on XLA's path."""
+    rng = np.random.default_rng(4)
+    cache = jnp.asarray(rng.standard_normal((2, 8, 2, 4)), jnp.bfloat16)
+    new, positions = jnp.zeros((2, 0, 2, 4), jnp.bfloat16), jnp.zeros((2, 0), jnp.int32)
+    np.testing.assert_array_equal(bits(jax.jit(write_at)(cache, new, positions)), bits(cache))
+    np.testing.assert_array_equal(bits(xla_path(monkeypatch, write_at, cache, new, positions)), bits(cache))
+    table = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+
+    def loss(k):  # a pool of 4 pages of 4 positions
+        written = PagedCache(KVCache(k, k), table).write(positions, new, new)
+        return jnp.sum(written.pool.k.astype(jnp.float32) * 3)
+
+    pool = cache.reshape(4, 4, 2, 4)
+    assert onednn.moves_rows(pool)
+    got = jax.jit(jax.grad(loss))(pool)  # (the empty write is dead code there: only its tangent rule is traced)
+    np.testing.assert_array_equal(bits(got), bits(xla_path(monkeypatch, jax.grad(loss), pool)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 3.0)
+    empty = jnp.zeros((0,), jnp.int32)
+    rows = jax.grad(lambda c: jnp.sum(onednn.write_rows(c, empty, new[0, :0]).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(rows(cache), np.float32), 1.0)
+
+
+@built
+def test_wide_indices_outside_int32_are_dropped_not_wrapped():
+    """int64 ids (x64) outside int32 would wrap into range when cast for the handlers (2**32 + 1 -> 1): a
+    gathered page reads zeros, a write is dropped, as for any id outside the rows; a float index is refused."""
+    source = jnp.arange(1, 17, dtype=jnp.float32).reshape(4, 4).astype(jnp.bfloat16)
+    with jax.enable_x64(True):
+        index = jnp.asarray([0, 2**32 + 1, -(2**32) + 2], jnp.int64)
+        np.testing.assert_array_equal(np.asarray(onednn.gather_rows(source, index), np.float32)[1:], 0.0)
+        written = onednn.write_rows(source, index[1:], jnp.zeros((2, 4), jnp.bfloat16))
+        np.testing.assert_array_equal(bits(written), bits(source))
+        table = jnp.asarray([[0, 2**32 + 1]], jnp.int64)
+        pool = KVCache(source.reshape(4, 2, 1, 2), source.reshape(4, 2, 1, 2))
+        view = np.asarray(PagedCache(pool, table).view().k, np.float32)
+        np.testing.assert_array_equal(view[0, 2:], 0.0)
+    with pytest.raises(ValueError, match="gather_rows: index must be an integer array, got float32"):
+        onednn.gather_rows(source, jnp.zeros((1,), jnp.float32))
+
+
+@built
+def test_new_tokens_that_broadcast_are_written_as_xla_writes_them(monkeypatch):
+    """`new` [B, 1, G, D] for two positions, or [B, T, 1, D] for G KV heads: broadcast, as XLA's paths do."""
+    rng = np.random.default_rng(5)
+    cache = jnp.asarray(rng.standard_normal((2, 8, 2, 4)), jnp.bfloat16)
+    positions = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+    for shape in ((2, 1, 2, 4), (2, 2, 1, 4)):
+        new = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        got = in_place(write_at, cache, new, positions)
+        np.testing.assert_array_equal(bits(got), bits(xla_path(monkeypatch, write_at, cache, new, positions)))
+
+
+@built
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_gather_rows_equals_gather_pages(dtype):
     """A block table with sentinel ids past the pool and below zero: their pages read as zeros."""
