@@ -22,6 +22,7 @@ from jaxtyping import Array, Int
 ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtypes; unset/"1": MIN_ROWS;
 # "matmuls": MIN_ROWS, the attention's products left to XLA
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
+_MATMUL_SWIGLU = "mtp_onednn_matmul_swiglu"
 _ATTENTION, _WRITE_ROWS, _GATHER_ROWS = "mtp_onednn_attention", "mtp_write_rows", "mtp_gather_rows"
 
 
@@ -30,7 +31,8 @@ def _extension():
     """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when it is not installed,
     its libraries do not load (a missing libdnnl.so.3 / libgomp.so.1 is an OSError), or it was built before a
     handler this version calls (a warning says to rebuild it)."""
-    targets = {_PACK: "PACK", _MATMUL: "MATMUL", _GROUPED: "GROUPED", _ATTENTION: "ATTENTION"}
+    targets = {_PACK: "PACK", _MATMUL: "MATMUL", _MATMUL_SWIGLU: "MATMUL_SWIGLU", _GROUPED: "GROUPED"}
+    targets |= {_ATTENTION: "ATTENTION"}
     targets |= {_WRITE_ROWS: "WRITE_ROWS", _GATHER_ROWS: "GATHER_ROWS"}
     try:
         import mtp_jax_onednn as ext

@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.layers import onednn
 from mtp_jax.layers.fused import gate_up_layout
 from mtp_jax.layers.linear import linear
 
@@ -40,6 +41,8 @@ class MLP(nnx.Module):
     needs no exchange before `down_proj`; `mtp_jax.checkpoints` interleaves HF's tensors on load and
     separates them on export. `down_proj` [I, E]. `name`: the MLP's path in its layer ("mlp", DeepSeek-V3's
     "mlp.shared_experts"), which decides with `config.quantization` whether its linears are FP8 (`linear`).
+    In a CPU engine's copy whose gate_up goes to oneDNN, the matmul and `swiglu` are one call
+    (`mtp_jax.layers.onednn.packed_swiglu`).
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None, *, name: str = "mlp"):
@@ -58,4 +61,5 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        fused = onednn.packed_swiglu(self.gate_up_proj, x)  # an engine's CPU copy: matmul and SwiGLU in one call
+        return self.down_proj(swiglu(self.gate_up_proj(x)) if fused is None else fused)

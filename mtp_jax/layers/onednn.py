@@ -8,8 +8,9 @@ its weight is reordered ("packed") into the blocked layout oneDNN prefers (`benc
 `onednn-cpu-gomp` wheels), a `DecodeEngine` on the CPU backend packs each `nnx.Linear` kernel once at
 construction (`pack_params`); in the engine's copy of the model each of them is a `PackedLinear`, whose
 call goes to `PackedDot` (a `jax.ffi.ffi_call` into oneDNN) over the packed kernel from `min_rows` rows and
-to `mtp_jax.layers.linear.dot_general` over the original below. Without the extension, or with
-`MTP_JAX_ONEDNN=0`, nothing changes.
+to `mtp_jax.layers.linear.dot_general` over the original below; a dense `MLP`'s gate_up matmul and its SwiGLU
+are one call there (`packed_swiglu`, `matmul_swiglu`: XLA:CPU's elementwise SwiGLU cost more than a small
+model's matmul). Without the extension, or with `MTP_JAX_ONEDNN=0`, nothing changes.
 
 Which matmuls (`MIN_ROWS`, measured on 2-core AMD EPYC Zen 4 with AVX512-BF16 and Intel Xeon with AMX,
 `benchmarks/bench_onednn.py`): bfloat16 at every row count (a medium step 1.3-1.6x faster on AMD,
@@ -53,6 +54,7 @@ from mtp_jax.cpu_extension import (  # noqa: F401  (re-exported: the rows the ex
     _ATTENTION,
     _GROUPED,
     _MATMUL,
+    _MATMUL_SWIGLU,
     _PACK,
     ENV,
     _extension,
@@ -217,6 +219,27 @@ class PackedDot:
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
+def matmul_swiglu(lhs: jax.Array, packed: jax.Array, fan_out: int) -> jax.Array:
+    """`mtp_jax.layers.ffn.swiglu(lhs @ kernel)` for `packed` = `pack(kernel)` of an interleaved gate_up kernel
+    [fan_in, fan_out] (`fan_out` even): `lhs` [..., fan_in] (lhs's dtype, bfloat16 or float32) -> [..., fan_out / 2],
+    in one `mtp_onednn_matmul_swiglu` FFI call: the matmul as `PackedDot`'s, rounded to lhs's dtype, then SwiGLU
+    as `swiglu` computes it (silu in float32 with the extension's own exponential, within a float32 ulp or so of
+    XLA's: bfloat16 results equal `swiglu`'s but for a rare last-bit tie). XLA:CPU spends longer on that
+    elementwise SwiGLU than on a small model's matmul (the demo model's [8, 1024] gate_up: 11 us, its SwiGLU
+    15 us more). Under `vmap` the packed weight must be unbatched."""
+    if fan_out % 2 or packed.ndim != 1 or packed.dtype != lhs.dtype:
+        raise ValueError(
+            f"matmul_swiglu: expected an even fan_out and packed in lhs's dtype {lhs.dtype}, got fan_out {fan_out}, "
+            f"packed {packed.dtype}{packed.shape}"
+        )
+    rows = math.prod(lhs.shape[:-1])
+    out = (
+        jax.ShapeDtypeStruct((*lhs.shape[:-1], fan_out // 2), lhs.dtype),
+        jax.ShapeDtypeStruct((rows * fan_out,), lhs.dtype),  # the matmul's output, a scratch buffer
+    )
+    return jax.ffi.ffi_call(_MATMUL_SWIGLU, out, vmap_method="expand_dims")(lhs, packed)[0]
+
+
 def attends(module: nnx.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether `module`'s attention over this q and cache goes to `attention`: `swapped` flagged it (a CPU
     engine's copy, `ATTENTION`) and q, k and v are all bfloat16 (a float32 cache, say, stays on XLA)."""
@@ -248,6 +271,16 @@ class PackedLinear(nnx.Linear):
         if self.bias is not None:
             y = y + self.bias[...].astype(packed.dtype)
         return y
+
+
+def packed_swiglu(module: nnx.Module, x: jax.Array) -> jax.Array | None:
+    """`mtp_jax.layers.ffn.swiglu(module(x))` in one `matmul_swiglu` call when `module` is an interleaved
+    gate_up projection that `swapped` made a `PackedLinear` without a bias and `x` has its `MIN_ROWS_ATTRIBUTE`
+    rows, else None (the caller computes the matmul and the SwiGLU apart)."""
+    packed = packed_for(module, PACKED, x)
+    if packed is None or module.bias is not None:
+        return None
+    return matmul_swiglu(x.astype(packed.dtype), packed, module.out_features)
 
 
 def _packable(path: tuple, module) -> str | None:

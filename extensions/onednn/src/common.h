@@ -1,5 +1,5 @@
 // What the handlers of onednn_matmul.cc and onednn_attention.cc share: the CPU engine, the dtypes they
-// take, the thread knobs read from the environment, and their primitive caches' lookup.
+// take, the thread knobs read from the environment, their primitive caches' lookup, and swiglu.cc's loops.
 #pragma once
 
 #include <cstddef>
@@ -85,5 +85,9 @@ inline bool DataType(xla::ffi::DataType et, dnnl::memory::data_type* dt) {
   }
   return false;
 }
+
+// SwiGLU of n interleaved (gate, up) pairs into y[n] (swiglu.cc): bf16 pairs read as one uint32 each.
+void SwigluBf16(const uint32_t* __restrict pairs, uint16_t* __restrict y, int64_t n);
+void SwigluF32(const float* __restrict pairs, float* __restrict y, int64_t n);
 
 }  // namespace mtp_onednn

@@ -9,6 +9,12 @@
 //                                                    packed weight (P elements each), experts in order;
 //                                                    rows past the groups are zeros; each group computed
 //                                                    in power-of-two row chunks (few primitives)
+//   MtpOnednnMatmulSwiglu(x [..., K], packed)         SwiGLU of an interleaved gate_up projection in one
+//     -> y [..., N / 2], scratch [M, N]              call: the matmul into `scratch` (rounded to x's dtype,
+//                                                    as MtpOnednnMatmul's y), then y[m, i] =
+//                                                    silu(scratch[m, 2i]) * scratch[m, 2i + 1] as
+//                                                    mtp_jax.layers.ffn.swiglu computes it (bf16: silu in
+//                                                    f32 rounded once, the product rounded once)
 //
 // Both for bf16 (fp32 accumulation inside oneDNN, rounded once to bf16) and f32. The packed layout of a
 // (K, N, dtype) is the one oneDNN picks for kLayoutRows rows; every M then uses a primitive created for
@@ -120,33 +126,81 @@ ffi::Error PackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed) {
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
-  // x [..., K] and y [..., N]: the leading axes (equal in both) flattened into M rows.
-  auto xd = x.dimensions(), yd = y->dimensions();
-  memory::data_type dt;
-  if (xd.size() < 1 || yd.size() != xd.size() || !std::equal(xd.begin(), xd.end() - 1, yd.begin()))
-    return ffi::Error::InvalidArgument("mtp_onednn_matmul: x must be [..., K] and y [..., N] with equal leading axes");
-  if (!DataType(x.element_type(), &dt) || y->element_type() != x.element_type() ||
-      packed.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("mtp_onednn_matmul: x, the packed weight and y must share one dtype, bf16 or f32");
-  int64_t K = xd.back(), N = yd.back(), M = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+// y [M, N] = x [M, K] @ the packed weight, every pointer the caller's.
+ffi::Error RunMatmul(const char* name, const void* x, ffi::AnyBuffer packed, void* y, int64_t M, int64_t K, int64_t N,
+                     memory::data_type dt) {
   if (M == 0 || N == 0) return ffi::Error::Success();
   try {
     UseThreads(M, K, N, dt);
     auto m = GetMatmul(M, K, N, dt);
     if (packed.size_bytes() != m->wei.get_size())
-      return ffi::Error::InvalidArgument(
-          "mtp_onednn_matmul: the packed weight's size is not that of one packed [K, N] weight (batched?)");
+      return ffi::Error::InvalidArgument(std::string(name) +
+                                         ": the packed weight's size is not that of one packed [K, N] weight (batched?)");
     dnnl::stream strm(ctx().eng);
-    memory src(m->src, ctx().eng, x.untyped_data());
+    memory src(m->src, ctx().eng, const_cast<void*>(x));
     memory wei(m->wei, ctx().eng, packed.untyped_data());
-    memory dst(m->dst, ctx().eng, y->untyped_data());
+    memory dst(m->dst, ctx().eng, y);
     m->prim.execute(strm, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
     strm.wait();
   } catch (const std::exception& err) {
-    return ffi::Error::Internal(std::string("mtp_onednn_matmul: ") + err.what());
+    return ffi::Error::Internal(std::string(name) + ": " + err.what());
   }
+  return ffi::Error::Success();
+}
+
+// x [..., K] and y [..., N'] with equal leading axes, flattened into M rows; x, packed and y of one dtype.
+ffi::Error Rows(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer::Dimensions yd,
+                ffi::DataType yt, int64_t* M, memory::data_type* dt) {
+  auto xd = x.dimensions();
+  if (xd.size() < 1 || yd.size() != xd.size() || !std::equal(xd.begin(), xd.end() - 1, yd.begin()))
+    return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K] and y [..., N] with equal leading axes");
+  if (!DataType(x.element_type(), dt) || yt != x.element_type() || packed.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": x, the packed weight and y must share one dtype, bf16 or f32");
+  *M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) *M *= xd[i];
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
+  int64_t M;
+  memory::data_type dt;
+  auto rows = Rows("mtp_onednn_matmul", x, packed, y->dimensions(), y->element_type(), &M, &dt);
+  if (rows.failure()) return rows;
+  return RunMatmul("mtp_onednn_matmul", x.untyped_data(), packed, y->untyped_data(), M, x.dimensions().back(),
+                   y->dimensions().back(), dt);
+}
+
+ffi::Error MatmulSwigluImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::AnyBuffer> scratch) {
+  constexpr const char* kName = "mtp_onednn_matmul_swiglu";
+  int64_t M;
+  memory::data_type dt;
+  auto rows = Rows(kName, x, packed, y->dimensions(), y->element_type(), &M, &dt);
+  if (rows.failure()) return rows;
+  int64_t half = y->dimensions().back(), N = 2 * half;
+  if (scratch->element_type() != x.element_type() || scratch->element_count() != static_cast<size_t>(M * N))
+    return ffi::Error::InvalidArgument(std::string(kName) + ": scratch must hold M x 2 * y.shape[-1] elements of x's dtype");
+  auto run = RunMatmul(kName, x.untyped_data(), packed, scratch->untyped_data(), M, x.dimensions().back(), N, dt);
+  if (run.failure()) return run;
+  // Elements [start, start + n) of y (flattened) from the matmul's output.
+  auto swiglu = [&](int64_t start, int64_t n) {
+    if (dt == memory::data_type::bf16) {
+      SwigluBf16(static_cast<const uint32_t*>(scratch->untyped_data()) + start,
+                 static_cast<uint16_t*>(y->untyped_data()) + start, n);
+    } else {
+      SwigluF32(static_cast<const float*>(scratch->untyped_data()) + 2 * start,
+                static_cast<float*>(y->untyped_data()) + start, n);
+    }
+  };
+  // On this thread unless the call is large (a prefill): a decode step's few rows take microseconds.
+  const int64_t total = M * half, chunk = 1 << 16;
+  if (total < (int64_t{1} << 20)) {
+    swiglu(0, total);
+    return ffi::Error::Success();
+  }
+#pragma omp parallel for num_threads(Threads()) schedule(static)
+  for (int64_t start = 0; start < total; start += chunk) swiglu(start, std::min(chunk, total - start));
   return ffi::Error::Success();
 }
 
@@ -231,6 +285,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnPack, PackImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnMatmul, MatmulImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnMatmulSwiglu, MatmulSwigluImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnGroupedMatmul, GroupedImpl,
                               ffi::Ffi::Bind()

@@ -1,7 +1,8 @@
 """oneDNN's matmul over pre-packed weights as XLA FFI CPU handlers, for `mtp_jax.layers.onednn`.
 
-The compiled library holds six handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
-[K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]) and
+The compiled library holds seven handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
+[K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]), `MtpOnednnMatmulSwiglu`
+(the same for an interleaved gate_up weight, then SwiGLU -> y [M, N / 2] and the matmul's [M, N]) and
 `MtpOnednnGroupedMatmul` (x [M, K], R packed weights, group sizes [R] -> y [M, N], as
 `jax.lax.ragged_dot`); in `src/onednn_attention.cc`, `MtpOnednnAttention` (q [B, G, M, D], the caches
 [B, S, G, D] and [B, S, G, Dv], lengths [B] -> float32 [B, G, M, Dv]: the decode step's masked attention);
@@ -38,6 +39,7 @@ def _load() -> ctypes.CDLL:
 
 LIB = _load()
 PACK, MATMUL, GROUPED = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul, LIB.MtpOnednnGroupedMatmul  # FFI handlers
+MATMUL_SWIGLU = LIB.MtpOnednnMatmulSwiglu
 ATTENTION, WRITE_ROWS, GATHER_ROWS = LIB.MtpOnednnAttention, LIB.MtpWriteRows, LIB.MtpGatherRows
 
 
