@@ -3,6 +3,9 @@ extension's `MtpOnednnMatmulSwiglu`): `swiglu` of the packed matmul for every ro
 split over threads, values at the edges of the exponential (infinities, NaN, |g| near 88), inside jit and
 under vmap; an engine's `MLP` calls it from the packed kernel's `MIN_ROWS` and computes what it did."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,14 +20,14 @@ from mtp_jax.model import init_model
 DTYPES = [pytest.param(jnp.bfloat16, marks=fast_bf16), jnp.float32]
 
 
-def assert_swiglu_equal(got, ref):
-    """bfloat16: equal but for a rare last-bit tie of the two exponentials (one bf16 step at most);
-    float32: within a few float32 ulps (the exponentials differ in their last bits)."""
+def assert_swiglu_equal(got, ref, dtype):
+    """NaN where `ref` is; bfloat16: equal but for a rare last-bit tie of the two exponentials (one bf16 step
+    at most); float32: within a few float32 ulps (the exponentials differ in their last bits)."""
     got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
     assert got.shape == ref.shape
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     got, ref = np.nan_to_num(got), np.nan_to_num(ref)
-    if ref.dtype == np.float32 and np.mean(got == ref) < 0.999:  # float32: the product's few ulps
+    if dtype == jnp.float32:
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-30)
         return
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
@@ -39,13 +42,13 @@ def test_matmul_swiglu_equals_swiglu_of_the_packed_matmul(dtype):
     for fan_in, fan_out, all_rows in ((160, 72, (*ROWS, 300)), (33, 1024, (2048,))):
         _, w = operands(1, fan_in, fan_out, dtype)
         packed = onednn.pack(w)
-        fused = jax.jit(lambda x, p, n=fan_out: onednn.matmul_swiglu(x, p, n))
+        fused = jax.jit(lambda x, p, k=fan_in, n=fan_out: onednn.matmul_swiglu(x, p, k, n))
         apart = jax.jit(lambda x, p, k=fan_in, n=fan_out: swiglu(onednn.PackedDot(k, n)(x, p, DN)))
         for rows in all_rows:
             x, _ = operands(rows, fan_in, fan_out, dtype, seed=rows)
             got, ref = fused(x, packed), apart(x, packed)
             assert got.dtype == x.dtype and got.shape == (rows, fan_out // 2)
-            assert_swiglu_equal(got, ref)
+            assert_swiglu_equal(got, ref, dtype)
             if dtype == jnp.bfloat16:
                 assert np.mean(np.asarray(got == ref)) >= 0.999
 
@@ -61,9 +64,9 @@ def test_matmul_swiglu_at_the_edges_of_the_exponential(dtype):
     w = jnp.asarray(np.stack([gates, ups], axis=1).reshape(1, -1), dtype)  # [1, 2n]: interleaved pairs
     packed = onednn.pack(w)
     x = jnp.ones((3, 1), dtype)
-    got = jax.jit(lambda a, p: onednn.matmul_swiglu(a, p, w.shape[1]))(x, packed)
+    got = jax.jit(lambda a, p: onednn.matmul_swiglu(a, p, 1, w.shape[1]))(x, packed)
     ref = jax.jit(swiglu)(jnp.broadcast_to(w, (3, w.shape[1])))
-    assert_swiglu_equal(got, ref)
+    assert_swiglu_equal(got, ref, dtype)
     assert np.isnan(np.asarray(got, np.float32)[:, 1]).all()  # silu(-inf)
 
 
@@ -73,17 +76,23 @@ def test_matmul_swiglu_leading_axes_vmap_and_bad_operands():
     x, w = operands(12, 64, 48, jnp.bfloat16)
     packed = onednn.pack(w)
     ref = swiglu(onednn.PackedDot(64, 48)(x, packed, DN))
-    got = jax.jit(lambda a, p: onednn.matmul_swiglu(a, p, 48))(x.reshape(3, 4, 64), packed)
+    got = jax.jit(lambda a, p: onednn.matmul_swiglu(a, p, 64, 48))(x.reshape(3, 4, 64), packed)
     assert got.shape == (3, 4, 24)
     np.testing.assert_array_equal(np.asarray(got.reshape(12, 24), np.float32), np.asarray(ref, np.float32))
-    batched = jax.vmap(lambda a: onednn.matmul_swiglu(a, packed, 48))(x.reshape(3, 4, 64))  # weight unbatched
+    batched = jax.vmap(lambda a: onednn.matmul_swiglu(a, packed, 64, 48))(x.reshape(3, 4, 64))  # weight unbatched
     np.testing.assert_array_equal(np.asarray(batched.reshape(12, 24), np.float32), np.asarray(ref, np.float32))
-    with pytest.raises(ValueError, match="even fan_out"):
-        onednn.matmul_swiglu(x, packed, 47)
-    with pytest.raises(ValueError, match="packed in lhs's dtype"):
-        onednn.matmul_swiglu(x.astype(jnp.float32), packed, 48)
+    for fan_in, fan_out in ((64, 47), (64, 0), (64, -48), (40, 48)):  # odd, empty, negative; lhs not [..., 40]
+        with pytest.raises(ValueError, match="expected lhs"):
+            onednn.matmul_swiglu(x, packed, fan_in, fan_out)
+    for lhs, weight in ((x.astype(jnp.float32), packed), (x.astype(jnp.float16), packed.astype(jnp.float16))):
+        with pytest.raises(ValueError, match="share one dtype"):
+            onednn.matmul_swiglu(lhs, weight, 64, 48)
+    for rows in (4, 0):  # a [64, 96] weight was expected; with no rows too
+        with pytest.raises(ValueError, match=r"pack\(\) of a \[64, 96\] bfloat16 kernel holds"):
+            onednn.matmul_swiglu(x[:rows], packed, 64, 96)
+    batched = jnp.stack([packed, packed])  # one weight per vmapped row
     with pytest.raises(Exception, match="packed weight's size"):
-        onednn.matmul_swiglu(x, packed, 96).block_until_ready()  # a [64, 96] weight was expected
+        jax.vmap(lambda a, p: onednn.matmul_swiglu(a, p, 64, 48))(x.reshape(2, 6, 64), batched).block_until_ready()
 
 
 def calls_fused(fn, *args) -> bool:
@@ -110,3 +119,30 @@ def test_mlp_fuses_its_swiglu_from_min_rows(monkeypatch, dtype):
             assert_close(mlp(x), ref, dtype)
         mlp.gate_up_proj.bias = nnx.Param(jnp.zeros((2 * TINY.intermediate_size,), dtype))
         assert not calls_fused(lambda a: mlp(a), inputs[1])
+
+
+DENORMALS_SCRIPT = """
+import ctypes, numpy as np, jax, jax.numpy as jnp
+# libgomp's workers created here, outside XLA: they keep denormals (XLA's threads flush them)
+callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+ctypes.CDLL("libgomp.so.1").GOMP_parallel(callback, None, 2, 0)
+from mtp_jax.layers import onednn
+from mtp_jax.layers.ffn import swiglu
+pairs = np.stack([np.full(65536, -87.5), np.ones(65536)], axis=1).reshape(1, -1)
+w = jnp.asarray(pairs, jnp.bfloat16)  # gate -87.5: its sigmoid is below 2^-126, silu(-87.5) -0.0 in XLA
+x = jnp.ones((17, 1), jnp.bfloat16)  # 17 x 65536 outputs: the call splits them over every core
+got = jax.jit(lambda a, p: onednn.matmul_swiglu(a, p, 1, w.shape[1]))(x, onednn.pack(w))
+ref = jax.jit(swiglu)(jnp.broadcast_to(w, (17, w.shape[1])))
+print(int((np.asarray(got, np.float32) != np.asarray(ref, np.float32)).sum()))
+"""
+
+
+@built
+@fast_bf16
+def test_a_prefill_sized_call_flushes_denormals_on_every_thread():
+    """Above 2^20 outputs the SwiGLU runs on OpenMP's workers, which keep the denormal mode of wherever they
+    were created; each takes the calling XLA thread's (flush to zero) for the loop, so no row of the split
+    keeps a tiny silu where XLA's is -0.0 (a fresh process whose workers were created outside XLA)."""
+    done = subprocess.run([sys.executable, "-c", DENORMALS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0"

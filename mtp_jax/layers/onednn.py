@@ -219,18 +219,34 @@ class PackedDot:
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
-def matmul_swiglu(lhs: jax.Array, packed: jax.Array, fan_out: int) -> jax.Array:
+def matmul_swiglu(lhs: jax.Array, packed: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
     """`mtp_jax.layers.ffn.swiglu(lhs @ kernel)` for `packed` = `pack(kernel)` of an interleaved gate_up kernel
-    [fan_in, fan_out] (`fan_out` even): `lhs` [..., fan_in] (lhs's dtype, bfloat16 or float32) -> [..., fan_out / 2],
-    in one `mtp_onednn_matmul_swiglu` FFI call: the matmul as `PackedDot`'s, rounded to lhs's dtype, then SwiGLU
-    as `swiglu` computes it (silu in float32 with the extension's own exponential, within a float32 ulp or so of
-    XLA's: bfloat16 results equal `swiglu`'s but for a rare last-bit tie). XLA:CPU spends longer on that
-    elementwise SwiGLU than on a small model's matmul (the demo model's [8, 1024] gate_up: 11 us, its SwiGLU
-    15 us more). Under `vmap` the packed weight must be unbatched."""
-    if fan_out % 2 or packed.ndim != 1 or packed.dtype != lhs.dtype:
+    [fan_in, fan_out] (`fan_out` even and positive): `lhs` [..., fan_in] (bfloat16 or float32, `packed`'s dtype)
+    -> [..., fan_out / 2] in lhs's dtype, in one `mtp_onednn_matmul_swiglu` FFI call: the matmul as `PackedDot`'s,
+    rounded to lhs's dtype, then SwiGLU as `swiglu` computes it (silu in float32 with the extension's own
+    exponential, within a float32 ulp or so of XLA's: bfloat16 results equal `swiglu`'s but for a rare last-bit
+    tie; NaN stays NaN, its bits aside). XLA:CPU spends longer on that elementwise SwiGLU than on a small model's
+    matmul (the demo model's 8-row gate_up: 12 us, its SwiGLU 10-15 us more). ValueError for operands of another
+    shape or dtype, or a packed weight of another [fan_in, fan_out]'s size; under `vmap` the packed weight must be
+    unbatched (a batched one fails the call)."""
+    if lhs.ndim < 1 or lhs.shape[-1] != fan_in or fan_out <= 0 or fan_out % 2:
         raise ValueError(
-            f"matmul_swiglu: expected an even fan_out and packed in lhs's dtype {lhs.dtype}, got fan_out {fan_out}, "
-            f"packed {packed.dtype}{packed.shape}"
+            f"matmul_swiglu: expected lhs [..., {fan_in}] and an even, positive fan_out, got lhs {list(lhs.shape)} "
+            f"and fan_out {fan_out}"
+        )
+    if packed.ndim != 1 or packed.dtype != lhs.dtype or lhs.dtype.name not in ("float32", "bfloat16"):
+        raise ValueError(
+            "matmul_swiglu: lhs and packed must share one dtype, bfloat16 or float32, packed 1-D; got lhs "
+            f"{lhs.dtype}, packed {packed.dtype}{list(packed.shape)}"
+        )
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("mtp_jax.layers.onednn.matmul_swiglu: the mtp_jax_onednn extension is not installed")
+    expected = ext.packed_bytes(fan_in, fan_out, lhs.dtype.name) // lhs.dtype.itemsize
+    if packed.shape[0] != expected:  # (the call checks it too, but XLA skips a call with no rows)
+        raise ValueError(
+            f"matmul_swiglu: packed holds {packed.shape[0]} elements; pack() of a [{fan_in}, {fan_out}] "
+            f"{lhs.dtype} kernel holds {expected}"
         )
     rows = math.prod(lhs.shape[:-1])
     out = (
@@ -280,7 +296,7 @@ def packed_swiglu(module: nnx.Module, x: jax.Array) -> jax.Array | None:
     packed = packed_for(module, PACKED, x)
     if packed is None or module.bias is not None:
         return None
-    return matmul_swiglu(x.astype(packed.dtype), packed, module.out_features)
+    return matmul_swiglu(x.astype(packed.dtype), packed, module.in_features, module.out_features)
 
 
 def _packable(path: tuple, module) -> str | None:

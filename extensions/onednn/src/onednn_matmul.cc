@@ -40,6 +40,7 @@
 #include <tuple>
 
 #include <omp.h>
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the extension is built for x86-64 only
 
 #include "common.h"
 
@@ -129,13 +130,14 @@ ffi::Error PackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed) {
 // y [M, N] = x [M, K] @ the packed weight, every pointer the caller's.
 ffi::Error RunMatmul(const char* name, const void* x, ffi::AnyBuffer packed, void* y, int64_t M, int64_t K, int64_t N,
                      memory::data_type dt) {
-  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (N == 0) return ffi::Error::Success();
   try {
-    UseThreads(M, K, N, dt);
-    auto m = GetMatmul(M, K, N, dt);
-    if (packed.size_bytes() != m->wei.get_size())
+    if (packed.size_bytes() != PackedDesc(K, N, dt).get_size())
       return ffi::Error::InvalidArgument(std::string(name) +
                                          ": the packed weight's size is not that of one packed [K, N] weight (batched?)");
+    if (M == 0) return ffi::Error::Success();
+    UseThreads(M, K, N, dt);
+    auto m = GetMatmul(M, K, N, dt);
     dnnl::stream strm(ctx().eng);
     memory src(m->src, ctx().eng, const_cast<void*>(x));
     memory wei(m->wei, ctx().eng, packed.untyped_data());
@@ -199,8 +201,17 @@ ffi::Error MatmulSwigluImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result
     swiglu(0, total);
     return ffi::Error::Success();
   }
-#pragma omp parallel for num_threads(Threads()) schedule(static)
-  for (int64_t start = 0; start < total; start += chunk) swiglu(start, std::min(chunk, total - start));
+  // XLA runs with denormals flushed (MXCSR's FTZ / DAZ); OpenMP's workers keep the mode of wherever they were
+  // created, so each takes the calling thread's for the loop (else a sigmoid below 2^-126 is kept on some rows).
+  const unsigned int mode = _mm_getcsr();
+#pragma omp parallel num_threads(Threads())
+  {
+    const unsigned int own = _mm_getcsr();
+    _mm_setcsr(mode);
+#pragma omp for schedule(static)
+    for (int64_t start = 0; start < total; start += chunk) swiglu(start, std::min(chunk, total - start));
+    _mm_setcsr(own);
+  }
   return ffi::Error::Success();
 }
 
