@@ -133,8 +133,8 @@ ffi::Error RunMatmul(const char* name, const void* x, ffi::AnyBuffer packed, voi
   if (N == 0) return ffi::Error::Success();
   try {
     if (packed.size_bytes() != PackedDesc(K, N, dt).get_size())
-      return ffi::Error::InvalidArgument(std::string(name) +
-                                         ": the packed weight's size is not that of one packed [K, N] weight (batched?)");
+      return ffi::Error::InvalidArgument(
+          std::string(name) + ": the packed weight's size is not that of one packed [K, N] weight (batched?)");
     if (M == 0) return ffi::Error::Success();
     UseThreads(M, K, N, dt);
     auto m = GetMatmul(M, K, N, dt);
@@ -155,7 +155,8 @@ ffi::Error Rows(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::
                 ffi::DataType yt, int64_t* M, memory::data_type* dt) {
   auto xd = x.dimensions();
   if (xd.size() < 1 || yd.size() != xd.size() || !std::equal(xd.begin(), xd.end() - 1, yd.begin()))
-    return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K] and y [..., N] with equal leading axes");
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": x must be [..., K] and y [..., N] with equal leading axes");
   if (!DataType(x.element_type(), dt) || yt != x.element_type() || packed.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": x, the packed weight and y must share one dtype, bf16 or f32");
@@ -182,7 +183,8 @@ ffi::Error MatmulSwigluImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result
   if (rows.failure()) return rows;
   int64_t half = y->dimensions().back(), N = 2 * half;
   if (scratch->element_type() != x.element_type() || scratch->element_count() != static_cast<size_t>(M * N))
-    return ffi::Error::InvalidArgument(std::string(kName) + ": scratch must hold M x 2 * y.shape[-1] elements of x's dtype");
+    return ffi::Error::InvalidArgument(std::string(kName) +
+                                       ": scratch must hold M x 2 * y.shape[-1] elements of x's dtype");
   auto run = RunMatmul(kName, x.untyped_data(), packed, scratch->untyped_data(), M, x.dimensions().back(), N, dt);
   if (run.failure()) return run;
   // Elements [start, start + n) of y (flattened) from the matmul's output.

@@ -58,10 +58,12 @@ inline uint32_t RoundBf16(float f) {
 
 }  // namespace
 
+// One copy of each loop for AVX-512 (x86-64-v4), AVX2 (v3) and baseline x86-64, picked when the library loads.
+#define MTP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
 namespace mtp_onednn {
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void SwigluBf16(const uint32_t* __restrict pairs,
-                                                                              uint16_t* __restrict y, int64_t n) {
+MTP_CLONES void SwigluBf16(const uint32_t* __restrict pairs, uint16_t* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {  // a pair's gate is its low half (column 2i), its up the high one
     float gate = Bits(pairs[i] << 16), up = Bits(pairs[i] & 0xffff0000u);
     float silu = Bits(RoundBf16(gate * Sigmoid(gate)));
@@ -69,8 +71,7 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
   }
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void SwigluF32(const float* __restrict pairs,
-                                                                             float* __restrict y, int64_t n) {
+MTP_CLONES void SwigluF32(const float* __restrict pairs, float* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = pairs[2 * i] * Sigmoid(pairs[2 * i]) * pairs[2 * i + 1];
 }
 
