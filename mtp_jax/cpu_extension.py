@@ -49,6 +49,15 @@ def _extension():
     return ext
 
 
+def installed(caller: str):
+    """The loaded extension (`_extension`); RuntimeError naming `caller` (a function of
+    `mtp_jax.layers.onednn`) when it is not installed."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError(f"mtp_jax.layers.onednn.{caller}: the mtp_jax_onednn extension is not installed")
+    return ext
+
+
 def _setting() -> str:
     setting = os.environ.get(ENV, "1").strip().lower()
     if setting not in ("0", "off", "1", "on", "", "all", "matmuls"):
@@ -82,8 +91,7 @@ def write_rows(cache: jax.Array, index: Int[Array, " U"], rows: jax.Array) -> ja
     passed in its own shape (XLA copies an operand it reshaped): only the U rows move when `cache` is donated
     or dead after the call. ValueError when rows' trailing shape is not cache's, or for 4-bit and 2-bit
     types (XLA packs several to a byte); RuntimeError without the extension."""
-    if _extension() is None:
-        raise RuntimeError("mtp_jax.layers.onednn.write_rows: the mtp_jax_onednn extension is not installed")
+    installed("write_rows")
     _check_whole_bytes("write_rows", cache.dtype)
     row = rows.shape[1:]
     if (
@@ -140,8 +148,7 @@ def gather_rows(source: jax.Array, index: Int[Array, " U"]) -> jax.Array:
     cache's `gather_pages` as `gather_rows(pool, block_table.reshape(-1))` (a row: one page). Through the
     `mtp_gather_rows` FFI call (one memcpy per row, every core from 2 MiB). ValueError for a rank-0 source or
     an index not 1-D, or a dtype of less than a byte; RuntimeError without the extension."""
-    if _extension() is None:
-        raise RuntimeError("mtp_jax.layers.onednn.gather_rows: the mtp_jax_onednn extension is not installed")
+    installed("gather_rows")
     _check_whole_bytes("gather_rows", source.dtype)
     if source.ndim < 1 or index.ndim != 1:
         raise ValueError(

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from speculative_helpers import TINY_MOE
 
+from mtp_jax import cpu_extension
 from mtp_jax.config import ModelConfig
 from mtp_jax.decode.engine import DecodeEngine
 from mtp_jax.decode.speculative import SpeculativeConfig
@@ -306,6 +307,7 @@ def test_fallback_without_the_extension_or_when_turned_off(monkeypatch):
         onednn.routed_dtypes()
     monkeypatch.delenv(onednn.ENV)
     monkeypatch.setattr(onednn, "_extension", lambda: None)
+    monkeypatch.setattr(cpu_extension, "_extension", lambda: None)  # `installed`'s
     assert onednn.routed_dtypes() == ()
     with pytest.raises(RuntimeError, match="not installed"):
         onednn.pack(jnp.zeros((4, 4), jnp.bfloat16))

@@ -60,6 +60,7 @@ from mtp_jax.cpu_extension import (  # noqa: F401  (re-exported: the rows the ex
     _extension,
     _setting,
     gather_rows,
+    installed,
     moves_rows,
     write_rows,
 )
@@ -116,9 +117,7 @@ def min_rows(dtype: str, nbytes: int) -> int:
 def pack(kernel: jax.Array) -> jax.Array:
     """`kernel` [fan_in, fan_out] (bfloat16 or float32) in oneDNN's packed layout: a 1-D array of the same
     dtype, to pass to `PackedDot`. Runs the `mtp_onednn_pack` FFI call (a CPU array; jit-able)."""
-    ext = _extension()
-    if ext is None:
-        raise RuntimeError("mtp_jax.layers.onednn.pack: the mtp_jax_onednn extension is not installed")
+    ext = installed("pack")
     if kernel.ndim != 2 or kernel.dtype.name not in ("float32", "bfloat16"):
         raise ValueError(
             f"pack: kernel must be [fan_in, fan_out] float32 or bfloat16, got {kernel.dtype}{kernel.shape}"
@@ -169,8 +168,7 @@ def attention(
     the products stop at the longest row's length rounded up to 64 positions (S / 32 for a longer cache)."""
     batch, num_queries, num_heads, head_dim = q.shape
     cache_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
-    if _extension() is None:
-        raise RuntimeError("mtp_jax.layers.onednn.attention: the mtp_jax_onednn extension is not installed")
+    installed("attention")
     if not q.dtype == k.dtype == v.dtype or q.dtype.name not in ("float32", "bfloat16"):
         raise ValueError(
             f"attention: q, k and v must share one dtype, float32 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -223,12 +221,9 @@ def matmul_swiglu(lhs: jax.Array, packed: jax.Array, fan_in: int, fan_out: int) 
     """`mtp_jax.layers.ffn.swiglu(lhs @ kernel)` for `packed` = `pack(kernel)` of an interleaved gate_up kernel
     [fan_in, fan_out] (`fan_out` even and positive): `lhs` [..., fan_in] (bfloat16 or float32, `packed`'s dtype)
     -> [..., fan_out / 2] in lhs's dtype, in one `mtp_onednn_matmul_swiglu` FFI call: the matmul as `PackedDot`'s,
-    rounded to lhs's dtype, then SwiGLU as `swiglu` computes it (silu in float32 with the extension's own
-    exponential, within a float32 ulp or so of XLA's: bfloat16 results equal `swiglu`'s but for a rare last-bit
-    tie; NaN stays NaN, its bits aside). XLA:CPU spends longer on that elementwise SwiGLU than on a small model's
-    matmul (the demo model's 8-row gate_up: 12 us, its SwiGLU 10-15 us more). ValueError for operands of another
-    shape or dtype, or a packed weight of another [fan_in, fan_out]'s size; under `vmap` the packed weight must be
-    unbatched (a batched one fails the call)."""
+    rounded to lhs's dtype, then SwiGLU as `swiglu` computes it (the extension's own exponential: bfloat16 equal
+    to `swiglu`'s but for a rare last-bit tie, NaN bits aside). ValueError for operands of another shape or dtype
+    or a packed weight of another [fan_in, fan_out]'s size; under `vmap` the packed weight must be unbatched."""
     if lhs.ndim < 1 or lhs.shape[-1] != fan_in or fan_out <= 0 or fan_out % 2:
         raise ValueError(
             f"matmul_swiglu: expected lhs [..., {fan_in}] and an even, positive fan_out, got lhs {list(lhs.shape)} "
@@ -239,10 +234,7 @@ def matmul_swiglu(lhs: jax.Array, packed: jax.Array, fan_in: int, fan_out: int) 
             "matmul_swiglu: lhs and packed must share one dtype, bfloat16 or float32, packed 1-D; got lhs "
             f"{lhs.dtype}, packed {packed.dtype}{list(packed.shape)}"
         )
-    ext = _extension()
-    if ext is None:
-        raise RuntimeError("mtp_jax.layers.onednn.matmul_swiglu: the mtp_jax_onednn extension is not installed")
-    expected = ext.packed_bytes(fan_in, fan_out, lhs.dtype.name) // lhs.dtype.itemsize
+    expected = installed("matmul_swiglu").packed_bytes(fan_in, fan_out, lhs.dtype.name) // lhs.dtype.itemsize
     if packed.shape[0] != expected:  # (the call checks it too, but XLA skips a call with no rows)
         raise ValueError(
             f"matmul_swiglu: packed holds {packed.shape[0]} elements; pack() of a [{fan_in}, {fan_out}] "
