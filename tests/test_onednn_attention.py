@@ -1,9 +1,11 @@
 """The decode step's attention products in oneDNN (`mtp_jax.layers.onednn.attention`, extension
 `extensions/onednn`): equal to `verify_attention_reference` within bfloat16 rounding for every query/KV
 head grouping, row count and length the step meets (a query with nothing to attend, a verify window past
-the capacity), inside jit and vmap; stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
+the capacity), inside jit and vmap, on both of its paths (the extension's loops for a decode step's few rows,
+oneDNN's primitives for more); stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
 GQA attention there and `MTP_JAX_ONEDNN=matmuls` or float32 keep it on XLA."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,10 +76,11 @@ def test_attention_under_vmap_equals_each_call():
 
 
 @built
-def test_stale_inf_and_nan_never_leak():
+@pytest.mark.parametrize("case", [CASES[1], (3, 1, 6, 2, 20, 32, 32, (4, 20, 2))], ids=["onednn", "loops"])
+def test_stale_inf_and_nan_never_leak(case):
     """Entries at or past a row's length may hold anything (rejected drafts, a previous request's values):
     Inf and NaN there give the result of a clean cache. A NaN in a valid value does reach the output."""
-    q, k, v, lengths = operands(*CASES[1])
+    q, k, v, lengths = operands(*case)
     stale = np.arange(k.shape[1])[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
     poisoned_k = jnp.where(stale[:, :, None, None], jnp.nan, k)
     poisoned_v = jnp.where(
@@ -93,6 +96,53 @@ def test_stale_inf_and_nan_never_leak():
     bad = v.at[1, 0, 0, 0].set(jnp.nan)  # row 1's first entry, valid for all its queries, KV head 0
     out = np.asarray(onednn.attention(q, k, bad, lengths), np.float32)
     assert np.isnan(out[1, :, :3, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, :, 3:]).all()
+
+
+# (batch, T, H, G, capacity, D, Dv, lengths): rows per KV head T x H/G on both sides of the loops' 4 (the
+# extension's MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS), head dims that are and are not whole 32-element blocks.
+PATHS = (
+    (2, 1, 4, 1, 70, 64, 64, (70, 33)),  # 4 rows: loops
+    (2, 1, 5, 1, 70, 64, 64, (70, 33)),  # 5 rows: oneDNN
+    (3, 2, 4, 2, 40, 96, 40, (40, 1, 17)),  # 4 rows: loops; one whole block past the two-block tile, a tail
+    (2, 4, 2, 2, 50, 40, 24, (50, 7)),  # 4 rows, D and Dv not whole blocks
+)
+
+
+@built
+@pytest.mark.parametrize("case", PATHS, ids=["loops", "onednn", "loops-3-blocks", "loops-tails"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_both_paths_equal_the_reference(case, dtype):
+    q, k, v, lengths = operands(*case, seed=3)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    got = jax.jit(onednn.attention)(q, k, v, lengths)
+    ref = verify_attention_reference(q, k, v, lengths)
+    assert got.dtype == q.dtype
+    if dtype == "float32":
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    else:
+        assert_equal_within_rounding(got, ref)
+
+
+@built
+def test_the_loops_equal_onednns_path_on_the_same_operands(tmp_path):
+    """The same calls with the loops turned off (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS=0, read once per
+    process): oneDNN's numbers within rounding."""
+    script = (
+        "import sys, numpy as np, jax.numpy as jnp; sys.path.insert(0, 'tests'); "
+        "from test_onednn_attention import PATHS, operands; from mtp_jax.layers import onednn; "
+        "np.save(sys.argv[1], np.concatenate([np.asarray(onednn.attention(*operands(*c, seed=3)), np.float32)"
+        ".ravel() for c in PATHS if c[1] * c[2] // c[3] <= 4]))"
+    )
+    outs = {}
+    for rows in ("0", "4"):
+        path = tmp_path / f"rows{rows}.npy"
+        env = {**os.environ, "MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS": rows}
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs[rows] = np.load(path)
+    assert_equal_within_rounding(outs["4"], outs["0"])
 
 
 @built

@@ -24,9 +24,9 @@ routed: FP8 layers, MLA's `kv_b_proj` (its kernel is read directly, `compute_ker
 per-head einsums), scanned layers' stacked kernels, and every engine on a mesh (sharded kernels).
 
 The attention of a bfloat16 engine's GQA layers (`Attention`, whose class declares `ATTENTION`) goes to
-`attention` too: one FFI call per layer (scores, masked softmax and weighted sum in oneDNN, the caches read
-in their own layout) where XLA:CPU converts both caches to float32 head-major copies every step (the
-demo model's batch-8 step 1.2-1.3x faster on Zen 5; the medium preset's within noise); a paged cache
+`attention` too: one FFI call per layer (scores, masked softmax and weighted sum; the caches read in their
+own layout) where XLA:CPU converts both caches to float32 head-major copies every step; a decode step's few
+query rows per KV head run in the extension's own loops, a verify window's more in oneDNN; a paged cache
 (serving) is gathered first (`PagedCache.view`). MLA and float32 (no faster) stay on XLA;
 `MTP_JAX_ONEDNN=matmuls` keeps every attention there.
 
@@ -154,18 +154,21 @@ def attention(
     *,
     scale: float | None = None,
 ) -> Float[Array, "B T H Dv"]:
-    """`pallas_kernels.verify_attention_reference` in oneDNN (`mtp_onednn_attention`), the caches read where
-    they lie.
+    """`pallas_kernels.verify_attention_reference` in the extension (`mtp_onednn_attention`), the caches read
+    where they lie.
 
     Same arguments, convention and result ([B, T, H, Dv] in q's dtype; a query with nothing to attend, or
     whose visible scores are all -inf, gets zeros; stale cache entries, Inf or NaN included, never reach it);
     q, k and v share one dtype, float32 or bfloat16 (ValueError otherwise); RuntimeError without the
-    extension. Each KV head's T x H/G query rows go through oneDNN's matmul against a strided view of the
-    [B, S, G, D] keys (float32 sums, times `scale`), its softmax (the masked weights exactly 0, the others
-    rounded to q's dtype) and its matmul with the values: the reference's numbers up to the summation order
-    and the exponential's last bit. XLA:CPU would copy both caches head-major, in float32 for bf16, on every
-    layer and step. The call's scratch (scores and weights, 2 x [B, G, T H/G, S] float32) is an XLA buffer;
-    the products stop at the longest row's length rounded up to 64 positions (S / 32 for a longer cache)."""
+    extension. Each KV head's T x H/G query rows get their scores against the [B, S, G, D] keys where they
+    lie (float32 sums, times `scale`), the softmax (the masked weights exactly 0, the others rounded to q's
+    dtype) and the weighted sum of the values: the reference's numbers up to the summation order and the
+    exponential's last bit. Up to 4 rows per KV head (`MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS`; a decode step's)
+    in the extension's own vectorised loops over the positions each row sees, more in oneDNN's matmuls and
+    softmax (three primitives cost more than the arithmetic at a few rows). XLA:CPU would copy both caches
+    head-major, in float32 for bf16, on every layer and step. The call's scratch (scores and weights, 2 x
+    [B, G, T H/G, S] float32) is an XLA buffer; the products stop at the longest row's length (rounded up to
+    64 positions, S / 32 for a longer cache, in oneDNN)."""
     batch, num_queries, num_heads, head_dim = q.shape
     cache_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     installed("attention")

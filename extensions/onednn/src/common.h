@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <omp.h>
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the extension is built for x86-64 only
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -54,6 +55,22 @@ inline bool EveryCore(size_t bytes, int64_t macs) {
   return bytes >= parallel_bytes || (bytes >= kMinParallelBytes && macs >= ParallelMacs());
 }
 
+// body(i) for i in [0, n) on Threads() OpenMP workers, split evenly. XLA runs with denormals flushed (MXCSR's
+// FTZ / DAZ); OpenMP's workers keep the mode of wherever they were created, so each takes the calling thread's
+// for the loop (else, e.g., a sigmoid below 2^-126 is kept on some rows and flushed on others).
+template <typename Body>
+void ParallelFor(int64_t n, Body body) {
+  const unsigned int mode = _mm_getcsr();
+#pragma omp parallel num_threads(Threads())
+  {
+    const unsigned int own = _mm_getcsr();
+    _mm_setcsr(mode);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+    _mm_setcsr(own);
+  }
+}
+
 // The value cached under `key`, made by `make()` on its first call. `make` runs outside the lock (creating a
 // oneDNN primitive takes a while): two threads may both make one, and the first one stored is kept. A cache
 // holding kMaxCached entries starts over (a process meeting ever new shapes; values handed out stay valid:
@@ -89,5 +106,15 @@ inline bool DataType(xla::ffi::DataType et, dnnl::memory::data_type* dt) {
 // SwiGLU of n interleaved (gate, up) pairs into y[n] (swiglu.cc): bf16 pairs read as one uint32 each.
 void SwigluBf16(const uint32_t* __restrict pairs, uint16_t* __restrict y, int64_t n);
 void SwigluF32(const float* __restrict pairs, float* __restrict y, int64_t n);
+
+// One KV head of one row in plain loops (attention_loops.cc): q [M, D] against the cache positions s <
+// visible[m] of row m, key s at k + s k_stride, value s at v + s v_stride; out f32 [M, Dv]. scores [M, S]
+// and qf [M, D] are the caller's scratch.
+void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t D, int64_t Dv,
+                int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale, float* scores, int64_t S,
+                float* qf, float* out);
+void AttendF32(const float* q, const float* k, const float* v, int64_t M, int64_t D, int64_t Dv, int64_t k_stride,
+               int64_t v_stride, const int64_t* visible, float scale, float* scores, int64_t S, float* qf,
+               float* out);
 
 }  // namespace mtp_onednn

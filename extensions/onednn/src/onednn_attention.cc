@@ -6,27 +6,30 @@
 //
 // Row m of KV head g is query head g M/T + m % (M/T) of new token t = m / (M/T) (the caller puts q's heads
 // that read KV head g together), and sees cache positions s < lengths[b] - T + t + 1 (the verify window's
-// causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Three oneDNN
-// primitives and a reorder: the scores as a batched matmul over (B, G) whose keys are a strided view of the
-// cache (times `scale` on the f32 sum), the masked softmax over S (softmax_accurate in f32, the weights then
-// rounded once to q's dtype), and the weighted sum as a second batched matmul over the values' strided view. XLA:CPU would copy
-// both caches head-major first (in f32, for bf16) on every layer and step, and compute the softmax in six
-// fusions. q, k, v share one dtype, bf16 (products exact, summed in f32) or f32; a query with nothing to
-// see, or whose visible scores are all -inf, gets zeros (as the reference's masked_softmax gives).
+// causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
+// LoopRows() rows per KV head (a decode step's), attention_loops.cc's plain loops, head by head over the
+// positions each row sees. Above it, three oneDNN primitives and a reorder: the scores as a batched matmul
+// over (B, G) whose keys are a strided view of the cache (times `scale` on the f32 sum), the masked softmax
+// over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and the weighted sum as a
+// second batched matmul over the values' strided view. XLA:CPU would copy both caches head-major first (in
+// f32, for bf16) on every layer and step, and compute the softmax in six fusions. q, k, v share one dtype,
+// bf16 (products exact, summed in f32) or f32; a query with nothing to see, or whose visible scores are all
+// -inf, gets zeros (as the reference's masked_softmax gives).
 //
-// Stale values: the weights of entries at or past lengths[b] are exactly 0, but a stale value that is Inf
-// or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
+// Stale values (oneDNN's path; the loops never read them): the weights of entries at or past lengths[b] are
+// exactly 0, but a stale value that is Inf or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
 // here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
 //
 // Only the first `span` positions are read: the longest row's length rounded up to kSpanStep positions, or to
 // S / kSpans for a long cache (entries past a row's length weigh exactly 0: the result is the same as over S).
 //
-// Threads: the matmuls' rule (EveryCore) over the bytes and multiply-adds of that span, for all of its
-// primitives; each primitive cache is keyed by what decides that count.
+// Threads: the matmuls' rule (EveryCore) over the bytes and multiply-adds of that span, for the loops (split by
+// (row, KV head)) and for all of the primitives; each primitive cache is keyed by what decides that count.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -34,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 
@@ -122,6 +126,48 @@ std::shared_ptr<Primitive> GetSoftmax(int64_t R, int64_t S, memory::data_type dt
   });
 }
 
+// The query rows per KV head (new tokens x query heads per KV head) up to which attention_loops.cc's plain loops
+// take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS, default 4; 0: never): each row reads its keys and values on its own,
+// where oneDNN's products share them between rows. On Zen 5 (bf16, 128-1024 positions) the loops took 0.3-0.8x
+// oneDNN's time at 1-4 rows and 2x at 16 (docs/benchmarks.md, 2026-12-07, late).
+int64_t LoopRows() {
+  static const int64_t rows = [] {
+    const char* s = std::getenv("MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS");
+    return s && *s ? std::max<int64_t>(std::atoll(s), 0) : int64_t{4};
+  }();
+  return rows;
+}
+
+// Each (row b, KV head g) by AttendBf16 / AttendF32, on every core when `every_core`.
+void AttendInLoops(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const int32_t* len, float* out,
+                   float* scores, int64_t B, int64_t G, int64_t M, int64_t D, int64_t Dv, int64_t S, int64_t T,
+                   float scale, bool bf16, bool every_core) {
+  const int64_t J = M / T;  // row m: new token m / J
+  auto head = [&](int64_t bg) {
+    thread_local std::vector<float> qf;
+    thread_local std::vector<int64_t> visible;
+    qf.resize(M * D);
+    visible.resize(M);
+    int64_t b = bg / G, g = bg % G;
+    for (int64_t m = 0; m < M; ++m) visible[m] = std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
+    int64_t qo = bg * M * D, ko = (b * S * G + g) * D, vo = (b * S * G + g) * Dv;
+    if (bf16)
+      AttendBf16(static_cast<const uint16_t*>(q.untyped_data()) + qo,
+                 static_cast<const uint16_t*>(k.untyped_data()) + ko,
+                 static_cast<const uint16_t*>(v.untyped_data()) + vo, M, D, Dv, G * D, G * Dv, visible.data(), scale,
+                 scores + bg * M * S, S, qf.data(), out + bg * M * Dv);
+    else
+      AttendF32(static_cast<const float*>(q.untyped_data()) + qo, static_cast<const float*>(k.untyped_data()) + ko,
+                static_cast<const float*>(v.untyped_data()) + vo, M, D, Dv, G * D, G * Dv, visible.data(), scale,
+                scores + bg * M * S, S, qf.data(), out + bg * M * Dv);
+  };
+  if (!every_core) {
+    for (int64_t bg = 0; bg < B * G; ++bg) head(bg);
+    return;
+  }
+  ParallelFor(B * G, head);
+}
+
 float Load(const void* base, int64_t i, bool bf16) {
   if (!bf16) return static_cast<const float*>(base)[i];
   uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
@@ -167,7 +213,12 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   }
   bool bf16 = dt == memory::data_type::bf16;
   size_t item = bf16 ? 2 : 4;
-  int threads = EveryCore(B * span * G * (D + Dv) * item, B * G * M * span * (D + Dv)) ? Threads() : 1;
+  bool every_core = EveryCore(B * span * G * (D + Dv) * item, B * G * M * span * (D + Dv));
+  if (M <= LoopRows()) {  // a decode step's few rows: plain loops, head by head
+    AttendInLoops(q, k, v, len, o, scratch->typed_data(), B, G, M, D, Dv, S, T, scale, bf16, every_core);
+    return ffi::Error::Success();
+  }
+  int threads = every_core ? Threads() : 1;
   omp_set_num_threads(threads);  // the calling thread's count, for every primitive below (created with it)
   int64_t R = B * G * M, J = M / T;  // row m of KV head g: new token m / J's query head g J + m % J
   float* scores = scratch->typed_data();  // [R, span] each, in the scratch's first R x span entries

@@ -40,7 +40,6 @@
 #include <tuple>
 
 #include <omp.h>
-#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the extension is built for x86-64 only
 
 #include "common.h"
 
@@ -203,17 +202,7 @@ ffi::Error MatmulSwigluImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result
     swiglu(0, total);
     return ffi::Error::Success();
   }
-  // XLA runs with denormals flushed (MXCSR's FTZ / DAZ); OpenMP's workers keep the mode of wherever they were
-  // created, so each takes the calling thread's for the loop (else a sigmoid below 2^-126 is kept on some rows).
-  const unsigned int mode = _mm_getcsr();
-#pragma omp parallel num_threads(Threads())
-  {
-    const unsigned int own = _mm_getcsr();
-    _mm_setcsr(mode);
-#pragma omp for schedule(static)
-    for (int64_t start = 0; start < total; start += chunk) swiglu(start, std::min(chunk, total - start));
-    _mm_setcsr(own);
-  }
+  ParallelFor((total + chunk - 1) / chunk, [&](int64_t i) { swiglu(i * chunk, std::min(chunk, total - i * chunk)); });
   return ffi::Error::Success();
 }
 

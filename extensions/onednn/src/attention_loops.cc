@@ -1,0 +1,199 @@
+// The decode step's attention for one KV head of one row in plain loops (MtpOnednnAttention's path for small
+// calls): a decode or verify step's few query rows against the cache where it lies, reading only the positions
+// each row sees. Three oneDNN primitives per call cost more than the arithmetic at these sizes (24 heads of
+// one query over 128 positions: about 36 us in oneDNN, where the products take a few).
+//
+// Numbers as in the oneDNN path and pallas_kernels.verify_attention_reference: each score a float32 sum of
+// exact products (bf16 x bf16 is exact in float32; lanes of 16 summed pairwise, so another order than
+// oneDNN's), times `scale`; the softmax over a row's visible scores in float32 (peak, e^(x - peak) with
+// vector_math.h's exponential, the sum, each weight divided by it and rounded once to the cache's dtype); the
+// weighted sum of the visible values in float32. Positions a row does not see are never read, so stale
+// cache entries (Inf, NaN) cannot reach it; a row that sees nothing, or whose visible scores are all -inf,
+// gets zeros.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "common.h"
+#include "vector_math.h"
+
+namespace {
+
+using mtp_onednn::Bits;
+
+// 16 float32 lanes (one AVX-512 register, two AVX2 ones, four SSE ones: GCC splits the vector per clone).
+typedef float F16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16, kBlock = 2 * kLanes;
+
+inline F16 Load16(const float* p) {
+  F16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void Store16(float* p, F16 x) { std::memcpy(p, &x, sizeof x); }
+
+// A block of 32 elements as two vectors. float32: the first and the last 16. bf16 (read as 16 uint32 pairs,
+// the widening exact): the even elements, then the odd ones; `Interleaved` puts such a pair back in order.
+struct Block {
+  F16 lo, hi;
+};
+
+inline Block LoadBlock(const float* p) { return {Load16(p), Load16(p + kLanes)}; }
+
+inline Block LoadBlock(const uint16_t* p) {
+  U16 u;
+  std::memcpy(&u, p, sizeof u);
+  return {reinterpret_cast<F16>(u << 16), reinterpret_cast<F16>(u & 0xffff0000u)};
+}
+
+inline void StoreBlock(float* p, Block x, float) {
+  Store16(p, x.lo);
+  Store16(p + kLanes, x.hi);
+}
+
+inline void StoreBlock(float* p, Block x, uint16_t) {
+  Store16(p, __builtin_shufflevector(x.lo, x.hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+  Store16(p + kLanes, __builtin_shufflevector(x.lo, x.hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+}
+
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) { return Bits(static_cast<uint32_t>(x) << 16); }
+
+// A softmax weight in the operands' precision: float32 as it is, bf16 rounded to nearest even.
+inline float Narrow(float x, float) { return x; }
+inline float Narrow(float x, uint16_t) { return Bits(mtp_onednn::RoundBf16(x)); }
+
+__attribute__((always_inline)) inline float Sum(F16 x) {  // pairwise, one fixed order
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return x[0] + x[1];
+}
+
+// q's n elements widened to float32 in `qf`, each whole block in LoadBlock's order (what Dot reads).
+template <typename T>
+__attribute__((always_inline)) inline void WidenQuery(const T* __restrict q, int64_t n, float* __restrict qf) {
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) StoreBlock(qf + i, LoadBlock(q + i), float{});
+  for (; i < n; ++i) qf[i] = Widen(q[i]);
+}
+
+// qf (WidenQuery's) . b[0, n): exact products summed in float32.
+template <typename T>
+__attribute__((always_inline)) inline float Dot(const float* __restrict qf, const T* __restrict b, int64_t n) {
+  F16 lo = {}, hi = {};
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    Block x = LoadBlock(b + i);
+    lo += Load16(qf + i) * x.lo;
+    hi += Load16(qf + i + kLanes) * x.hi;
+  }
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += qf[i] * Widen(b[i]);
+  return Sum(lo + hi) + tail;
+}
+
+// e^t: 0 below -88 (and for -inf), +inf above 88, NaN for NaN.
+inline float Exp(float t) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float c = t > 88.0f ? 88.0f : t;
+  c = c < -88.0f ? -88.0f : c;
+  float e = mtp_onednn::ExpInRange(c);
+  return t > 88.0f ? kInf : e;
+}
+
+// x[0, n) -> their softmax, each weight narrowed to T's precision.
+template <typename T>
+__attribute__((always_inline)) inline void Softmax(float* __restrict x, int64_t n) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  F16 lanes = {};
+  lanes -= kInf;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    F16 y = Load16(x + i);
+    lanes = y > lanes ? y : lanes;
+  }
+  float peak = -kInf;
+  for (int j = 0; j < kLanes; ++j) peak = lanes[j] > peak ? lanes[j] : peak;
+  for (; i < n; ++i) peak = x[i] > peak ? x[i] : peak;
+  if (!std::isfinite(peak)) peak = 0.0f;  // as the reference: all -inf gives zeros, +inf NaN
+  for (i = 0; i < n; ++i) x[i] = Exp(x[i] - peak);
+  F16 sums = {};
+  for (i = 0; i + kLanes <= n; i += kLanes) sums += Load16(x + i);
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += x[i];
+  float sum = Sum(sums) + tail;
+  float denom = sum > 0.0f ? sum : 1.0f;
+  for (i = 0; i < n; ++i) x[i] = Narrow(x[i] / denom, T{});
+}
+
+// out[0, Dv) = sum over s < n of w[s] v[s], the value rows `stride` apart; two blocks at a time in registers.
+template <typename T>
+__attribute__((always_inline)) inline void WeightedSum(const float* __restrict w, const T* __restrict v,
+                                                       int64_t n, int64_t Dv, int64_t stride,
+                                                       float* __restrict out) {
+  int64_t e = 0;
+  for (; e + 2 * kBlock <= Dv; e += 2 * kBlock) {
+    Block a = {}, b = {};
+    for (int64_t s = 0; s < n; ++s) {
+      Block x = LoadBlock(v + s * stride + e), y = LoadBlock(v + s * stride + e + kBlock);
+      a.lo += w[s] * x.lo;
+      a.hi += w[s] * x.hi;
+      b.lo += w[s] * y.lo;
+      b.hi += w[s] * y.hi;
+    }
+    StoreBlock(out + e, a, T{});
+    StoreBlock(out + e + kBlock, b, T{});
+  }
+  for (; e + kBlock <= Dv; e += kBlock) {
+    Block a = {};
+    for (int64_t s = 0; s < n; ++s) {
+      Block x = LoadBlock(v + s * stride + e);
+      a.lo += w[s] * x.lo;
+      a.hi += w[s] * x.hi;
+    }
+    StoreBlock(out + e, a, T{});
+  }
+  for (; e < Dv; ++e) {
+    float a = 0.0f;
+    for (int64_t s = 0; s < n; ++s) a += w[s] * Widen(v[s * stride + e]);
+    out[e] = a;
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void Attend(const T* __restrict q, const T* __restrict k,
+                                                  const T* __restrict v, int64_t M, int64_t D, int64_t Dv,
+                                                  int64_t k_stride, int64_t v_stride, const int64_t* visible,
+                                                  float scale, float* __restrict scores, int64_t S,
+                                                  float* __restrict qf, float* __restrict out) {
+  for (int64_t m = 0; m < M; ++m) WidenQuery(q + m * D, D, qf + m * D);
+  for (int64_t m = 0; m < M; ++m) {
+    float* x = scores + m * S;
+    for (int64_t s = 0; s < visible[m]; ++s) x[s] = Dot(qf + m * D, k + s * k_stride, D) * scale;
+    Softmax<T>(x, visible[m]);
+    WeightedSum(x, v, visible[m], Dv, v_stride, out + m * Dv);
+  }
+}
+
+}  // namespace
+
+namespace mtp_onednn {
+
+MTP_CLONES void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t D,
+                           int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale,
+                           float* scores, int64_t S, float* qf, float* out) {
+  Attend(q, k, v, M, D, Dv, k_stride, v_stride, visible, scale, scores, S, qf, out);
+}
+
+MTP_CLONES void AttendF32(const float* q, const float* k, const float* v, int64_t M, int64_t D, int64_t Dv,
+                          int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale, float* scores,
+                          int64_t S, float* qf, float* out) {
+  Attend(q, k, v, M, D, Dv, k_stride, v_stride, visible, scale, scores, S, qf, out);
+}
+
+}  // namespace mtp_onednn
