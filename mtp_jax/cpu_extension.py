@@ -24,13 +24,14 @@ ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtype
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
 _MATMUL_SWIGLU = "mtp_onednn_matmul_swiglu"
 _ATTENTION, _WRITE_ROWS, _GATHER_ROWS = "mtp_onednn_attention", "mtp_write_rows", "mtp_gather_rows"
+ABI = 2  # the handlers' operands this version calls: `mtp_jax_onednn.ABI`
 
 
 @cache
 def _extension():
     """The loaded `mtp_jax_onednn` module with its FFI targets registered, or None when it is not installed,
     its libraries do not load (a missing libdnnl.so.3 / libgomp.so.1 is an OSError), or it was built before a
-    handler this version calls (a warning says to rebuild it)."""
+    handler this version calls or with other operands (`ABI`; a warning says to rebuild it)."""
     targets = {_PACK: "PACK", _MATMUL: "MATMUL", _MATMUL_SWIGLU: "MATMUL_SWIGLU", _GROUPED: "GROUPED"}
     targets |= {_ATTENTION: "ATTENTION"}
     targets |= {_WRITE_ROWS: "WRITE_ROWS", _GATHER_ROWS: "GATHER_ROWS"}
@@ -38,10 +39,14 @@ def _extension():
         import mtp_jax_onednn as ext
 
         handlers = {target: getattr(ext, name) for target, name in targets.items()}
+        if getattr(ext, "ABI", 1) != ABI:
+            raise AttributeError(
+                f"its handlers' operands are version {getattr(ext, 'ABI', 1)}, this mtp_jax calls {ABI}"
+            )
     except (ImportError, OSError):
         return None
     except AttributeError as missing:  # the package, or its compiled library, older than this mtp_jax
-        message = f"mtp_jax_onednn is older than mtp_jax ({missing}): rebuild it (pip install ./extensions/onednn)"
+        message = f"mtp_jax_onednn does not match mtp_jax ({missing}): rebuild it (pip install ./extensions/onednn)"
         warnings.warn(message + "; everything runs on XLA until then", RuntimeWarning, stacklevel=2)
         return None
     for target, handler in handlers.items():

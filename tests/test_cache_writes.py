@@ -289,7 +289,7 @@ STALE = """
 import sys, types, warnings
 import mtp_jax_onednn as real
 stale = types.ModuleType("mtp_jax_onednn")
-stale.__dict__.update({k: v for k, v in vars(real).items() if k != "GATHER_ROWS"})  # built before the gather
+stale.__dict__.update({k: v for k, v in vars(real).items() if k != sys.argv[1]})  # built before it
 sys.modules["mtp_jax_onednn"] = stale
 import jax.numpy as jnp
 from mtp_jax.cache import write_at
@@ -304,6 +304,8 @@ assert float(out.sum()) == 2.0
 
 
 @built
-def test_an_extension_older_than_mtp_jax_is_ignored_with_a_warning():
-    """Built before a handler this version calls: everything runs on XLA, and a warning says to rebuild."""
-    subprocess.run([sys.executable, "-c", STALE], check=True, timeout=300)
+@pytest.mark.parametrize("dropped", ["GATHER_ROWS", "ABI"], ids=["a-handler-missing", "other-operands"])
+def test_an_extension_older_than_mtp_jax_is_ignored_with_a_warning(dropped):
+    """Built before a handler this version calls, or before its operands changed (no `ABI`, version 1):
+    everything runs on XLA, and a warning says to rebuild."""
+    subprocess.run([sys.executable, "-c", STALE, dropped], check=True, timeout=300)

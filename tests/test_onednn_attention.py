@@ -165,6 +165,8 @@ def test_bad_operands_are_refused_with_the_reason():
         onednn.attention(q, k.astype(jnp.float32), v, lengths)
     with pytest.raises(ValueError, match="share one dtype, float32 or bfloat16"):
         onednn.attention(*(x.astype(jnp.float16) for x in (q, k, v)), lengths)
+    with pytest.raises(ValueError, match=r"the KV heads \(2\) must divide the query heads \(3\)"):
+        onednn.attention(q[:, :, :3], k, v, lengths)
 
 
 def calls_attention(module, dtype) -> bool:

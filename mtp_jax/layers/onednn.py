@@ -166,9 +166,10 @@ def attention(
     exponential's last bit. Up to 4 rows per KV head (`MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS`; a decode step's)
     in the extension's own vectorised loops over the positions each row sees, more in oneDNN's matmuls and
     softmax (three primitives cost more than the arithmetic at a few rows). XLA:CPU would copy both caches
-    head-major, in float32 for bf16, on every layer and step. The call's scratch (scores and weights, 2 x
-    [B, G, T H/G, S] float32) is an XLA buffer; the products stop at the longest row's length (rounded up to
-    64 positions, S / 32 for a longer cache, in oneDNN)."""
+    head-major, in float32 for bf16, on every layer and step, and move the queries and results head-major. The
+    call's scratch (B T H (2 S + D + Dv) float32: the scores, the weights, oneDNN's rows) is an XLA buffer; the
+    products stop at the longest row's length (rounded up to 64 positions, S / 32 for a longer cache, in
+    oneDNN). ValueError when the KV heads do not divide the query heads."""
     batch, num_queries, num_heads, head_dim = q.shape
     cache_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     installed("attention")
@@ -176,23 +177,17 @@ def attention(
         raise ValueError(
             f"attention: q, k and v must share one dtype, float32 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    group = num_heads // num_kv_heads
-    rows = num_queries * group  # per KV head: row t H/G + j is query head g H/G + j of new token t
-    qg = q.reshape(batch, num_queries, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B, G, T, H/G, D]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"attention: the KV heads ({num_kv_heads}) must divide the query heads ({num_heads})")
+    rows = batch * num_queries * num_heads  # = B x G x (rows per KV head)
     results = (
-        jax.ShapeDtypeStruct((batch, num_kv_heads, rows, value_dim), jnp.float32),
-        jax.ShapeDtypeStruct((2, batch, num_kv_heads, rows, cache_len), jnp.float32),  # the call's scratch
+        jax.ShapeDtypeStruct((batch, num_queries, num_heads, value_dim), q.dtype),
+        jax.ShapeDtypeStruct((rows * (2 * cache_len + head_dim + value_dim),), jnp.float32),  # the call's scratch
     )
     out, _ = jax.ffi.ffi_call(_ATTENTION, results, vmap_method="sequential")(
-        qg.reshape(batch, num_kv_heads, rows, head_dim),
-        k,
-        v,
-        lengths.astype(jnp.int32),
-        scale=np.float32(head_dim**-0.5 if scale is None else scale),
-        num_queries=np.int64(num_queries),
+        q, k, v, lengths.astype(jnp.int32), scale=np.float32(head_dim**-0.5 if scale is None else scale)
     )
-    out = out.reshape(batch, num_kv_heads, num_queries, group, value_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(batch, num_queries, num_heads, value_dim).astype(q.dtype)  # [B, T, H, Dv]
+    return out  # [B, T, H, Dv]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
 // exact products (bf16 x bf16 is exact in float32; lanes of 16 summed pairwise, so another order than
 // oneDNN's), times `scale`; the softmax over a row's visible scores in float32 (peak, e^(x - peak) with
 // vector_math.h's exponential, the sum, each weight divided by it and rounded once to the cache's dtype); the
-// weighted sum of the visible values in float32. Positions a row does not see are never read, so stale
+// weighted sum of the visible values in float32, rounded once to the output's dtype. Positions a row does not see are never read, so stale
 // cache entries (Inf, NaN) cannot reach it; a row that sees nothing, or whose visible scores are all -inf,
 // gets zeros.
 
@@ -165,18 +165,26 @@ __attribute__((always_inline)) inline void WeightedSum(const float* __restrict w
   }
 }
 
+inline void Put(float* p, float x) { *p = x; }
+inline void Put(uint16_t* p, float x) { *p = static_cast<uint16_t>(mtp_onednn::RoundBf16(x) >> 16); }
+
 template <typename T>
 __attribute__((always_inline)) inline void Attend(const T* __restrict q, const T* __restrict k,
-                                                  const T* __restrict v, int64_t M, int64_t D, int64_t Dv,
-                                                  int64_t k_stride, int64_t v_stride, const int64_t* visible,
-                                                  float scale, float* __restrict scores, int64_t S,
-                                                  float* __restrict qf, float* __restrict out) {
-  for (int64_t m = 0; m < M; ++m) WidenQuery(q + m * D, D, qf + m * D);
+                                                  const T* __restrict v, int64_t M, int64_t J, int64_t H,
+                                                  int64_t D, int64_t Dv, int64_t k_stride, int64_t v_stride,
+                                                  const int64_t* visible, float scale, float* __restrict scores,
+                                                  int64_t S, float* __restrict work, T* __restrict out) {
+  float* qf = work;
+  float* sum = work + D;
   for (int64_t m = 0; m < M; ++m) {
+    int64_t t = m / J, j = m % J;  // new token t's query head j of this KV head's J
+    WidenQuery(q + (t * H + j) * D, D, qf);
     float* x = scores + m * S;
-    for (int64_t s = 0; s < visible[m]; ++s) x[s] = Dot(qf + m * D, k + s * k_stride, D) * scale;
+    for (int64_t s = 0; s < visible[m]; ++s) x[s] = Dot(qf, k + s * k_stride, D) * scale;
     Softmax<T>(x, visible[m]);
-    WeightedSum(x, v, visible[m], Dv, v_stride, out + m * Dv);
+    WeightedSum(x, v, visible[m], Dv, v_stride, sum);
+    T* o = out + (t * H + j) * Dv;
+    for (int64_t e = 0; e < Dv; ++e) Put(o + e, sum[e]);
   }
 }
 
@@ -184,16 +192,16 @@ __attribute__((always_inline)) inline void Attend(const T* __restrict q, const T
 
 namespace mtp_onednn {
 
-MTP_CLONES void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t D,
-                           int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale,
-                           float* scores, int64_t S, float* qf, float* out) {
-  Attend(q, k, v, M, D, Dv, k_stride, v_stride, visible, scale, scores, S, qf, out);
+MTP_CLONES void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t J, int64_t H,
+                           int64_t D, int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible,
+                           float scale, float* scores, int64_t S, float* work, uint16_t* out) {
+  Attend(q, k, v, M, J, H, D, Dv, k_stride, v_stride, visible, scale, scores, S, work, out);
 }
 
-MTP_CLONES void AttendF32(const float* q, const float* k, const float* v, int64_t M, int64_t D, int64_t Dv,
-                          int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale, float* scores,
-                          int64_t S, float* qf, float* out) {
-  Attend(q, k, v, M, D, Dv, k_stride, v_stride, visible, scale, scores, S, qf, out);
+MTP_CLONES void AttendF32(const float* q, const float* k, const float* v, int64_t M, int64_t J, int64_t H, int64_t D,
+                          int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale,
+                          float* scores, int64_t S, float* work, float* out) {
+  Attend(q, k, v, M, J, H, D, Dv, k_stride, v_stride, visible, scale, scores, S, work, out);
 }
 
 }  // namespace mtp_onednn

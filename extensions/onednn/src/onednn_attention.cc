@@ -1,24 +1,26 @@
 // mtp_jax_onednn: the decode step's attention over the KV cache where it lies, in one XLA FFI call.
 //
-//   MtpOnednnAttention(q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths s32 [B]; scale, num_queries T)
-//       -> out f32 [B, G, M, Dv], scratch f32 [2, B, G, M, S] (the scores and the weights: XLA's buffer, so
-//          that nothing here outlives the call)
+//   MtpOnednnAttention(q [B, T, H, D], k [B, S, G, D], v [B, S, G, Dv], lengths s32 [B]; scale)
+//       -> out [B, T, H, Dv] in q's dtype, scratch f32 [B T H (2 S + D + Dv)] (the scores, the weights, and
+//          oneDNN's rows head-major: XLA's buffer, so that nothing here outlives the call)
 //
-// Row m of KV head g is query head g M/T + m % (M/T) of new token t = m / (M/T) (the caller puts q's heads
-// that read KV head g together), and sees cache positions s < lengths[b] - T + t + 1 (the verify window's
-// causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
+// The M = T H/G query rows that read KV head g are taken where they lie in q, and their results written where
+// they belong (XLA would move both head-major in a fusion per layer): row m of KV head g is query head
+// g H/G + m % (H/G) of new token t = m / (H/G), and sees cache positions s < lengths[b] - T + t + 1 (the verify
+// window's causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
 // LoopRows() rows per KV head (a decode step's), attention_loops.cc's plain loops, head by head over the
-// positions each row sees. Above it, three oneDNN primitives and a reorder: the scores as a batched matmul
-// over (B, G) whose keys are a strided view of the cache (times `scale` on the f32 sum), the masked softmax
-// over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and the weighted sum as a
-// second batched matmul over the values' strided view. XLA:CPU would copy both caches head-major first (in
-// f32, for bf16) on every layer and step, and compute the softmax in six fusions. q, k, v share one dtype,
-// bf16 (products exact, summed in f32) or f32; a query with nothing to see, or whose visible scores are all
-// -inf, gets zeros (as the reference's masked_softmax gives).
+// positions each row sees. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
+// scores as a batched matmul over (B, G) whose keys are a strided view of the cache (times `scale` on the f32
+// sum), the masked softmax over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and
+// the weighted sum as a second batched matmul over the values' strided view, rounded once to q's dtype. XLA:CPU
+// would copy both caches head-major first (in f32, for bf16) on every layer and step, and compute the softmax
+// in six fusions. q, k, v share one dtype, bf16 (products exact, summed in f32) or f32; a query with nothing to
+// see, or whose visible scores are all -inf, gets zeros (as the reference's masked_softmax gives).
 //
 // Stale values (oneDNN's path; the loops never read them): the weights of entries at or past lengths[b] are
-// exactly 0, but a stale value that is Inf or NaN would still turn 0 * v into NaN. Only then (an output block not finite) is that (b, g) summed again
-// here over its first lengths[b] entries alone, in plain loops; a finite output is oneDNN's as it is.
+// exactly 0, but a stale value that is Inf or NaN would still turn 0 * v into NaN. Only then (an output block
+// not finite) is that (b, g) summed again here over its first lengths[b] entries alone, in plain loops; a
+// finite output is oneDNN's as it is.
 //
 // Only the first `span` positions are read: the longest row's length rounded up to kSpanStep positions, or to
 // S / kSpans for a long cache (entries past a row's length weigh exactly 0: the result is the same as over S).
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "common.h"
+#include "vector_math.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
@@ -138,28 +141,29 @@ int64_t LoopRows() {
   return rows;
 }
 
-// Each (row b, KV head g) by AttendBf16 / AttendF32, on every core when `every_core`.
-void AttendInLoops(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const int32_t* len, float* out,
-                   float* scores, int64_t B, int64_t G, int64_t M, int64_t D, int64_t Dv, int64_t S, int64_t T,
+// Each (row b, KV head g) by AttendBf16 / AttendF32, on every core when `every_core`; q and out [B, T, H, *].
+void AttendInLoops(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const int32_t* len, void* out,
+                   float* scores, int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, int64_t Dv, int64_t S,
                    float scale, bool bf16, bool every_core) {
-  const int64_t J = M / T;  // row m: new token m / J
+  const int64_t J = H / G, M = T * J;  // row m: new token m / J
   auto head = [&](int64_t bg) {
-    thread_local std::vector<float> qf;
+    thread_local std::vector<float> work;
     thread_local std::vector<int64_t> visible;
-    qf.resize(M * D);
+    work.resize(D + Dv);
     visible.resize(M);
     int64_t b = bg / G, g = bg % G;
     for (int64_t m = 0; m < M; ++m) visible[m] = std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
-    int64_t qo = bg * M * D, ko = (b * S * G + g) * D, vo = (b * S * G + g) * Dv;
+    int64_t first = b * T * H + g * J;  // this head's first query row in [B, T, H]
+    int64_t qo = first * D, ko = (b * S * G + g) * D, vo = (b * S * G + g) * Dv, oo = first * Dv;
     if (bf16)
       AttendBf16(static_cast<const uint16_t*>(q.untyped_data()) + qo,
                  static_cast<const uint16_t*>(k.untyped_data()) + ko,
-                 static_cast<const uint16_t*>(v.untyped_data()) + vo, M, D, Dv, G * D, G * Dv, visible.data(), scale,
-                 scores + bg * M * S, S, qf.data(), out + bg * M * Dv);
+                 static_cast<const uint16_t*>(v.untyped_data()) + vo, M, J, H, D, Dv, G * D, G * Dv, visible.data(),
+                 scale, scores + bg * M * S, S, work.data(), static_cast<uint16_t*>(out) + oo);
     else
       AttendF32(static_cast<const float*>(q.untyped_data()) + qo, static_cast<const float*>(k.untyped_data()) + ko,
-                static_cast<const float*>(v.untyped_data()) + vo, M, D, Dv, G * D, G * Dv, visible.data(), scale,
-                scores + bg * M * S, S, qf.data(), out + bg * M * Dv);
+                static_cast<const float*>(v.untyped_data()) + vo, M, J, H, D, Dv, G * D, G * Dv, visible.data(), scale,
+                scores + bg * M * S, S, work.data(), static_cast<float*>(out) + oo);
   };
   if (!every_core) {
     for (int64_t bg = 0; bg < B * G; ++bg) head(bg);
@@ -177,29 +181,24 @@ float Load(const void* base, int64_t i, bool bf16) {
 }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> scratch, float scale,
-                         int64_t T) {
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> scratch, float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lengths.dimensions(),
        od = out->dimensions(), sd = scratch->dimensions();
   memory::data_type dt;
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || ld.size() != 1 || kd[0] != qd[0] ||
-      kd[2] != qd[1] || kd[3] != qd[3] || vd[0] != qd[0] || vd[1] != kd[1] || vd[2] != qd[1] || ld[0] != qd[0] ||
-      od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != vd[3] || sd.size() != 5 || sd[0] != 2 ||
-      sd[1] != qd[0] || sd[2] != qd[1] || sd[3] != qd[2] || sd[4] != kd[1])
+      kd[3] != qd[3] || vd[0] != qd[0] || vd[1] != kd[1] || vd[2] != kd[2] || ld[0] != qd[0] || od[0] != qd[0] ||
+      od[1] != qd[1] || od[2] != qd[2] || od[3] != vd[3] || kd[2] <= 0 || qd[2] % kd[2] != 0 || sd.size() != 1 ||
+      sd[0] != qd[0] * qd[1] * qd[2] * (2 * kd[1] + qd[3] + vd[3]))
     return ffi::Error::InvalidArgument(
-        "mtp_onednn_attention: expected q [B, G, M, D], k [B, S, G, D], v [B, S, G, Dv], lengths [B], out "
-        "[B, G, M, Dv] and scratch [2, B, G, M, S]");
+        "mtp_onednn_attention: expected q [B, T, H, D], k [B, S, G, D] with G dividing H, v [B, S, G, Dv], lengths "
+        "[B], out [B, T, H, Dv] and scratch [B T H (2 S + D + Dv)]");
   if (!DataType(q.element_type(), &dt) || k.element_type() != q.element_type() ||
-      v.element_type() != q.element_type() || out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument(
-        "mtp_onednn_attention: q, k and v must share one dtype, bf16 or f32, and out be f32");
-  int64_t B = qd[0], G = qd[1], M = qd[2], D = qd[3], S = kd[1], Dv = vd[3];
-  if (T <= 0 || M % T != 0)
-    return ffi::Error::InvalidArgument("mtp_onednn_attention: num_queries must divide q's rows M");
-  float* o = static_cast<float*>(out->untyped_data());
+      v.element_type() != q.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("mtp_onednn_attention: q, k, v and out must share one dtype, bf16 or f32");
+  int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], S = kd[1], G = kd[2], Dv = vd[3];
   if (out->element_count() == 0) return ffi::Error::Success();
   if (S == 0) {
-    std::memset(o, 0, out->size_bytes());
+    std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
   const int32_t* len = lengths.typed_data();
@@ -208,21 +207,31 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   const int64_t step = std::max(kSpanStep, (S / kSpans + kSpanStep - 1) / kSpanStep * kSpanStep);
   const int64_t span = std::min(S, (longest + step - 1) / step * step);
   if (span == 0) {  // nothing visible anywhere: zeros, as the reference gives
-    std::memset(o, 0, out->size_bytes());
+    std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
   bool bf16 = dt == memory::data_type::bf16;
   size_t item = bf16 ? 2 : 4;
+  const int64_t J = H / G, M = T * J;  // per KV head, row m: new token m / J's query head g J + m % J
   bool every_core = EveryCore(B * span * G * (D + Dv) * item, B * G * M * span * (D + Dv));
   if (M <= LoopRows()) {  // a decode step's few rows: plain loops, head by head
-    AttendInLoops(q, k, v, len, o, scratch->typed_data(), B, G, M, D, Dv, S, T, scale, bf16, every_core);
+    AttendInLoops(q, k, v, len, out->untyped_data(), scratch->typed_data(), B, T, H, G, D, Dv, S, scale, bf16,
+                  every_core);
     return ffi::Error::Success();
   }
   int threads = every_core ? Threads() : 1;
   omp_set_num_threads(threads);  // the calling thread's count, for every primitive below (created with it)
-  int64_t R = B * G * M, J = M / T;  // row m of KV head g: new token m / J's query head g J + m % J
+  const int64_t R = B * G * M;
   float* scores = scratch->typed_data();  // [R, span] each, in the scratch's first R x span entries
   float* weights = scores + R * S;
+  float* o = weights + R * S;                // f32 [B, G, M, Dv]
+  char* qg = reinterpret_cast<char*>(o + R * Dv);  // q's rows [B, G, M, D], in q's dtype
+  auto q_row = [&](int64_t row) {  // row (b, g, m)'s row in [B, T, H]
+    int64_t b = row / (G * M), g = row / M % G, m = row % M;
+    return (b * T + m / J) * H + g * J + m % J;
+  };
+  for (int64_t row = 0; row < R; ++row)
+    std::memcpy(qg + row * D * item, static_cast<const char*>(q.untyped_data()) + q_row(row) * D * item, D * item);
   auto visible = [&](int64_t row) {  // cache positions row (b, g, m) sees: < lengths[b] - T + t + 1
     int64_t b = row / (G * M), m = row % M;
     return std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, span);
@@ -232,7 +241,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
     if (D == 0)
       std::fill(scores, scores + R * span, 0.0f);
     else
-      Run(Product::kScores, B, G, M, S, span, D, dt, q.untyped_data(), k.untyped_data(), scores, scale, threads);
+      Run(Product::kScores, B, G, M, S, span, D, dt, qg, k.untyped_data(), scores, scale, threads);
     for (int64_t row = 0; row < R; ++row)
       std::fill(scores + row * span + visible(row), scores + (row + 1) * span,
                 -std::numeric_limits<float>::infinity());
@@ -278,6 +287,15 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
       }
     }
   }
+  for (int64_t row = 0; row < R; ++row) {  // into [B, T, H, Dv], rounded once to q's dtype
+    const float* from = o + row * Dv;
+    if (bf16) {
+      uint16_t* to = static_cast<uint16_t*>(out->untyped_data()) + q_row(row) * Dv;
+      for (int64_t e = 0; e < Dv; ++e) to[e] = static_cast<uint16_t>(RoundBf16(from[e]) >> 16);
+    } else {
+      std::memcpy(static_cast<float*>(out->untyped_data()) + q_row(row) * Dv, from, Dv * sizeof(float));
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -291,5 +309,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpOnednnAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("num_queries"));
+                                  .Attr<float>("scale"));

@@ -4,12 +4,14 @@ The compiled library holds seven handlers: in `src/onednn_matmul.cc`, `MtpOnednn
 [K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]), `MtpOnednnMatmulSwiglu`
 (the same for an interleaved gate_up weight, then SwiGLU -> y [M, N / 2] and the matmul's [M, N]) and
 `MtpOnednnGroupedMatmul` (x [M, K], R packed weights, group sizes [R] -> y [M, N], as
-`jax.lax.ragged_dot`); in `src/onednn_attention.cc`, `MtpOnednnAttention` (q [B, G, M, D], the caches
-[B, S, G, D] and [B, S, G, Dv], lengths [B] -> float32 [B, G, M, Dv]: the decode step's masked attention);
-bf16 or float32. In `src/cache_write.cc`, `MtpWriteRows` (cache [R, ...], index [U], rows [U, ...] ->
-the cache with those rows written in place, any dtype; no oneDNN) and `MtpGatherRows` (source [N, ...],
-index [U] -> [U, ...], rows outside zero).
-This module only loads it; `mtp_jax` registers the targets and decides where to use them.
+`jax.lax.ragged_dot`); in `src/onednn_attention.cc`, `MtpOnednnAttention` (q [B, T, H, D], the caches
+[B, S, G, D] and [B, S, G, Dv], lengths [B] -> [B, T, H, Dv] in q's dtype: the decode step's masked
+attention, a few query rows per KV head in `src/attention_loops.cc`'s loops); bf16 or float32. In
+`src/cache_write.cc`, `MtpWriteRows` (cache [R, ...], index [U], rows [U, ...] -> the cache with those rows
+written in place, any dtype; no oneDNN) and `MtpGatherRows` (source [N, ...], index [U] -> [U, ...], rows
+outside zero).
+This module only loads it; `mtp_jax` registers the targets and decides where to use them, if `ABI` is the
+one it calls.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+ABI = 2  # raised whenever a handler's operands change (2: MtpOnednnAttention's q and result [B, T, H, *])
 LIB = _load()
 PACK, MATMUL, GROUPED = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul, LIB.MtpOnednnGroupedMatmul  # FFI handlers
 MATMUL_SWIGLU = LIB.MtpOnednnMatmulSwiglu
