@@ -56,10 +56,13 @@ def _extension():
 
 def installed(caller: str):
     """The loaded extension (`_extension`); RuntimeError naming `caller` (a function of
-    `mtp_jax.layers.onednn`) when it is not installed."""
+    `mtp_jax.layers.onednn`) when it is not installed or not usable."""
     ext = _extension()
     if ext is None:
-        raise RuntimeError(f"mtp_jax.layers.onednn.{caller}: the mtp_jax_onednn extension is not installed")
+        raise RuntimeError(
+            f"mtp_jax.layers.onednn.{caller}: the mtp_jax_onednn extension is not installed (or is not usable: "
+            "built for another mtp_jax, or its libraries do not load)"
+        )
     return ext
 
 

@@ -98,6 +98,23 @@ def test_stale_inf_and_nan_never_leak(case):
     assert np.isnan(out[1, :, :3, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, :, 3:]).all()
 
 
+@built
+@pytest.mark.parametrize("heads", [1, 5], ids=["loops", "onednn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_inf_value_in_the_verify_window_reaches_the_queries_before_it_as_in_the_reference(heads, dtype):
+    """The last new token's own entry is valid but hidden from the earlier queries: weight 0 there, yet summed,
+    so an Inf value gives NaN for them (0 x Inf) in the reference and in both paths; Inf or NaN for the last."""
+    q, k, v, lengths = operands(2, 2, heads, 1, 9, 16, 8, (5, 9), seed=5)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    v = v.at[:, 4].set(jnp.inf)  # row 0's last new entry (position 4), and one row 1's queries all see
+    got = np.asarray(onednn.attention(q, k, v, lengths), np.float32)
+    ref = np.asarray(verify_attention_reference(q, k, v, lengths), np.float32)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    assert np.isnan(got[0, 0]).all() and not np.isfinite(got[1]).any()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=2**-6)
+
+
 # (batch, T, H, G, capacity, D, Dv, lengths): rows per KV head T x H/G on both sides of the loops' 4 (the
 # extension's MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS), head dims that are and are not whole 32-element blocks.
 PATHS = (
@@ -236,3 +253,29 @@ def test_a_fresh_process_can_call_attention_first():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "1.0"
+
+
+THREADS_SCRIPT = """
+import os, numpy as np, jax.numpy as jnp, mtp_jax_onednn
+from mtp_jax.layers import onednn
+def call(batch, capacity):  # 8 query rows per KV head: oneDNN's path
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, 4, 4, 64)), jnp.float32)
+    cache = jnp.ones((batch, capacity, 2, 64), jnp.float32)
+    onednn.attention(x, cache, cache, jnp.full((batch,), capacity, jnp.int32)).block_until_ready()
+call(1, 8)  # small: one thread, which sets the calling thread's OpenMP count to 1
+call(8, 2048)  # large (8 MiB of cache): every core
+print(mtp_jax_onednn.LIB.mtp_onednn_threads(), len(os.sched_getaffinity(0)))
+"""
+
+
+@built
+def test_a_large_call_after_a_small_one_still_uses_every_core():
+    """The thread count of a call on every core is read from the environment and the machine, not from the
+    calling thread's OpenMP count, which a small call before has set to 1 (it was, and stayed 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MTP_JAX_ONEDNN_THREADS")}
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    threads, cores = map(int, done.stdout.split()[-2:])
+    assert threads == cores

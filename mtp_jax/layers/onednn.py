@@ -164,7 +164,7 @@ def attention(
     lie (float32 sums, times `scale`), the softmax (the masked weights exactly 0, the others rounded to q's
     dtype) and the weighted sum of the values: the reference's numbers up to the summation order and the
     exponential's last bit. Up to 4 rows per KV head (`MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS`; a decode step's)
-    in the extension's own vectorised loops over the positions each row sees, more in oneDNN's matmuls and
+    in the extension's own vectorised loops over each row's valid entries, more in oneDNN's matmuls and
     softmax (three primitives cost more than the arithmetic at a few rows). XLA:CPU would copy both caches
     head-major, in float32 for bf16, on every layer and step, and move the queries and results head-major. The
     call's scratch (B T H (2 S + D + Dv) float32: the scores, the weights, oneDNN's rows) is an XLA buffer; the

@@ -1,15 +1,16 @@
 // The decode step's attention for one KV head of one row in plain loops (MtpOnednnAttention's path for small
-// calls): a decode or verify step's few query rows against the cache where it lies, reading only the positions
-// each row sees. Three oneDNN primitives per call cost more than the arithmetic at these sizes (24 heads of
+// calls): a decode or verify step's few query rows against the cache where it lies, reading only the row's valid
+// entries. Three oneDNN primitives per call cost more than the arithmetic at these sizes (24 heads of
 // one query over 128 positions: about 36 us in oneDNN, where the products take a few).
 //
 // Numbers as in the oneDNN path and pallas_kernels.verify_attention_reference: each score a float32 sum of
 // exact products (bf16 x bf16 is exact in float32; lanes of 16 summed pairwise, so another order than
 // oneDNN's), times `scale`; the softmax over a row's visible scores in float32 (peak, e^(x - peak) with
 // vector_math.h's exponential, the sum, each weight divided by it and rounded once to the cache's dtype); the
-// weighted sum of the visible values in float32, rounded once to the output's dtype. Positions a row does not see are never read, so stale
-// cache entries (Inf, NaN) cannot reach it; a row that sees nothing, or whose visible scores are all -inf,
-// gets zeros.
+// weighted sum in float32 over the row's valid entries (the later new tokens' weigh 0, so an Inf or NaN value
+// there gives NaN, as in the reference), rounded once to the output's dtype. Entries at or past the row's
+// length are never read, so stale cache entries (Inf, NaN) cannot reach it; a query that sees nothing, or
+// whose visible scores are all -inf, gets zeros (but for such values).
 
 #include <cmath>
 #include <cstdint>
@@ -176,13 +177,18 @@ __attribute__((always_inline)) inline void Attend(const T* __restrict q, const T
                                                   int64_t S, float* __restrict work, T* __restrict out) {
   float* qf = work;
   float* sum = work + D;
+  int64_t valid = 0;  // the row's valid entries (the last new token sees them all)
+  for (int64_t m = 0; m < M; ++m) valid = visible[m] > valid ? visible[m] : valid;
   for (int64_t m = 0; m < M; ++m) {
     int64_t t = m / J, j = m % J;  // new token t's query head j of this KV head's J
     WidenQuery(q + (t * H + j) * D, D, qf);
     float* x = scores + m * S;
     for (int64_t s = 0; s < visible[m]; ++s) x[s] = Dot(qf, k + s * k_stride, D) * scale;
     Softmax<T>(x, visible[m]);
-    WeightedSum(x, v, visible[m], Dv, v_stride, sum);
+    // The later new tokens' entries weigh exactly 0 here but are summed, as in the reference (an Inf or NaN
+    // value there gives NaN); stale entries, at or past the row's length, are never read.
+    for (int64_t s = visible[m]; s < valid; ++s) x[s] = 0.0f;
+    WeightedSum(x, v, valid, Dv, v_stride, sum);
     T* o = out + (t * H + j) * Dv;
     for (int64_t e = 0; e < Dv; ++e) Put(o + e, sum[e]);
   }

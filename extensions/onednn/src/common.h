@@ -32,10 +32,12 @@ inline int64_t EnvInt(const char* name, int64_t fallback) {
   return v > 0 ? v : fallback;
 }
 
-// oneDNN's OpenMP threads for a call that uses more than one: MTP_JAX_ONEDNN_THREADS, default every core
-// (or OMP_NUM_THREADS).
+// The OpenMP threads of a call that uses more than one: MTP_JAX_ONEDNN_THREADS, default OMP_NUM_THREADS (its
+// first number), else every core this process may run on. Not omp_get_max_threads(): that is the calling
+// thread's own count, which a small call before may have set to 1.
 inline int Threads() {
-  static const int threads = static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", omp_get_max_threads()));
+  static const int threads =
+      static_cast<int>(EnvInt("MTP_JAX_ONEDNN_THREADS", EnvInt("OMP_NUM_THREADS", omp_get_num_procs())));
   return threads;
 }
 

@@ -269,6 +269,9 @@ int64_t mtp_onednn_packed_bytes(int64_t K, int64_t N, int dtype) {
   }
 }
 
+// Threads(): the OpenMP threads a call on every core uses.
+int mtp_onednn_threads() { return Threads(); }
+
 int mtp_onednn_impl(int64_t M, int64_t K, int64_t N, int dtype, char* buf, int len) {
   try {
     UseThreads(M, K, N, FromCode(dtype));
