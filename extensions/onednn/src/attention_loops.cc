@@ -58,7 +58,8 @@ inline void StoreBlock(float* p, Block x, float) {
 
 inline void StoreBlock(float* p, Block x, uint16_t) {
   Store16(p, __builtin_shufflevector(x.lo, x.hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
-  Store16(p + kLanes, __builtin_shufflevector(x.lo, x.hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+  Store16(p + kLanes,
+          __builtin_shufflevector(x.lo, x.hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 }
 
 inline float Widen(float x) { return x; }

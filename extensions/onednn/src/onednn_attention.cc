@@ -8,8 +8,8 @@
 // they belong (XLA would move both head-major in a fusion per layer): row m of KV head g is query head
 // g H/G + m % (H/G) of new token t = m / (H/G), and sees cache positions s < lengths[b] - T + t + 1 (the verify
 // window's causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
-// LoopRows() rows per KV head (a decode step's), attention_loops.cc's plain loops, head by head over the
-// positions each row sees. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
+// LoopRows() rows per KV head (a decode step's), attention_loops.cc's plain loops, head by head over each row's
+// valid entries. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
 // scores as a batched matmul over (B, G) whose keys are a strided view of the cache (times `scale` on the f32
 // sum), the masked softmax over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and
 // the weighted sum as a second batched matmul over the values' strided view, rounded once to q's dtype. XLA:CPU
@@ -130,9 +130,9 @@ std::shared_ptr<Primitive> GetSoftmax(int64_t R, int64_t S, memory::data_type dt
 }
 
 // The query rows per KV head (new tokens x query heads per KV head) up to which attention_loops.cc's plain loops
-// take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS, default 4; 0: never): each row reads its keys and values on its own,
-// where oneDNN's products share them between rows. On Zen 5 (bf16, 128-1024 positions) the loops took 0.3-0.8x
-// oneDNN's time at 1-4 rows and 2x at 16 (docs/benchmarks.md, 2026-12-07, late).
+// take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS, default 4; 0: never): each row reads its keys and values on
+// its own, where oneDNN's products share them between rows. On Zen 5 (bf16, 120-700 positions) the loops took
+// 0.4-1.0x oneDNN's time at 1-4 rows and 2x at 16 (docs/benchmarks.md, 2026-12-07, late).
 int64_t LoopRows() {
   static const int64_t rows = [] {
     const char* s = std::getenv("MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS");
