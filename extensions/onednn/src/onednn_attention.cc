@@ -67,12 +67,6 @@ struct Primitive {
   memory::desc src, wei, dst;
 };
 
-uint32_t Bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;  // a map key: NaN compares unordered, its bits do not
-}
-
 // A cached primitive of one product over the first `span` of the cache's S positions: src [B, G, M, C] (C: D
 // or span) times the cache [B, S, G, D] viewed as [B, G, C, N] (N: span or D) into f32 [B, G, M, N], the sums
 // times `scale`; created on `threads` threads.
@@ -80,6 +74,7 @@ std::shared_ptr<Primitive> GetProduct(Product kind, int64_t B, int64_t G, int64_
                                       int64_t D, memory::data_type dt, float scale, int threads) {
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, int>;
   static std::map<Key, std::shared_ptr<Primitive>> cache;
+  // scale by its bits: NaN compares unordered as a map key, its bits do not
   Key key{static_cast<int>(kind), B, G, M, S, span, D, static_cast<int>(dt), Bits(scale), threads};
   return Cached(cache, g_attention_mu, key, [&] {
     bool scores = kind == Product::kScores;
@@ -129,6 +124,11 @@ std::shared_ptr<Primitive> GetSoftmax(int64_t R, int64_t S, memory::data_type dt
   });
 }
 
+// The cache positions new token t of T sees in a row of `length` valid entries, at most `limit`: < length - T + t + 1.
+int64_t Visible(int32_t length, int64_t T, int64_t t, int64_t limit) {
+  return std::clamp<int64_t>(int64_t{length} - T + t + 1, 0, limit);
+}
+
 // The query rows per KV head (new tokens x query heads per KV head) up to which attention_loops.cc's plain loops
 // take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS, default 4; 0: never): each row reads its keys and values on
 // its own, where oneDNN's products share them between rows. On Zen 5 (bf16, 120-700 positions) the loops took
@@ -152,7 +152,7 @@ void AttendInLoops(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const i
     work.resize(D + Dv);
     visible.resize(M);
     int64_t b = bg / G, g = bg % G;
-    for (int64_t m = 0; m < M; ++m) visible[m] = std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, S);
+    for (int64_t m = 0; m < M; ++m) visible[m] = Visible(len[b], T, m / J, S);
     int64_t first = b * T * H + g * J;  // this head's first query row in [B, T, H]
     int64_t qo = first * D, ko = (b * S * G + g) * D, vo = (b * S * G + g) * Dv, oo = first * Dv;
     if (bf16)
@@ -174,10 +174,7 @@ void AttendInLoops(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const i
 
 float Load(const void* base, int64_t i, bool bf16) {
   if (!bf16) return static_cast<const float*>(base)[i];
-  uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return Bits(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
 }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
@@ -232,10 +229,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   };
   for (int64_t row = 0; row < R; ++row)
     std::memcpy(qg + row * D * item, static_cast<const char*>(q.untyped_data()) + q_row(row) * D * item, D * item);
-  auto visible = [&](int64_t row) {  // cache positions row (b, g, m) sees: < lengths[b] - T + t + 1
-    int64_t b = row / (G * M), m = row % M;
-    return std::clamp<int64_t>(int64_t{len[b]} - T + m / J + 1, 0, span);
-  };
+  auto visible = [&](int64_t row) { return Visible(len[row / (G * M)], T, row % M / J, span); };  // row (b, g, m)
   void* rounded = weights;  // the weights in q's dtype: f32 in place, bf16 over the scores (no longer read)
   try {
     if (D == 0)
