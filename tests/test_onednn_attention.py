@@ -1,8 +1,8 @@
 """The decode step's attention products in oneDNN (`mtp_jax.layers.onednn.attention`, extension
 `extensions/onednn`): equal to `verify_attention_reference` within bfloat16 rounding for every query/KV
 head grouping, row count and length the step meets (a query with nothing to attend, a verify window past
-the capacity), inside jit and vmap, on both of its paths (the extension's loops for a decode step's few rows,
-oneDNN's primitives for more); stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
+the capacity), inside jit and vmap, on each of its paths (the extension's loops for a decode or verify step's
+rows, with VDPBF16PS where the CPU has AVX512-BF16, oneDNN's primitives for more rows); stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
 GQA attention there and `MTP_JAX_ONEDNN=matmuls` or float32 keep it on XLA."""
 
 import os
@@ -76,7 +76,9 @@ def test_attention_under_vmap_equals_each_call():
 
 
 @built
-@pytest.mark.parametrize("case", [CASES[1], (3, 1, 6, 2, 20, 32, 32, (4, 20, 2))], ids=["onednn", "loops"])
+@pytest.mark.parametrize(
+    "case", [(3, 5, 32, 2, 20, 32, 32, (4, 20, 2)), (3, 1, 6, 2, 20, 32, 32, (4, 20, 2))], ids=["onednn", "loops"]
+)
 def test_stale_inf_and_nan_never_leak(case):
     """Entries at or past a row's length may hold anything (rejected drafts, a previous request's values):
     Inf and NaN there give the result of a clean cache. A NaN in a valid value does reach the output."""
@@ -95,11 +97,12 @@ def test_stale_inf_and_nan_never_leak(case):
     assert_equal_within_rounding(got, verify_attention_reference(q, poisoned_k, poisoned_v, lengths))
     bad = v.at[1, 0, 0, 0].set(jnp.nan)  # row 1's first entry, valid for all its queries, KV head 0
     out = np.asarray(onednn.attention(q, k, bad, lengths), np.float32)
-    assert np.isnan(out[1, :, :3, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, :, 3:]).all()
+    j = case[2] // case[3]  # the query heads of KV head 0
+    assert np.isnan(out[1, :, :j, 0]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, :, j:]).all()
 
 
 @built
-@pytest.mark.parametrize("heads", [1, 5], ids=["loops", "onednn"])
+@pytest.mark.parametrize("heads", [1, 40], ids=["loops", "onednn"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_an_inf_value_in_the_verify_window_reaches_the_queries_before_it_as_in_the_reference(heads, dtype):
     """The last new token's own entry is valid but hidden from the earlier queries: weight 0 there, yet summed,
@@ -115,18 +118,20 @@ def test_an_inf_value_in_the_verify_window_reaches_the_queries_before_it_as_in_t
     np.testing.assert_allclose(got[finite], ref[finite], rtol=2**-6)
 
 
-# (batch, T, H, G, capacity, D, Dv, lengths): rows per KV head T x H/G on both sides of the loops' 4 (the
-# extension's MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS), head dims that are and are not whole 32-element blocks.
+# (batch, T, H, G, capacity, D, Dv, lengths): rows per KV head T x H/G on both sides of the loops' limit (the
+# extension's MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS: 64 for bf16 on a CPU with AVX512-BF16, else 4), head dims that
+# are and are not whole 32-element blocks (VDPBF16PS takes only whole blocks).
 PATHS = (
     (2, 1, 4, 1, 70, 64, 64, (70, 33)),  # 4 rows: loops
-    (2, 1, 5, 1, 70, 64, 64, (70, 33)),  # 5 rows: oneDNN
+    (2, 1, 80, 1, 70, 64, 64, (70, 33)),  # 80 rows: oneDNN
+    (2, 4, 16, 4, 70, 64, 64, (70, 33)),  # 16 rows (a verify window): VDPBF16PS loops, else oneDNN
     (3, 2, 4, 2, 40, 96, 40, (40, 1, 17)),  # 4 rows: loops; one whole block past the two-block tile, a tail
     (2, 4, 2, 2, 50, 40, 24, (50, 7)),  # 4 rows, D and Dv not whole blocks
 )
 
 
 @built
-@pytest.mark.parametrize("case", PATHS, ids=["loops", "onednn", "loops-3-blocks", "loops-tails"])
+@pytest.mark.parametrize("case", PATHS, ids=["loops", "onednn", "verify-16-rows", "loops-3-blocks", "loops-tails"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_both_paths_equal_the_reference(case, dtype):
     q, k, v, lengths = operands(*case, seed=3)
@@ -141,25 +146,46 @@ def test_both_paths_equal_the_reference(case, dtype):
 
 
 @built
-def test_the_loops_equal_onednns_path_on_the_same_operands(tmp_path):
-    """The same calls with the loops turned off (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS=0, read once per
-    process): oneDNN's numbers within rounding."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_query_gets_the_same_bits_in_a_verify_window_as_alone(dtype):
+    """The loops' numbers for one query row do not depend on the other rows of the call: each of a verify window's
+    queries equals, bit for bit, a decode step of that query alone at its position (so a speculative step's
+    verify and a plain step agree wherever their inputs do). 4 rows per KV head: the loops on every CPU."""
+    q, k, v, lengths = operands(3, 4, 2, 2, 90, 64, 64, (90, 41, 4), seed=7)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    window = np.asarray(onednn.attention(q, k, v, lengths), np.float32)
+    for t in range(4):
+        alone = onednn.attention(q[:, t : t + 1], k, v, lengths - 3 + t)
+        np.testing.assert_array_equal(window[:, t : t + 1], np.asarray(alone, np.float32))
+
+
+@built
+def test_every_path_gives_the_same_numbers_on_the_same_operands(tmp_path):
+    """The same calls in oneDNN (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS=0, read once per process), in the loops
+    (1000) and in the loops without VDPBF16PS (ONEDNN_MAX_CPU_ISA=AVX512_CORE, which the loops follow as
+    oneDNN does): equal within rounding."""
     script = (
         "import sys, numpy as np, jax.numpy as jnp; sys.path.insert(0, 'tests'); "
         "from test_onednn_attention import PATHS, operands; from mtp_jax.layers import onednn; "
         "np.save(sys.argv[1], np.concatenate([np.asarray(onednn.attention(*operands(*c, seed=3)), np.float32)"
-        ".ravel() for c in PATHS if c[1] * c[2] // c[3] <= 4]))"
+        ".ravel() for c in PATHS]))"
     )
+    runs = {
+        "onednn": {"MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS": "0"},
+        "loops": {"MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS": "1000"},
+        "lanes": {"MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS": "1000", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    }
     outs = {}
-    for rows in ("0", "4"):
-        path = tmp_path / f"rows{rows}.npy"
-        env = {**os.environ, "MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS": rows}
+    for name, extra in runs.items():
+        path = tmp_path / f"{name}.npy"
+        env = {**os.environ, **extra}
         done = subprocess.run(
             [sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        outs[rows] = np.load(path)
-    assert_equal_within_rounding(outs["4"], outs["0"])
+        outs[name] = np.load(path)
+    assert_equal_within_rounding(outs["loops"], outs["onednn"])
+    assert_equal_within_rounding(outs["lanes"], outs["onednn"])
 
 
 @built

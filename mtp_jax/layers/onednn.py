@@ -163,9 +163,10 @@ def attention(
     extension. Each KV head's T x H/G query rows get their scores against the [B, S, G, D] keys where they
     lie (float32 sums, times `scale`), the softmax (the masked weights exactly 0, the others rounded to q's
     dtype) and the weighted sum of the values: the reference's numbers up to the summation order and the
-    exponential's last bit. Up to 4 rows per KV head (`MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS`; a decode step's)
-    in the extension's own vectorised loops over each row's valid entries, more in oneDNN's matmuls and
-    softmax (three primitives cost more than the arithmetic at a few rows). XLA:CPU would copy both caches
+    exponential's last bit. Up to 64 rows per KV head in bf16 on a CPU with AVX512-BF16 (VDPBF16PS: a decode
+    or verify step's), else 4 (`MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS` overrides both) in the extension's own
+    vectorised loops over each row's valid entries, more in oneDNN's matmuls and softmax (three primitives
+    cost more than the arithmetic at a few rows). XLA:CPU would copy both caches
     head-major, in float32 for bf16, on every layer and step, and move the queries and results head-major. The
     call's scratch (B T H (2 S + D + Dv) float32: the scores, the weights, oneDNN's rows) is an XLA buffer; the
     products stop at the longest row's length (rounded up to 64 positions, S / 32 for a longer cache, in

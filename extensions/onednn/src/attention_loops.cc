@@ -12,30 +12,31 @@
 // length are never read, so stale cache entries (Inf, NaN) cannot reach it; a query that sees nothing, or
 // whose visible scores are all -inf, gets zeros (but for such values).
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "common.h"
+#include "lanes.h"
 #include "vector_math.h"
 
 namespace {
 
 using mtp_onednn::Bits;
-
-// 16 float32 lanes (one AVX-512 register, two AVX2 ones, four SSE ones: GCC splits the vector per clone).
-typedef float F16 __attribute__((vector_size(64)));
-typedef uint32_t U16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16, kBlock = 2 * kLanes;
-
-inline F16 Load16(const float* p) {
-  F16 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-inline void Store16(float* p, F16 x) { std::memcpy(p, &x, sizeof x); }
+using mtp_onednn::F16;
+using mtp_onednn::kBlock;
+using mtp_onednn::kLanes;
+using mtp_onednn::Load16;
+using mtp_onednn::Narrow;
+using mtp_onednn::Softmax;
+using mtp_onednn::Store16;
+using mtp_onednn::Sum;
+using mtp_onednn::U16;
 
 // A block of 32 elements as two vectors. float32: the first and the last 16. bf16 (read as 16 uint32 pairs,
 // the widening exact): the even elements, then the odd ones; `Interleaved` puts such a pair back in order.
@@ -65,17 +66,6 @@ inline void StoreBlock(float* p, Block x, uint16_t) {
 inline float Widen(float x) { return x; }
 inline float Widen(uint16_t x) { return Bits(static_cast<uint32_t>(x) << 16); }
 
-// A softmax weight in the operands' precision: float32 as it is, bf16 rounded to nearest even.
-inline float Narrow(float x, float) { return x; }
-inline float Narrow(float x, uint16_t) { return Bits(mtp_onednn::RoundBf16(x)); }
-
-__attribute__((always_inline)) inline float Sum(F16 x) {  // pairwise, one fixed order
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  return x[0] + x[1];
-}
-
 // q's n elements widened to float32 in `qf`, each whole block in LoadBlock's order (what Dot reads).
 template <typename T>
 __attribute__((always_inline)) inline void WidenQuery(const T* __restrict q, int64_t n, float* __restrict qf) {
@@ -97,40 +87,6 @@ __attribute__((always_inline)) inline float Dot(const float* __restrict qf, cons
   float tail = 0.0f;
   for (; i < n; ++i) tail += qf[i] * Widen(b[i]);
   return Sum(lo + hi) + tail;
-}
-
-// e^t: 0 below -88 (and for -inf), +inf above 88, NaN for NaN.
-inline float Exp(float t) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  float c = t > 88.0f ? 88.0f : t;
-  c = c < -88.0f ? -88.0f : c;
-  float e = mtp_onednn::ExpInRange(c);
-  return t > 88.0f ? kInf : e;
-}
-
-// x[0, n) -> their softmax, each weight narrowed to T's precision.
-template <typename T>
-__attribute__((always_inline)) inline void Softmax(float* __restrict x, int64_t n) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  F16 lanes = {};
-  lanes -= kInf;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    F16 y = Load16(x + i);
-    lanes = y > lanes ? y : lanes;
-  }
-  float peak = -kInf;
-  for (int j = 0; j < kLanes; ++j) peak = lanes[j] > peak ? lanes[j] : peak;
-  for (; i < n; ++i) peak = x[i] > peak ? x[i] : peak;
-  if (!std::isfinite(peak)) peak = 0.0f;  // as the reference: all -inf gives zeros, +inf NaN
-  for (i = 0; i < n; ++i) x[i] = Exp(x[i] - peak);
-  F16 sums = {};
-  for (i = 0; i + kLanes <= n; i += kLanes) sums += Load16(x + i);
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += x[i];
-  float sum = Sum(sums) + tail;
-  float denom = sum > 0.0f ? sum : 1.0f;
-  for (i = 0; i < n; ++i) x[i] = Narrow(x[i] / denom, T{});
 }
 
 // out[0, Dv) = sum over s < n of w[s] v[s], the value rows `stride` apart; two blocks at a time in registers.
@@ -199,10 +155,33 @@ __attribute__((always_inline)) inline void Attend(const T* __restrict q, const T
 
 namespace mtp_onednn {
 
-MTP_CLONES void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t J, int64_t H,
-                           int64_t D, int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible,
-                           float scale, float* scores, int64_t S, float* work, uint16_t* out) {
+MTP_CLONES void AttendBf16Lanes(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t J,
+                                int64_t H, int64_t D, int64_t Dv, int64_t k_stride, int64_t v_stride,
+                                const int64_t* visible, float scale, float* scores, int64_t S, float* work,
+                                uint16_t* out) {
   Attend(q, k, v, M, J, H, D, Dv, k_stride, v_stride, visible, scale, scores, S, work, out);
+}
+
+bool Bf16DotProducts(int64_t D, int64_t Dv) {
+  static const bool allowed = [] {  // the CPU has AVX512-BF16, and ONEDNN_MAX_CPU_ISA does not stop below it
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const char* env = std::getenv("ONEDNN_MAX_CPU_ISA");
+    std::string isa = env ? env : "";
+    std::transform(isa.begin(), isa.end(), isa.begin(), [](unsigned char c) { return std::toupper(c); });
+    for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+      if (isa == below) return false;
+    return true;
+  }();
+  return allowed && D % kBlock == 0 && Dv % kBlock == 0;
+}
+
+void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t J, int64_t H, int64_t D,
+                int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale, float* scores,
+                int64_t S, float* work, uint16_t* out) {
+  if (Bf16DotProducts(D, Dv))
+    AttendBf16Dp(q, k, v, M, J, H, D, Dv, k_stride, v_stride, visible, scale, scores, S, out);
+  else
+    AttendBf16Lanes(q, k, v, M, J, H, D, Dv, k_stride, v_stride, visible, scale, scores, S, work, out);
 }
 
 MTP_CLONES void AttendF32(const float* q, const float* k, const float* v, int64_t M, int64_t J, int64_t H, int64_t D,

@@ -8,7 +8,7 @@
 // they belong (XLA would move both head-major in a fusion per layer): row m of KV head g is query head
 // g H/G + m % (H/G) of new token t = m / (H/G), and sees cache positions s < lengths[b] - T + t + 1 (the verify
 // window's causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
-// LoopRows() rows per KV head (a decode step's), attention_loops.cc's plain loops, head by head over each row's
+// LoopRows() rows per KV head (a decode or verify step's), attention_loops.cc's plain loops, head by head over each row's
 // valid entries. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
 // scores as a batched matmul over (B, G) whose keys are a strided view of the cache (times `scale` on the f32
 // sum), the masked softmax over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and
@@ -130,15 +130,17 @@ int64_t Visible(int32_t length, int64_t T, int64_t t, int64_t limit) {
 }
 
 // The query rows per KV head (new tokens x query heads per KV head) up to which attention_loops.cc's plain loops
-// take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS, default 4; 0: never): each row reads its keys and values on
-// its own, where oneDNN's products share them between rows. On Zen 5 (bf16, 120-700 positions) the loops took
-// 0.4-1.0x oneDNN's time at 1-4 rows and 2x at 16 (docs/benchmarks.md, 2026-12-07, late).
-int64_t LoopRows() {
+// take the call (MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS; 0: never). Default: 64 for bf16 with VDPBF16PS, 4 otherwise.
+// On Zen 5 (120-700 positions) the VDPBF16PS loops took 0.2-0.8x oneDNN's time at 1-32 rows, 0.9-1.0x at 64-256;
+// the generic ones 0.3-1.0x at 1-4 rows and 2x at 16 (each row reads its keys and values on its own, where
+// oneDNN's products share them; docs/benchmarks.md, 2026-12-07).
+int64_t LoopRows(bool bf16, int64_t D, int64_t Dv) {
   static const int64_t rows = [] {
     const char* s = std::getenv("MTP_JAX_ONEDNN_ATTENTION_LOOP_ROWS");
-    return s && *s ? std::max<int64_t>(std::atoll(s), 0) : int64_t{4};
+    return s && *s ? std::max<int64_t>(std::atoll(s), 0) : int64_t{-1};
   }();
-  return rows;
+  if (rows >= 0) return rows;
+  return bf16 && Bf16DotProducts(D, Dv) ? 64 : 4;
 }
 
 // Each (row b, KV head g) by AttendBf16 / AttendF32, on every core when `every_core`; q and out [B, T, H, *].
@@ -211,7 +213,7 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, f
   size_t item = bf16 ? 2 : 4;
   const int64_t J = H / G, M = T * J;  // per KV head, row m: new token m / J's query head g J + m % J
   bool every_core = EveryCore(B * span * G * (D + Dv) * item, B * G * M * span * (D + Dv));
-  if (M <= LoopRows()) {  // a decode step's few rows: plain loops, head by head
+  if (M <= LoopRows(bf16, D, Dv)) {  // a decode step's few rows: plain loops, head by head
     AttendInLoops(q, k, v, len, out->untyped_data(), scratch->typed_data(), B, T, H, G, D, Dv, S, scale, bf16,
                   every_core);
     return ffi::Error::Success();
