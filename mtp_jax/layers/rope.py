@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -80,8 +81,11 @@ def apply_rope(
     """
     inv_freq, scale = inverse_frequencies(config, dim)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    # cos and sin once per position and frequency: fused into the rotation, XLA evaluates them for every
+    # element, 2N times over (the costliest part of RoPE in a CPU decode step).
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(angles) * scale, jnp.sin(angles) * scale))
+    cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, D/2] each
     rotated = jnp.concatenate([-x2, x1], axis=-1)  # [B, T, N, D]
