@@ -2,8 +2,9 @@
 `extensions/onednn`): equal to `verify_attention_reference` within bfloat16 rounding for every query/KV
 head grouping, row count and length the step meets (a query with nothing to attend, a verify window past
 the capacity), inside jit and vmap, on each of its paths (the extension's loops for a decode or verify step's
-rows, with VDPBF16PS where the CPU has AVX512-BF16, oneDNN's primitives for more rows); stale Inf / NaN cache entries never leak; a bfloat16 engine routes its
-GQA attention there and `MTP_JAX_ONEDNN=matmuls` or float32 keep it on XLA."""
+rows, with VDPBF16PS where the CPU has AVX512-BF16, oneDNN's primitives for more rows); stale Inf / NaN
+cache entries never leak; a bfloat16 engine routes its GQA attention there and `MTP_JAX_ONEDNN=matmuls` or
+float32 keep it on XLA."""
 
 import os
 import subprocess
