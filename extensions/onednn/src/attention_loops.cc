@@ -10,7 +10,9 @@
 // weighted sum in float32 over the row's valid entries (the later new tokens' weigh 0, so an Inf or NaN value
 // there gives NaN, as in the reference), rounded once to the output's dtype. Entries at or past the row's
 // length are never read, so stale cache entries (Inf, NaN) cannot reach it; a query that sees nothing, or
-// whose visible scores are all -inf, gets zeros (but for such values).
+// whose visible scores are all -inf, gets zeros (but for such values). Each row's numbers are its own, whatever
+// the other rows of the call. bf16 with whole 32-element head blocks on a CPU with AVX512-BF16 goes to
+// attention_dpbf16.cc's loops instead (`Bf16DotProducts`); these ("the lanes") take the rest.
 
 #include <algorithm>
 #include <cctype>
@@ -18,7 +20,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <string>
 
 #include "common.h"

@@ -109,13 +109,14 @@ inline bool DataType(xla::ffi::DataType et, dnnl::memory::data_type* dt) {
 void SwigluBf16(const uint32_t* __restrict pairs, uint16_t* __restrict y, int64_t n);
 void SwigluF32(const float* __restrict pairs, float* __restrict y, int64_t n);
 
+// Whether AttendBf16 takes the VDPBF16PS path for these head sizes: AVX512-BF16 (unless ONEDNN_MAX_CPU_ISA
+// stops below it), D and Dv multiples of 32.
+bool Bf16DotProducts(int64_t D, int64_t Dv);
+
 // One KV head of one row in plain loops (attention_loops.cc): its M = T J query rows (row m: new token m / J's
 // query head m % J of this KV head's J, at q + ((m / J) H + m % J) D, q [T, H, D] from this head's first)
 // against the cache positions s < visible[m], key s at k + s k_stride, value s at v + s v_stride; row m's
 // result at out + ((m / J) H + m % J) Dv in q's dtype. scores [M, S] and work [D + Dv] are the caller's.
-// Whether AttendBf16 takes the VDPBF16PS path for these head sizes: AVX512-BF16 (unless ONEDNN_MAX_CPU_ISA
-// stops below it), D and Dv multiples of 32.
-bool Bf16DotProducts(int64_t D, int64_t Dv);
 void AttendBf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t M, int64_t J, int64_t H, int64_t D,
                 int64_t Dv, int64_t k_stride, int64_t v_stride, const int64_t* visible, float scale, float* scores,
                 int64_t S, float* work, uint16_t* out);

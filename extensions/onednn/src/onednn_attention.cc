@@ -8,8 +8,8 @@
 // they belong (XLA would move both head-major in a fusion per layer): row m of KV head g is query head
 // g H/G + m % (H/G) of new token t = m / (H/G), and sees cache positions s < lengths[b] - T + t + 1 (the verify
 // window's causal mask, aligned to the end of the row as in pallas_kernels.verify_attention_reference). Up to
-// LoopRows() rows per KV head (a decode or verify step's), attention_loops.cc's plain loops, head by head over each row's
-// valid entries. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
+// LoopRows() rows per KV head (a decode or verify step's), attention_loops.cc's plain loops (attention_dpbf16.cc's
+// with VDPBF16PS), head by head over each row's valid entries. Above it, the rows copied head-major and three oneDNN primitives and a reorder: the
 // scores as a batched matmul over (B, G) whose keys are a strided view of the cache (times `scale` on the f32
 // sum), the masked softmax over S (softmax_accurate in f32, the weights then rounded once to q's dtype), and
 // the weighted sum as a second batched matmul over the values' strided view, rounded once to q's dtype. XLA:CPU
