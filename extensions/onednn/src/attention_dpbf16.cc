@@ -75,6 +75,8 @@ MTP_AVX512_BF16 inline void WeightedSumDp(const uint32_t* const* weights, const 
         F16 x = acc[r][2 * c], y = acc[r][2 * c + 1];
         F16 first = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         F16 second = __builtin_shufflevector(x, y, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        first += 0.0f;  // a zero sum is +0: products flushed to -0 would otherwise give -0 or +0 as the row's
+        second += 0.0f;  // later (weight 0) entries are there or not
         uint16_t* o = out[r] + e + c * kBlock;
         for (int i = 0; i < kLanes; ++i) o[i] = static_cast<uint16_t>(RoundBf16(first[i]) >> 16);
         for (int i = 0; i < kLanes; ++i) o[kLanes + i] = static_cast<uint16_t>(RoundBf16(second[i]) >> 16);

@@ -148,7 +148,7 @@ __attribute__((always_inline)) inline void Attend(const T* __restrict q, const T
     for (int64_t s = visible[m]; s < valid; ++s) x[s] = 0.0f;
     WeightedSum(x, v, valid, Dv, v_stride, sum);
     T* o = out + (t * H + j) * Dv;
-    for (int64_t e = 0; e < Dv; ++e) Put(o + e, sum[e]);
+    for (int64_t e = 0; e < Dv; ++e) Put(o + e, sum[e] + 0.0f);  // a zero sum is +0, as in attention_dpbf16.cc
   }
 }
 
@@ -166,7 +166,8 @@ MTP_CLONES void AttendBf16Lanes(const uint16_t* q, const uint16_t* k, const uint
 bool Bf16DotProducts(int64_t D, int64_t Dv) {
   static const bool allowed = [] {  // the CPU has AVX512-BF16, and ONEDNN_MAX_CPU_ISA does not stop below it
     if (!__builtin_cpu_supports("avx512bf16")) return false;
-    const char* env = std::getenv("ONEDNN_MAX_CPU_ISA");
+    const char* env = std::getenv("ONEDNN_MAX_CPU_ISA");  // or its older name, as oneDNN reads it
+    if (!env) env = std::getenv("DNNL_MAX_CPU_ISA");
     std::string isa = env ? env : "";
     std::transform(isa.begin(), isa.end(), isa.begin(), [](unsigned char c) { return std::toupper(c); });
     for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
