@@ -157,10 +157,10 @@ def test_a_query_gets_the_same_bits_in_a_verify_window_as_alone(dtype):
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     q = q.at[2, 1].set(0)  # row 2's second query sees positions 0 and 1, now with weights 1/2 each
     tiny = jnp.full_like(v, -(2.0**-126)).at[:, 2].set(1)  # weights 1/2 x -2^-126: every product flushed to -0
-    for v, zeros in ((v, False), (tiny, True)):
-        window = np.asarray(onednn.attention(q, k, v, lengths), np.float32)
+    for values, zeros in ((v, False), (tiny, True)):
+        window = np.asarray(onednn.attention(q, k, values, lengths), np.float32)
         for t in range(4):
-            alone = np.asarray(onednn.attention(q[:, t : t + 1], k, v, lengths - 3 + t), np.float32)
+            alone = np.asarray(onednn.attention(q[:, t : t + 1], k, values, lengths - 3 + t), np.float32)
             np.testing.assert_array_equal(window[:, t : t + 1].view(np.uint32), alone.view(np.uint32))
         if zeros:  # row 2's second query: two products flushed to -0 sum to +0 (alone: no entry of weight 0)
             assert (window[2, 1].view(np.uint32) == 0).all()
