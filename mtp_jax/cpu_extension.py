@@ -1,11 +1,14 @@
 """The optional CPU extension `mtp_jax_onednn` (`extensions/onednn`): loading it and registering its FFI
 targets, the `MTP_JAX_ONEDNN` setting, and the KV cache rows it moves in place.
 
-`mtp_jax.layers.onednn` routes matmuls and attention to its oneDNN handlers. Here are the two calls with no
-oneDNN in them, which the caches (`mtp_jax.cache`) use directly: `write_rows` writes a bf16 / fp16 / fp8
-cache's new rows into its own buffer, where XLA:CPU converts the whole cache to float32 and back on every
-scatter or dynamic-update-slice, and `gather_rows` gathers a page pool one memcpy per page, where XLA:CPU
-gathers element by element through float32. `moves_rows` says where (docs/benchmarks.md, 2026-12-07).
+`mtp_jax.layers.onednn` routes matmuls and attention to its oneDNN handlers. Here are the calls with no
+oneDNN in them, which the caches (`mtp_jax.cache`) and the decode step use directly: `write_rows` writes a
+bf16 / fp16 / fp8 cache's new rows into its own buffer, where XLA:CPU converts the whole cache to float32 and
+back on every scatter or dynamic-update-slice, and `gather_rows` gathers a page pool one memcpy per page, where
+XLA:CPU gathers element by element through float32 (`moves_rows` says where; docs/benchmarks.md, 2026-12-07);
+`vocab_stats` reads a step's logits over the vocabulary (the argmax, the log-softmax's max and log-sum-exp)
+in one pass each, where XLA:CPU's reductions take 0.1-0.5 ms a step (`reads_vocab` says where;
+docs/benchmarks.md, 2026-12-08).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ENV = "MTP_JAX_ONEDNN"  # "0"/"off": never; "all": every row count of both dtype
 _PACK, _MATMUL, _GROUPED = "mtp_onednn_pack", "mtp_onednn_matmul", "mtp_onednn_grouped_matmul"
 _MATMUL_SWIGLU = "mtp_onednn_matmul_swiglu"
 _ATTENTION, _WRITE_ROWS, _GATHER_ROWS = "mtp_onednn_attention", "mtp_write_rows", "mtp_gather_rows"
+_VOCAB_STATS = "mtp_vocab_stats"
 ABI = 2  # the handlers' operands this version calls: `mtp_jax_onednn.ABI`
 
 
@@ -34,7 +38,7 @@ def _extension():
     handler this version calls or with other operands (`ABI`; a warning says to rebuild it)."""
     targets = {_PACK: "PACK", _MATMUL: "MATMUL", _MATMUL_SWIGLU: "MATMUL_SWIGLU", _GROUPED: "GROUPED"}
     targets |= {_ATTENTION: "ATTENTION"}
-    targets |= {_WRITE_ROWS: "WRITE_ROWS", _GATHER_ROWS: "GATHER_ROWS"}
+    targets |= {_WRITE_ROWS: "WRITE_ROWS", _GATHER_ROWS: "GATHER_ROWS", _VOCAB_STATS: "VOCAB_STATS"}
     try:
         import mtp_jax_onednn as ext
 
@@ -83,6 +87,42 @@ def moves_rows(cache: jax.Array) -> bool:
     if not narrow or _setting() in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
         return False
     return jax.sharding.get_abstract_mesh().empty
+
+
+def reads_vocab() -> bool:
+    """Whether `vocab_stats` computes a step's reductions over the vocabulary (`mtp_jax.sharding.vocab_argmax`,
+    `mtp_jax.decode.acceptance.Target`): the CPU backend, the extension installed, `MTP_JAX_ONEDNN` not
+    "0"/"off", and no context mesh (the call is opaque to GSPMD, which would gather vocabulary-sharded logits)."""
+    if _setting() in ("0", "off") or jax.default_backend() != "cpu" or _extension() is None:
+        return False
+    return jax.sharding.get_abstract_mesh().empty
+
+
+def vocab_stats(processed: jax.Array, raw: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Per row of `processed` [..., V] (cast to float32): the lowest index of its maximum, or of its first NaN
+    (NaN ranks above every number), int32 [...]: `mtp_jax.sharding.vocab_argmax`'s exactly. With `raw`
+    [..., V] (float32 or bfloat16; another float dtype is cast to float32), also raw's max (NaN if it holds
+    one) and log(sum(exp(raw - max))), float32 [..., 1] each: `jax.nn.log_softmax(raw)` is (raw - max) -
+    log_sum, with the same special values (all -inf or a +inf: NaN), the sum in another order and the
+    exponential to within its last bit. Through the `mtp_vocab_stats` FFI call, rows spread over the cores
+    from 64 Ki logits; no gradient (the inputs are `stop_gradient`ed). ValueError when raw's shape is not
+    processed's; RuntimeError without the extension."""
+    installed("vocab_stats")
+    if raw is not None and raw.shape != processed.shape:
+        raise ValueError(f"vocab_stats: raw {list(raw.shape)} must have processed's shape {list(processed.shape)}")
+    processed = jax.lax.stop_gradient(processed).astype(jnp.float32)
+    operand = processed if raw is None else jax.lax.stop_gradient(raw)
+    if operand.dtype not in (jnp.float32, jnp.bfloat16):
+        operand = operand.astype(jnp.float32)
+    rows = processed.shape[:-1]
+    out = (
+        jax.ShapeDtypeStruct(rows, jnp.int32),
+        jax.ShapeDtypeStruct(rows, jnp.float32),
+        jax.ShapeDtypeStruct(rows, jnp.float32),
+    )
+    call = jax.ffi.ffi_call(_VOCAB_STATS, out, vmap_method="broadcast_all")
+    argmax, peak, log_sum = call(processed, operand, log_sum=raw is not None)
+    return (argmax,) if raw is None else (argmax, peak[..., None], log_sum[..., None])
 
 
 def _check_whole_bytes(name: str, dtype) -> None:

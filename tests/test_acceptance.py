@@ -452,6 +452,58 @@ def test_relaxed_acceptance_is_judged_per_row_and_per_draft_position():
     np.testing.assert_array_equal(np.asarray(token)[[0, 1, 2, 3, 5, 6, 7]], [1, 1, 1, 1, 1, 1, 1])
 
 
+def test_all_greedy_batches_accept_as_batches_with_a_sampled_row_do():
+    """An all-greedy batch takes `accept`'s greedy branch (argmax only, nothing over the vocabulary); with one
+    sampled row added the same greedy rows go through the general test `u * q < p` on one-hot targets. Both
+    give the constructed outcome: drafts accepted up to the first that is not the processed argmax (a logit
+    bias moving it, a tie taking the lower id), then that argmax; with relaxed acceptance too."""
+    peaks = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 0, 6], [1, 2, 3, 4]]  # argmax per position
+    logits = np.zeros((5, 4, 8), np.float32)
+    for row, ids in enumerate(peaks):
+        for j, i in enumerate(ids):
+            logits[row, j, i] = 2.0
+    logits[3, 0, 6] = 2.0  # row 3, position 0: tied with 5, 5 wins (the lower id)
+    logits[4, 1, 7] = 1.5  # row 4, position 1: 7 wins once biased by +1
+    params = [SamplingParams()] * 4 + [SamplingParams(logit_bias={7: 1.0})]
+    drafts = np.int32([[1, 2, 3], [1, 0, 3], [0, 2, 3], [5, 5, 0], [1, 2, 3]])
+    expected_accepted, expected_token = [3, 1, 0, 3, 1], [4, 2, 1, 6, 7]
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    for sp in (spec("eagle", 3), _relaxed_spec(k=3)):  # relaxed: no row thinking, so strict
+        for extra in ([], [sampled]):
+            n = 5 + len(extra)
+            num_accepted, token = jit_accept(sp)(
+                jnp.asarray(np.concatenate([logits, logits[:1]][: 1 + len(extra)])),
+                jnp.asarray(np.concatenate([drafts, drafts[:1]][: 1 + len(extra)])),
+                jnp.zeros((n, 3, 0)),
+                SamplingState.from_params(params + extra),
+                jnp.full((n,), 10),
+                jnp.zeros((n,), bool),
+            )
+            np.testing.assert_array_equal(np.asarray(num_accepted)[:5], expected_accepted)
+            np.testing.assert_array_equal(np.asarray(token)[:5], expected_token)
+
+
+def test_target_logprobs_are_the_raw_log_softmax_bit_for_bit():
+    """`Target` keeps the raw log-softmax as its max and log-sum-exp: its values at given tokens and in full equal
+    `jax.nn.log_softmax` of the float32 logits, bit for bit (bf16 and float32 logits, a logit bias not counted)."""
+    rng = np.random.default_rng(2)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        logits = jnp.asarray(rng.normal(0, 4, (3, 4, 50)), dtype)
+        tokens = jnp.asarray(rng.integers(0, 50, (3, 4)), jnp.int32)
+        sampling = SamplingState.from_params([SamplingParams(logit_bias={3: 5.0})] * 3)
+
+        @jax.jit
+        def both(logits, tokens, sampling):
+            target = Target.from_logits(logits, SamplingMetadata.build(sampling, logits.shape[-1]))
+            return target.logprobs_at(tokens), target.log_softmax(), jax.nn.log_softmax(logits.astype(jnp.float32))
+
+        at, full, reference = both(logits, tokens, sampling)
+        np.testing.assert_array_equal(full, reference)
+        np.testing.assert_array_equal(
+            at, np.take_along_axis(np.asarray(reference), np.asarray(tokens)[..., None], -1)[..., 0]
+        )
+
+
 def _phases(tokens: list[int]) -> list[bool]:
     """phase[i]: thinking after tokens[:i]."""
     phase, out = False, []

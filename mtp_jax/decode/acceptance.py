@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mtp_jax.cpu_extension import reads_vocab, vocab_stats
 from mtp_jax.decode.grammar_mask import apply_token_bitmask
 from mtp_jax.decode.sampling import (
     STREAM_ACCEPT,
@@ -30,6 +31,7 @@ from mtp_jax.decode.sampling import (
     sample_from,
     target_probs,
 )
+from mtp_jax.sharding import vocab_argmax
 
 if TYPE_CHECKING:
     from mtp_jax.decode.speculative import SpeculativeConfig
@@ -37,17 +39,27 @@ if TYPE_CHECKING:
 
 @struct.dataclass
 class Target:
-    """The target distributions of a forward's T outputs, each normalisation computed once.
+    """The target distributions of a forward's T outputs, with what every step reads of them computed once.
 
-    logits: float32 [B, T, V], the processed logits (`process_logits`: logit bias, min_tokens, penalties).
-    probs: `target_probs(logits)` (temperature, min-p, top-k, top-p; one-hot for greedy rows), what acceptance
-    and sampling use. logprobs: the raw log-softmax (nothing processed), what results report (vLLM's
-    `raw_logprobs`) and relaxed acceptance compares.
+    raw: [B, T, V], the model's logits (its dtype). logits: float32 [B, T, V], the processed ones
+    (`process_logits`: logit bias, min_tokens, penalties; a grammar's mask). argmax: int32 [B, T],
+    `vocab_argmax(logits)`, a greedy row's token. peak, log_sum: float32 [B, T, 1], the raw log-softmax's
+    max and log-sum-exp: `log_softmax(raw) = (raw - peak) - log_sum`, bit for bit `jax.nn.log_softmax`'s on
+    XLA (on the CPU with the extension, `cpu_extension.vocab_stats`: the sum in another order).
+    sampling: the rows' parameters, for `probs`.
+
+    The raw log-softmax is what results report (vLLM's `raw_logprobs`) and relaxed acceptance compares;
+    a step reads it only at the committed tokens (`logprobs_at`), so the [B, T, V] array is never built
+    unless top logprobs or relaxed acceptance ask for it (`log_softmax`); likewise `probs`, which
+    all-greedy batches never need.
     """
 
+    raw: jax.Array
     logits: jax.Array
-    probs: jax.Array
-    logprobs: jax.Array
+    argmax: jax.Array
+    peak: jax.Array
+    log_sum: jax.Array
+    sampling: SamplingState
 
     @classmethod
     def from_logits(
@@ -60,19 +72,29 @@ class Target:
         """The targets of raw `logits` [B, T, V] at positions L .. L + T - 1, preceded by the committed tokens
         (`metadata`) and `drafts[:, :t]` (int32 [B, T - 1], the verify window's; None for T = 1); tokens a
         grammar forbids at position t (`token_bitmask`, int32 [B, T, ceil(V / 32)], structured output) at -inf."""
-        raw = logits.astype(jnp.float32)
-        processed = process_logits(raw, metadata, drafts)
+        processed = process_logits(logits, metadata, drafts)
         if token_bitmask is not None:
             processed = apply_token_bitmask(processed, token_bitmask)
-        return cls(
-            logits=processed,
-            probs=target_probs(processed, metadata.sampling),
-            logprobs=jax.nn.log_softmax(raw, axis=-1),
-        )
+        if reads_vocab():  # on the CPU with the extension: one pass over each row for the three
+            return cls(logits, processed, *vocab_stats(processed, logits), metadata.sampling)
+        raw = logits.astype(jnp.float32)
+        peak = jnp.max(raw, axis=-1, keepdims=True)
+        log_sum = jnp.log(jnp.sum(jnp.exp(raw - peak), axis=-1, keepdims=True))
+        return cls(logits, processed, vocab_argmax(processed), peak, log_sum, metadata.sampling)
+
+    def probs(self) -> jax.Array:
+        """`target_probs(logits)` (temperature, min-p, top-k, top-p; one-hot for greedy rows): float32 [B, T, V],
+        what acceptance and sampling draw from."""
+        return target_probs(self.logits, self.sampling)
+
+    def log_softmax(self) -> jax.Array:
+        """The raw log-softmax, float32 [B, T, V]."""
+        return (self.raw.astype(jnp.float32) - self.peak) - self.log_sum
 
     def logprobs_at(self, tokens: jax.Array) -> jax.Array:
         """Raw log-probability of `tokens` (int32 [B, T]) under output t: float32 [B, T]."""
-        return jnp.take_along_axis(self.logprobs, tokens[..., None], axis=-1)[..., 0]
+        at = jnp.take_along_axis(self.raw, tokens[..., None], axis=-1).astype(jnp.float32)
+        return ((at - self.peak) - self.log_sum)[..., 0]
 
 
 def phase_after(thinking: jax.Array, token: jax.Array, speculative: SpeculativeConfig) -> jax.Array:
@@ -127,13 +149,60 @@ def accept(
       num_accepted a (int32 [B], 0..K) and the token emitted after the accepted prefix (int32 [B],
       for position L + a, drawn with `row_keys(sampling, L + a, STREAM_TARGET)`): a sample of
       norm(max(0, p_a - q_{a+1})) after a rejection, of p_K after full acceptance; the argmax of
-      the raw logits for greedy rows.
+      the processed logits for greedy rows.
     """
     batch, num_drafts = draft_tokens.shape
-    p, logits = target.probs, target.logits  # [B, K+1, V]
+    greedy_batch = all_greedy(sampling)  # then p is one-hot at the argmax and nothing over the vocabulary is needed
     if num_drafts == 0:
         zero = jnp.zeros((batch,), jnp.int32)
-        return zero, sample_from(p[:, 0], logits[:, 0], sampling, lengths, STREAM_TARGET)
+        return zero, jax.lax.cond(
+            greedy_batch,
+            lambda: target.argmax[:, 0],
+            lambda: sample_from(target.probs()[:, 0], target.logits[:, 0], sampling, lengths, STREAM_TARGET),
+        )
+    relaxed_ok = _relaxed(speculative, target, draft_tokens, sampling, thinking) if speculative.relaxed else None
+
+    def prefix(accepted):  # [B, K] -> int32 [B]: the drafts accepted before the first rejection
+        accepted = accepted if relaxed_ok is None else accepted | relaxed_ok
+        return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
+
+    def greedy(_):  # u = 0, q = 1, p one-hot: a draft is accepted when it is the argmax, the token is the argmax
+        num_accepted = prefix(draft_tokens == target.argmax[:, :num_drafts])
+        return num_accepted, jnp.take_along_axis(target.argmax, num_accepted[:, None], axis=1)[:, 0]
+
+    def general(_):
+        return _accept_sampled(target, draft_tokens, draft_probs, sampling, lengths, prefix)
+
+    num_accepted, token = jax.lax.cond(greedy_batch, greedy, general, None)
+    return num_accepted.astype(jnp.int32), token
+
+
+def _relaxed(
+    speculative: SpeculativeConfig,
+    target: Target,
+    draft_tokens: jax.Array,
+    sampling: SamplingState,
+    thinking: jax.Array,
+) -> jax.Array:
+    """TensorRT-LLM's relaxed acceptance (bool [B, K]): draft j is in the top N of the raw softmax and within
+    delta of its top probability, in a thinking phase, on a greedy row."""
+    num_drafts = draft_tokens.shape[1]
+    probs = jnp.exp(target.log_softmax()[:, :num_drafts])  # [B, K, V], softmax of the raw logits
+    top = jax.lax.top_k(probs, speculative.relaxed_top_n)[0]  # [B, K, N]
+    prob_draft = jnp.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
+    relaxed_ok = (prob_draft >= top[..., -1]) & (prob_draft >= top[..., 0] - speculative.relaxed_delta)
+    phase, in_phase = thinking, []
+    for j in range(num_drafts):  # a </think> accepted at j makes drafts after it strict
+        in_phase.append(phase)
+        phase = phase_after(phase, draft_tokens[:, j], speculative)
+    return relaxed_ok & jnp.stack(in_phase, axis=1) & (sampling.temperature == 0)[:, None]
+
+
+def _accept_sampled(target, draft_tokens, draft_probs, sampling, lengths, prefix) -> tuple[jax.Array, jax.Array]:
+    """`accept` for a batch with a sampled row: the test `u_j * q_j(d_j) < p_{j-1}(d_j)`, then the token after
+    the accepted prefix (`prefix`: [B, K] accepted -> int32 [B]) from the residual or p_K."""
+    num_drafts = draft_tokens.shape[1]
+    p, logits = target.probs(), target.logits  # [B, K+1, V]
     greedy_drafts = draft_probs.shape[-1] == 0
     p_draft = jnp.take_along_axis(p[:, :num_drafts], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
     q_draft = (
@@ -142,25 +211,9 @@ def accept(
         else jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     )  # [B, K]
     positions = lengths[:, None] + jnp.arange(num_drafts)[None, :]  # [B, K]
-
-    def draw_uniforms(positions):  # one per draft; all-greedy batches need none (p, q are one-hot)
-        keys = jax.vmap(lambda pos: row_keys(sampling, pos, STREAM_ACCEPT), in_axes=1, out_axes=1)(positions)
-        return jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, K]
-
-    uniforms = jax.lax.cond(all_greedy(sampling), lambda p: jnp.zeros(p.shape, jnp.float32), draw_uniforms, positions)
-    accepted = uniforms * q_draft < p_draft  # [B, K]; p = 0 is never accepted, even for u = 0
-    if speculative.relaxed:
-        probs = jnp.exp(target.logprobs[:, :num_drafts])  # [B, K, V], softmax of the raw logits
-        top = jax.lax.top_k(probs, speculative.relaxed_top_n)[0]  # [B, K, N]
-        prob_draft = jnp.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
-        relaxed_ok = (prob_draft >= top[..., -1]) & (prob_draft >= top[..., 0] - speculative.relaxed_delta)
-        phase, in_phase = thinking, []
-        for j in range(num_drafts):  # a </think> accepted at j makes drafts after it strict
-            in_phase.append(phase)
-            phase = phase_after(phase, draft_tokens[:, j], speculative)
-        relaxed_ok &= jnp.stack(in_phase, axis=1) & (sampling.temperature == 0)[:, None]
-        accepted |= relaxed_ok
-    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)  # [B]
+    keys = jax.vmap(lambda pos: row_keys(sampling, pos, STREAM_ACCEPT), in_axes=1, out_axes=1)(positions)
+    uniforms = jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, K], one per draft
+    num_accepted = prefix(uniforms * q_draft < p_draft)  # [B]; p = 0 is never accepted, even for u = 0
     # The emitted token: residual after a rejection at num_accepted, p_K after full acceptance.
     p_at = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
     logits_at = jnp.take_along_axis(logits, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
@@ -174,4 +227,4 @@ def accept(
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
     token = sample_from(residual, logits_at, sampling, lengths + num_accepted, STREAM_TARGET)
-    return num_accepted.astype(jnp.int32), token
+    return num_accepted, token

@@ -128,7 +128,7 @@ def keep_top_logprobs(state: DecodeState, target: Target) -> DecodeState:
     width, n = state.top_logprobs.shape[1:]
     if n == 0:
         return state
-    values, ids = jax.lax.top_k(target.logprobs, n)  # [B, T, N], descending
+    values, ids = jax.lax.top_k(target.log_softmax(), n)  # [B, T, N], descending
     pad = ((0, 0), (0, width - values.shape[1]), (0, 0))
     return state.replace(top_logprobs=jnp.pad(values, pad), top_tokens=jnp.pad(ids.astype(jnp.int32), pad))
 

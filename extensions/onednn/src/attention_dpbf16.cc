@@ -87,10 +87,12 @@ MTP_AVX512_BF16 inline void WeightedSumDp(const uint32_t* const* weights, const 
 template <int C>
 MTP_AVX512_BF16 inline void WeightedSumDpRows(int64_t R, const uint32_t* const* weights, const uint16_t* v,
                                               int64_t n, int64_t Dv, int64_t stride, uint16_t* const* out) {
-  if (R == 4) WeightedSumDp<4, C>(weights, v, n, Dv, stride, out);
-  if (R == 3) WeightedSumDp<3, C>(weights, v, n, Dv, stride, out);
-  if (R == 2) WeightedSumDp<2, C>(weights, v, n, Dv, stride, out);
-  if (R == 1) WeightedSumDp<1, C>(weights, v, n, Dv, stride, out);
+  switch (R) {
+    case 4: return WeightedSumDp<4, C>(weights, v, n, Dv, stride, out);
+    case 3: return WeightedSumDp<3, C>(weights, v, n, Dv, stride, out);
+    case 2: return WeightedSumDp<2, C>(weights, v, n, Dv, stride, out);
+    default: return WeightedSumDp<1, C>(weights, v, n, Dv, stride, out);
+  }
 }
 
 // Query row qm's scores (unscaled) against the keys of n <= 16 positions from k (lanes past n: 0): a vector of
@@ -99,15 +101,19 @@ template <int NQ>
 MTP_AVX512_BF16 inline F16 ScoresDp(const uint16_t* __restrict qm, const uint16_t* __restrict k, int64_t n,
                                     int64_t k_stride, int64_t D) {
   const int64_t blocks = NQ ? NQ : D / kBlock;
-  __m512bh qv[NQ ? NQ : 1];
+  __m512bh qv[NQ ? NQ : 1];  // NQ > 0: the query's blocks held in registers; 0: loaded per position
   for (int c = 0; c < NQ; ++c) qv[c] = Pairs(_mm512_loadu_si512(qm + c * kBlock));
   F16 p[kLanes];
   for (int64_t i = 0; i < kLanes; ++i) {
     __m512 acc = _mm512_setzero_ps();
-    if (n == kLanes || i < n)
-      for (int64_t c = 0; c < blocks; ++c)
-        acc = _mm512_dpbf16_ps(acc, NQ ? qv[NQ ? c : 0] : Pairs(_mm512_loadu_si512(qm + c * kBlock)),
-                               Pairs(_mm512_loadu_si512(k + i * k_stride + c * kBlock)));
+    for (int64_t c = 0; i < n && c < blocks; ++c) {
+      __m512bh query;
+      if constexpr (NQ > 0)
+        query = qv[c];
+      else
+        query = Pairs(_mm512_loadu_si512(qm + c * kBlock));
+      acc = _mm512_dpbf16_ps(acc, query, Pairs(_mm512_loadu_si512(k + i * k_stride + c * kBlock)));
+    }
     p[i] = acc;
   }
   return Sum16(p);

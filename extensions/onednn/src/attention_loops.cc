@@ -14,13 +14,10 @@
 // the other rows of the call. bf16 with whole 32-element head blocks on a CPU with AVX512-BF16 goes to
 // attention_dpbf16.cc's loops instead (`Bf16DotProducts`); these ("the lanes") take the rest.
 
-#include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "common.h"
 #include "lanes.h"
@@ -164,16 +161,8 @@ MTP_CLONES void AttendBf16Lanes(const uint16_t* q, const uint16_t* k, const uint
 }
 
 bool Bf16DotProducts(int64_t D, int64_t Dv) {
-  static const bool allowed = [] {  // the CPU has AVX512-BF16, and ONEDNN_MAX_CPU_ISA does not stop below it
-    if (!__builtin_cpu_supports("avx512bf16")) return false;
-    const char* env = std::getenv("ONEDNN_MAX_CPU_ISA");  // or its older name, as oneDNN reads it
-    if (!env) env = std::getenv("DNNL_MAX_CPU_ISA");
-    std::string isa = env ? env : "";
-    std::transform(isa.begin(), isa.end(), isa.begin(), [](unsigned char c) { return std::toupper(c); });
-    for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
-      if (isa == below) return false;
-    return true;
-  }();
+  // the CPU has AVX512-BF16, and ONEDNN_MAX_CPU_ISA does not stop below it
+  static const bool allowed = __builtin_cpu_supports("avx512bf16") && MaxIsaAllows("AVX512_CORE_BF16");
   return allowed && D % kBlock == 0 && Dv % kBlock == 0;
 }
 

@@ -2,10 +2,13 @@
 // take, the thread knobs read from the environment, their primitive caches' lookup, and swiglu.cc's loops.
 #pragma once
 
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include <omp.h>
@@ -30,6 +33,22 @@ inline int64_t EnvInt(const char* name, int64_t fallback) {
   const char* s = std::getenv(name);
   int64_t v = s ? std::atoll(s) : 0;
   return v > 0 ? v : fallback;
+}
+
+// Whether ONEDNN_MAX_CPU_ISA (or its older name DNNL_MAX_CPU_ISA, as oneDNN reads them) leaves the extension's own
+// loops for `isa` on: unset, or naming `isa` or an ISA above it in oneDNN's order (an unknown name: on).
+inline bool MaxIsaAllows(const char* isa) {
+  static const char* const kOrder[] = {"SSE41",       "AVX",         "AVX2",           "AVX2_VNNI",
+                                       "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16"};
+  const char* env = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (!env) env = std::getenv("DNNL_MAX_CPU_ISA");
+  std::string max = env ? env : "";
+  for (char& c : max) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (const char* name : kOrder) {
+    if (std::strcmp(name, isa) == 0) return true;
+    if (max == name) return false;
+  }
+  return true;
 }
 
 // The OpenMP threads of a call that uses more than one: MTP_JAX_ONEDNN_THREADS, default OMP_NUM_THREADS (its

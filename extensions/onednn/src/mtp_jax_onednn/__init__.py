@@ -1,6 +1,6 @@
 """oneDNN's matmul over pre-packed weights as XLA FFI CPU handlers, for `mtp_jax.layers.onednn`.
 
-The compiled library holds seven handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
+The compiled library holds eight handlers: in `src/onednn_matmul.cc`, `MtpOnednnPack` (a weight
 [K, N] -> its packed bytes), `MtpOnednnMatmul` (x [M, K], packed -> y [M, N]), `MtpOnednnMatmulSwiglu`
 (the same for an interleaved gate_up weight, then SwiGLU -> y [M, N / 2] and the matmul's [M, N]) and
 `MtpOnednnGroupedMatmul` (x [M, K], R packed weights, group sizes [R] -> y [M, N], as
@@ -9,7 +9,8 @@ The compiled library holds seven handlers: in `src/onednn_matmul.cc`, `MtpOnednn
 attention, a few query rows per KV head in `src/attention_loops.cc`'s loops); bf16 or float32. In
 `src/cache_write.cc`, `MtpWriteRows` (cache [R, ...], index [U], rows [U, ...] -> the cache with those rows
 written in place, any dtype; no oneDNN) and `MtpGatherRows` (source [N, ...], index [U] -> [U, ...], rows
-outside zero).
+outside zero); in `src/vocab.cc`, `MtpVocabStats` (logits [N, V] -> each row's argmax, and its max and
+log-sum-exp; no oneDNN).
 This module only loads it; `mtp_jax` registers the targets and decides where to use them, if `ABI` is the
 one it calls.
 """
@@ -44,6 +45,7 @@ LIB = _load()
 PACK, MATMUL, GROUPED = LIB.MtpOnednnPack, LIB.MtpOnednnMatmul, LIB.MtpOnednnGroupedMatmul  # FFI handlers
 MATMUL_SWIGLU = LIB.MtpOnednnMatmulSwiglu
 ATTENTION, WRITE_ROWS, GATHER_ROWS = LIB.MtpOnednnAttention, LIB.MtpWriteRows, LIB.MtpGatherRows
+VOCAB_STATS = LIB.MtpVocabStats
 
 
 def packed_bytes(fan_in: int, fan_out: int, dtype: str) -> int:
