@@ -102,9 +102,9 @@ def vocab_stats(processed: jax.Array, raw: jax.Array | None = None) -> tuple[jax
     """Per row of `processed` [..., V] (cast to float32): the lowest index of its maximum, or of its first NaN
     (NaN ranks above every number), int32 [...]: `mtp_jax.sharding.vocab_argmax`'s exactly. With `raw`
     [..., V] (float32 or bfloat16; another float dtype is cast to float32), also raw's max (NaN if it holds
-    one) and log(sum(exp(raw - max))), float32 [..., 1] each: `jax.nn.log_softmax(raw)` is (raw - max) -
-    log_sum, with the same special values (all -inf or a +inf: NaN), the sum in another order and the
-    exponential to within its last bit. Through the `mtp_vocab_stats` FFI call, rows spread over the cores
+    one; of +0 and -0 the first) and log(sum(exp(raw - max))), float32 [..., 1] each: `jax.nn.log_softmax(raw)`
+    is (raw - max) - log_sum, with the same special values (all -inf or a +inf: NaN), the sum in another
+    order and the exponential to within its last bit. Through the `mtp_vocab_stats` FFI call, rows spread over the cores
     from 64 Ki logits; no gradient (the inputs are `stop_gradient`ed). ValueError when raw's shape is not
     processed's; RuntimeError without the extension."""
     installed("vocab_stats")

@@ -272,15 +272,18 @@ def to_host(tree):
 
 def vocab_argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` as int32, the same index (the lowest on ties; the first NaN if any, NaN
-    ranking above every number), computed as a max and then the lowest index holding it: two
-    single-output reductions that XLA:CPU vectorizes, 3-5x faster than the (value, index) pair
-    reduction `jnp.argmax` lowers to over a 32k vocabulary (0.6 -> 0.2 ms for [8, 32000] float32). On the CPU
-    with the extension (`cpu_extension.reads_vocab`), one pass of its `vocab_stats` instead, the same index."""
-    if reads_vocab():
+    ranking above every number), computed as a max and then the lowest index holding it: single-output
+    reductions that XLA:CPU vectorizes, 3-5x faster than the (value, index) pair reduction `jnp.argmax`
+    lowers to over a 32k vocabulary (0.6 -> 0.2 ms for [8, 32000] float32). A row's NaNs are looked for
+    apart: XLA:CPU's max drops them from rows of 4096 or more. On the CPU with the extension
+    (`cpu_extension.reads_vocab`), float32 and bfloat16 rows take one pass of its `vocab_stats` instead, the
+    same index."""
+    if x.dtype in (jnp.float32, jnp.bfloat16) and reads_vocab():
         return vocab_stats(x)[0]
-    peak = jnp.max(x, axis=-1, keepdims=True)  # NaN if any element is NaN
+    nan = jnp.isnan(x)
+    peak = jnp.max(x, axis=-1, keepdims=True)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == peak)  # a NaN row: its NaNs; else the maxima
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    hit = (x == peak) | jnp.isnan(x)  # no NaN in x: the maxima; else the NaNs
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 

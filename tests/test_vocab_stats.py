@@ -38,7 +38,7 @@ def rows_with_special_values(vocab: int, rng) -> np.ndarray:
 
 
 @built
-@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 4099])
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 4096, 4099])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_vocab_stats_equal_xla_on_special_rows(monkeypatch, vocab, dtype):
     rng = np.random.default_rng(vocab)
@@ -56,6 +56,19 @@ def test_vocab_stats_equal_xla_on_special_rows(monkeypatch, vocab, dtype):
     np.testing.assert_allclose(np.asarray(log_sum)[~has_nan], np.asarray(want_log_sum)[~has_nan], rtol=1e-6, atol=1e-6)
     if vocab > 1:  # all -inf and a +inf: NaN, as jax.nn.log_softmax's (raw - max) has them
         assert np.isnan(np.asarray(log_sum)[[2, 5]]).all()
+
+
+def test_xlas_argmax_takes_the_first_nan_of_a_long_row(monkeypatch):
+    """XLA:CPU's max drops NaN from rows of 4096 or more: `vocab_argmax` looks for a row's NaNs apart, so a NaN
+    after the maximum, or after a -inf, still wins (as `jnp.argmax`), with or without the extension."""
+    x = np.zeros((3, 4096), np.float32)
+    x[0, 3], x[0, 4000] = 99.0, np.nan
+    x[1, 0], x[1, -1] = -np.inf, np.nan
+    x[2, 5] = 7.0
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MTP_JAX_ONEDNN", setting)
+        argmax = jax.jit(lambda v: sharding.vocab_argmax(v))(jnp.asarray(x))  # traced anew for each setting
+        np.testing.assert_array_equal(argmax, [4000, 4095, 5])
 
 
 @built

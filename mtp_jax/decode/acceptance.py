@@ -140,7 +140,7 @@ def accept(
     Args:
       speculative: the speculative configuration (relaxed acceptance), or None (K = 0).
       target: the verify forward's K+1 outputs (output j is the target for position L + j).
-      draft_tokens: int32 [B, K], K >= 0. draft_probs: q, float32 [B, K, V], or [B, K, 0] for
+      draft_tokens: int32 [B, K] in [0, V), K >= 0. draft_probs: q, float32 [B, K, V], or [B, K, 0] for
         greedy drafts (q one-hot at the draft).
       sampling: the rows' sampling parameters. lengths: L, int32 [B].
       thinking: bool [B], the phase after token L - 1 (relaxed acceptance).

@@ -10,7 +10,8 @@
 // log(sum(exp(raw[n] - peak[n]))), so that raw's log-softmax is (raw - peak) - log_sum, as `jax.nn.log_softmax`
 // computes it: the same special values (all -inf or a +inf: NaN), the sum in another order and the exponential
 // to its last bit. With log_sum false (a draft's argmax only), peak and log_sum are left unwritten and raw is
-// not read. Rows are independent: a row's results do not depend on the others in the call.
+// not read. Rows are independent: a row's results do not depend on the others in the call. The AVX-512 loops run
+// where the CPU has AVX-512 and ONEDNN_MAX_CPU_ISA (read once, when the library loads) allows AVX512_CORE.
 
 #include <algorithm>
 #include <cmath>
@@ -250,7 +251,7 @@ static ffi::Error VocabStatsImpl(ffi::Buffer<ffi::F32> processed, ffi::AnyBuffer
   const int64_t threads = N * V >= (int64_t{1} << 16) ? std::min<int64_t>(mtp_onednn::Threads(), N) : 1;
   const int64_t per = (N + threads - 1) / threads;
   auto rows = [&](int64_t t) {
-    const int64_t begin = t * per, count = std::max<int64_t>(0, std::min(N, begin + per) - begin);
+    const int64_t begin = std::min(N, t * per), count = std::min(N, begin + per) - begin;
     const float* x = processed.typed_data() + begin * V;
     if (bf16)
       mtp_onednn::VocabStats(x, static_cast<const uint16_t*>(raw.untyped_data()) + begin * V, count, V, log_sum,
