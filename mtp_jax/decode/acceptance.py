@@ -82,10 +82,10 @@ class Target:
         log_sum = jnp.log(jnp.sum(jnp.exp(raw - peak), axis=-1, keepdims=True))
         return cls(logits, processed, vocab_argmax(processed), peak, log_sum, metadata.sampling)
 
-    def probs(self) -> jax.Array:
+    def probs(self, any_sampled: bool = False) -> jax.Array:
         """`target_probs(logits)` (temperature, min-p, top-k, top-p; one-hot for greedy rows): float32 [B, T, V],
-        what acceptance and sampling draw from."""
-        return target_probs(self.logits, self.sampling)
+        what acceptance and sampling draw from (`any_sampled`: as `target_probs`'s)."""
+        return target_probs(self.logits, self.sampling, any_sampled=any_sampled)
 
     def log_softmax(self) -> jax.Array:
         """The raw log-softmax, float32 [B, T, V]."""
@@ -158,7 +158,9 @@ def accept(
         return zero, jax.lax.cond(
             greedy_batch,
             lambda: target.argmax[:, 0],
-            lambda: sample_from(target.probs()[:, 0], target.logits[:, 0], sampling, lengths, STREAM_TARGET),
+            lambda: sample_from(
+                target.probs(True)[:, 0], target.logits[:, 0], sampling, lengths, STREAM_TARGET, any_sampled=True
+            ),
         )
     relaxed_ok = _relaxed(speculative, target, draft_tokens, sampling, thinking) if speculative.relaxed else None
 
@@ -202,7 +204,7 @@ def _accept_sampled(target, draft_tokens, draft_probs, sampling, lengths, prefix
     """`accept` for a batch with a sampled row: the test `u_j * q_j(d_j) < p_{j-1}(d_j)`, then the token after
     the accepted prefix (`prefix`: [B, K] accepted -> int32 [B]) from the residual or p_K."""
     num_drafts = draft_tokens.shape[1]
-    p, logits = target.probs(), target.logits  # [B, K+1, V]
+    p, logits = target.probs(True), target.logits  # [B, K+1, V]; the batch has a sampled row
     greedy_drafts = draft_probs.shape[-1] == 0
     p_draft = jnp.take_along_axis(p[:, :num_drafts], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
     q_draft = (
@@ -226,5 +228,5 @@ def _accept_sampled(target, draft_tokens, draft_probs, sampling, lengths, prefix
     residual = jnp.maximum(p_at - jnp.where(rejected[:, None], q_at, 0.0), 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
-    token = sample_from(residual, logits_at, sampling, lengths + num_accepted, STREAM_TARGET)
+    token = sample_from(residual, logits_at, sampling, lengths + num_accepted, STREAM_TARGET, any_sampled=True)
     return num_accepted, token

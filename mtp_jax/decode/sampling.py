@@ -304,7 +304,9 @@ def all_greedy(sampling: SamplingState) -> jax.Array:
     return jnp.all(sampling.temperature == 0)
 
 
-def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Float[Array, "B *T V"]:
+def target_probs(
+    logits: Float[Array, "B *T V"], sampling: SamplingState, *, any_sampled: bool = False
+) -> Float[Array, "B *T V"]:
     """The distribution each row samples from: float32 probabilities, same shape as `logits`.
 
     Temperature, then min-p, then top-k, then top-p (vLLM's order); greedy rows (temperature 0) are one-hot
@@ -312,7 +314,9 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
     The logits are shifted by their row max before the division, so any temperature > 0, however
     small, gives a distribution (as it tends to 0: uniform over the tied maxima).
     Tokens outside the top-k / top-p set have probability exactly 0. The sort that top-k / top-p
-    need runs only when some row uses them (`lax.cond`; shapes stay fixed).
+    need runs only when some row uses them (`lax.cond`; shapes stay fixed). `any_sampled` (static): the
+    caller already knows some row samples (it runs in the false branch of `all_greedy`), so that test, a
+    collective on a data-parallel mesh, is not made again.
     """
     logits = logits.astype(jnp.float32)
     ndim = logits.ndim
@@ -332,6 +336,8 @@ def target_probs(logits: Float[Array, "B *T V"], sampling: SamplingState) -> Flo
         scaled = jax.lax.cond(filtering, _filter_top_k_top_p, lambda x, _: x, scaled, sampling)
         return jnp.where(greedy, one_hot, jax.nn.softmax(scaled, axis=-1))
 
+    if any_sampled:
+        return sampled(logits)
     return jax.lax.cond(all_greedy(sampling), lambda _: one_hot, sampled, logits)
 
 
@@ -350,8 +356,11 @@ def sample_from(
     sampling: SamplingState,
     positions: Int[Array, " B"],
     stream: int = 0,
+    *,
+    any_sampled: bool = False,
 ) -> jax.Array:
-    """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly."""
+    """Draw one token per row (int32 [B]) from `probs`; greedy rows take `argmax(logits)` exactly.
+    `any_sampled` (static): as `target_probs`'s."""
     greedy = vocab_argmax(logits)
 
     def draw(probs):
@@ -359,6 +368,8 @@ def sample_from(
         drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs)
         return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
 
+    if any_sampled:
+        return draw(probs)
     return jax.lax.cond(all_greedy(sampling), lambda _: greedy, draw, probs)
 
 
