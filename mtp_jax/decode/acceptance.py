@@ -159,7 +159,12 @@ def accept(
             greedy_batch,
             lambda: target.argmax[:, 0],
             lambda: sample_from(
-                target.probs(True)[:, 0], target.logits[:, 0], sampling, lengths, STREAM_TARGET, any_sampled=True
+                target.probs(any_sampled=True)[:, 0],
+                target.logits[:, 0],
+                sampling,
+                lengths,
+                STREAM_TARGET,
+                any_sampled=True,
             ),
         )
     relaxed_ok = _relaxed(speculative, target, draft_tokens, sampling, thinking) if speculative.relaxed else None
@@ -204,7 +209,7 @@ def _accept_sampled(target, draft_tokens, draft_probs, sampling, lengths, prefix
     """`accept` for a batch with a sampled row: the test `u_j * q_j(d_j) < p_{j-1}(d_j)`, then the token after
     the accepted prefix (`prefix`: [B, K] accepted -> int32 [B]) from the residual or p_K."""
     num_drafts = draft_tokens.shape[1]
-    p, logits = target.probs(True), target.logits  # [B, K+1, V]; the batch has a sampled row
+    p, logits = target.probs(any_sampled=True), target.logits  # [B, K+1, V]; the batch has a sampled row
     greedy_drafts = draft_probs.shape[-1] == 0
     p_draft = jnp.take_along_axis(p[:, :num_drafts], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
     q_draft = (
